@@ -1,0 +1,1 @@
+"""Reading DeepSeek-V4 checkpoints from disk (safetensors, without torch)."""

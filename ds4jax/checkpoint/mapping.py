@@ -1,0 +1,149 @@
+"""Loads an official-format DeepSeek-V4 safetensors checkpoint into the NNX reference model.
+
+The model's attribute paths mirror the checkpoint names, so the mapping is a rule, not a table:
+join the path with '.', except that
+  * `embed` is `embed.weight`;
+  * hyper-connection parameters are flat names: `hc_head.fn` -> `hc_head_fn`, `layers.L.hc_attn.base`
+    -> `layers.L.hc_attn_base`;
+  * the stacked routed experts `layers.L.ffn.experts.w1` [E, I, D] come from E tensors
+    `layers.L.ffn.experts.{e}.w1.weight`.
+Quantized tensors are recognised by dtype: F8_E4M3 (+ `.scale`, 128x128 UE8M0 blocks) and
+I8/U8 packed FP4 E2M1 (+ `.scale`, per-32 UE8M0). `mtp.*` (the MTP layer) is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ds4jax.checkpoint.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+from ds4jax.checkpoint.safetensors_writer import save_file
+from ds4jax.config import DeepseekV4Config
+from ds4jax.model import DeepseekV4, abstract_model
+from ds4jax.quant import fp4_e2m1, fp8_e4m3, ue8m0
+
+IGNORED_PREFIXES = ("mtp.",)
+# Tensors the official checkpoint stores in FP8 (128x128 blocks) and FP4 (per-32); the rest is BF16/F32.
+OFFICIAL_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
+OFFICIAL_FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+INT_DTYPES = ("I64", "I32")
+
+
+def checkpoint_names(path: tuple, cfg: DeepseekV4Config) -> list[str]:
+  """The checkpoint tensor name(s) that make up the model variable at `path`."""
+  parts = [str(p) for p in path]
+  if parts == ["embed"]:
+    return ["embed.weight"]
+  if parts[0] == "hc_head":
+    return [f"hc_head_{parts[1]}"]
+  if len(parts) == 4 and parts[0] == "layers" and parts[2] in ("hc_attn", "hc_ffn"):
+    return [f"layers.{parts[1]}.{parts[2]}_{parts[3]}"]
+  if len(parts) == 5 and parts[2:4] == ["ffn", "experts"]:
+    return [f"layers.{parts[1]}.ffn.experts.{e}.{parts[4]}.weight" for e in range(cfg.n_routed_experts)]
+  return [".".join(parts)]
+
+
+_dequantize_fp8 = jax.jit(fp8_e4m3.dequantize)  # jitted: one compile per shape, not one per jnp op
+_dequantize_fp4 = jax.jit(fp4_e2m1.dequantize)
+
+
+def _scale_name(name: str) -> str:
+  return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
+
+
+def read_tensor(ckpt: SafetensorsCheckpoint, name: str, used: set[str]) -> np.ndarray:
+  """One tensor as numpy, dequantized to f32 when it is stored in FP8 or FP4. Records what it read."""
+  spec = ckpt.spec(name)
+  used.add(name)
+  if spec.dtype in FLOAT_DTYPES or spec.dtype in INT_DTYPES:
+    return ckpt.read(name)
+  if spec.dtype in ("F8_E4M3", "I8", "U8"):
+    scale = _scale_name(name)
+    if scale not in ckpt:
+      raise CheckpointError(f"{name}: stored as {spec.dtype} but its scale tensor {scale!r} is missing")
+    if ckpt.spec(scale).dtype not in ("F8_E8M0", "U8"):
+      raise CheckpointError(f"{scale}: scales must be F8_E8M0 (UE8M0 bytes), got {ckpt.spec(scale).dtype}")
+    used.add(scale)
+    scale_bytes = ue8m0.check_scale_bytes(np.asarray(ckpt.read(scale)).view(np.uint8), scale)
+    dequantize = _dequantize_fp8 if spec.dtype == "F8_E4M3" else _dequantize_fp4
+    try:
+      return np.asarray(dequantize(np.asarray(ckpt.read(name)), scale_bytes))
+    except (ValueError, TypeError) as e:
+      raise CheckpointError(f"{name}: {e}") from e
+  raise CheckpointError(f"{name}: unsupported dtype {spec.dtype} for a model weight")
+
+
+def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None, *, dtype=jnp.bfloat16,
+                    log: Callable[[str], None] | None = print) -> DeepseekV4:
+  """Builds the model from a checkpoint directory (config.json + safetensors, single or sharded).
+
+  Every model variable must be present with the right shape and a usable dtype, and every tensor in
+  the checkpoint must be used (except `mtp.*`); otherwise a CheckpointError names the tensors.
+  Tensors go to the default device one at a time.
+  """
+  cfg = cfg or DeepseekV4Config.from_hf_config(path)
+  graphdef, state = nnx.split(abstract_model(cfg, dtype))
+  flat = nnx.to_flat_state(state)
+  used: set[str] = set()
+  t0 = time.time()
+  with SafetensorsCheckpoint(path) as ckpt:
+    wanted = [(p, v, checkpoint_names(p, cfg)) for p, v in flat]
+    missing = [n for _, _, names in wanted for n in names if n not in ckpt]
+    if missing:
+      raise CheckpointError(f"checkpoint {os.fspath(path)} lacks {len(missing)} tensor(s) the model needs, "
+                            f"e.g. {missing[:5]}")
+    for i, (p, var, names) in enumerate(wanted):
+      arrays = [read_tensor(ckpt, n, used) for n in names]
+      is_int = jnp.issubdtype(var.dtype, jnp.integer)
+      for n, a in zip(names, arrays):
+        if np.issubdtype(a.dtype, np.integer) != is_int:
+          raise CheckpointError(f"{n}: expected {'an integer' if is_int else 'a floating-point or FP8/FP4'} "
+                                f"tensor, got {ckpt.spec(n).dtype}")
+      value = np.stack(arrays) if len(names) > 1 else arrays[0]
+      if value.shape != tuple(var.shape):
+        shape = value.shape[1:] if len(names) > 1 else value.shape
+        want = tuple(var.shape)[1:] if len(names) > 1 else tuple(var.shape)
+        raise CheckpointError(f"{names[0]}: shape {shape} does not match the config's {want}")
+      if names[0].endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):
+        raise CheckpointError(f"{names[0]}: expert ids must lie in [0, {cfg.n_routed_experts}), "
+                              f"got [{value.min()}, {value.max()}]")
+      var.set_value(jax.device_put(value.astype(var.dtype)))
+      if log and (i + 1) % 200 == 0:
+        log(f"  loaded {i + 1}/{len(wanted)} variables ({time.time() - t0:.0f}s)")
+    unexpected = sorted(n for n in ckpt.names() if n not in used and not n.startswith(IGNORED_PREFIXES))
+  if unexpected:
+    raise CheckpointError(f"checkpoint {os.fspath(path)} has {len(unexpected)} tensor(s) the model does not "
+                          f"use, e.g. {unexpected[:5]} (wrong config?)")
+  return nnx.merge(graphdef, state)
+
+
+def save_checkpoint(model: DeepseekV4, directory: str | os.PathLike, *, official_formats: bool = False) -> None:
+  """Writes `config.json` (HF form) and `model.safetensors` under the official names.
+
+  With `official_formats`, dense projections are stored as FP8 E4M3 and routed experts as FP4 E2M1,
+  each with its UE8M0 `.scale`, as in the published checkpoint; otherwise every tensor keeps its dtype.
+  """
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(model.cfg.to_hf_config(), f, indent=1)
+  tensors, dtype_names = {}, {}
+  for path, var in nnx.to_flat_state(nnx.state(model)):
+    names = checkpoint_names(path, model.cfg)
+    value = np.asarray(var[...])
+    for name, part in zip(names, value if len(names) > 1 else [value]):
+      if official_formats and (OFFICIAL_FP8.search(name) or OFFICIAL_FP4.search(name)):
+        fmt = fp8_e4m3 if OFFICIAL_FP8.search(name) else fp4_e2m1
+        tensors[name], tensors[_scale_name(name)] = fmt.quantize(part.astype(np.float32))
+        dtype_names[_scale_name(name)] = "F8_E8M0"
+      else:
+        tensors[name] = part
+  save_file(os.path.join(directory, "model.safetensors"), tensors, dtype_names)

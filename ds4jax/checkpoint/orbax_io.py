@@ -1,0 +1,42 @@
+"""Saves and restores a converted model with Orbax, so it reloads without the original safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from ds4jax.checkpoint.safetensors_reader import CheckpointError
+from ds4jax.config import DeepseekV4Config
+from ds4jax.model import DeepseekV4, abstract_model
+
+CONFIG_FILE = "ds4jax_config.json"
+STATE_DIR = "state"
+
+
+def save(model: DeepseekV4, directory: str | os.PathLike) -> None:
+  """Writes `directory/ds4jax_config.json` and the model state under `directory/state` (must not exist)."""
+  directory = os.path.abspath(os.fspath(directory))
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+    json.dump({"config": model.cfg.to_dict(), "dtype": str(model.embed.dtype)}, f, indent=1)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.join(directory, STATE_DIR), nnx.state(model))
+
+
+def restore(directory: str | os.PathLike) -> DeepseekV4:
+  """Rebuilds the model saved by `save`, with its saved weight dtype, onto the default device."""
+  directory = os.path.abspath(os.fspath(directory))
+  cfg_path = os.path.join(directory, CONFIG_FILE)
+  if not os.path.exists(cfg_path):
+    raise CheckpointError(f"{directory} is not a ds4jax Orbax checkpoint: {CONFIG_FILE} is missing")
+  with open(cfg_path) as f:
+    saved = json.load(f)
+  cfg, dtype = DeepseekV4Config.from_dict(saved["config"]), jnp.dtype(saved["dtype"])
+  graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+  with ocp.StandardCheckpointer() as ckptr:
+    state = ckptr.restore(os.path.join(directory, STATE_DIR), abstract)
+  return nnx.merge(graphdef, state)

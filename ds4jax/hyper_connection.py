@@ -1,0 +1,66 @@
+"""mHC hyper-connections (deepseek-v4.md §8): 4 residual streams mixed by a Sinkhorn-projected matrix."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ds4jax.layers import F32, normal, rms_normalize
+
+
+def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
+  """[..., n, n] logits -> near doubly-stochastic C. C[j, k]: weight of old stream j in new stream k.
+
+  Softmax over rows (k), then a column (j) normalisation, then iters-1 rounds of rows, columns.
+  Ending on columns makes sum_j C[j, k] ~= 1.
+  """
+  c = jax.nn.softmax(logits, axis=-1) + eps
+  c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+  def one_round(_, c):
+    c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+    return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+  return jax.lax.fori_loop(0, iters - 1, one_round, c)
+
+
+class HyperConnection(nnx.Module):
+  """One HC site (`hc_attn_*` or `hc_ffn_*`): collapses the streams for a sublayer, then re-expands."""
+
+  def __init__(self, hidden: int, n: int, iters: int, eps: float, norm_eps: float, *, rngs: nnx.Rngs):
+    self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
+    self.fn = normal(rngs, ((2 + n) * n, n * hidden), 0.02, F32)
+    self.base = normal(rngs, ((2 + n) * n,), 0.1, F32)
+    self.scale = nnx.Param(1.0 + 0.1 * jax.random.normal(rngs.params(), (3,), F32))
+
+  def __call__(self, X: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """X: [S, n, D] -> (h [S, D] sublayer input, post [S, n], comb [S, n, n])."""
+    n = self.n
+    mix = jnp.einsum("si,oi->so", rms_normalize(X.reshape(X.shape[0], -1), self.norm_eps), self.fn[...])
+    scale, base = self.scale[...], self.base[...]
+    pre = jax.nn.sigmoid(mix[:, :n] * scale[0] + base[:n]) + self.eps
+    post = 2.0 * jax.nn.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+    comb = sinkhorn((mix[:, 2 * n:] * scale[2] + base[2 * n:]).reshape(-1, n, n), self.iters, self.eps)
+    h = jnp.einsum("sn,snd->sd", pre, X.astype(F32))
+    return h, post, comb
+
+  @staticmethod
+  def merge(X: jnp.ndarray, y: jnp.ndarray, post: jnp.ndarray, comb: jnp.ndarray) -> jnp.ndarray:
+    """New stream k = post[k] * y + sum_j comb[j, k] * X[j] (C transposed onto the streams)."""
+    return post[:, :, None] * y[:, None, :] + jnp.einsum("sjk,sjd->skd", comb, X.astype(F32))
+
+
+class HyperHead(nnx.Module):
+  """`hc_head_*`: the final collapse of the streams before the norm and LM head (no Sinkhorn, no post)."""
+
+  def __init__(self, hidden: int, n: int, eps: float, norm_eps: float, *, rngs: nnx.Rngs):
+    self.eps, self.norm_eps = eps, norm_eps
+    self.fn = normal(rngs, (n, n * hidden), 0.02, F32)
+    self.base = normal(rngs, (n,), 0.1, F32)
+    self.scale = nnx.Param(jnp.ones((1,), F32))
+
+  def __call__(self, X: jnp.ndarray) -> jnp.ndarray:
+    mix = jnp.einsum("si,oi->so", rms_normalize(X.reshape(X.shape[0], -1), self.norm_eps), self.fn[...])
+    pre = jax.nn.sigmoid(mix * self.scale[...] + self.base[...]) + self.eps
+    return jnp.einsum("sn,snd->sd", pre, X.astype(F32))

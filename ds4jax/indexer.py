@@ -1,0 +1,42 @@
+"""Lightning indexer of CSA layers (deepseek-v4.md §6): scores compressed rows, keeps the top-k per query."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ds4jax import rope
+from ds4jax.compressor import Compressor, visible_rows
+from ds4jax.config import DeepseekV4Config
+from ds4jax.layers import F32, Linear
+
+
+class Indexer(nnx.Module):
+
+  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32):
+    self.n_heads, self.head_dim, self.topk, self.ratio = (
+        cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.csa_ratio)
+    self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, rngs=rngs, dtype=dtype)
+    self.weights_proj = Linear(cfg.hidden_size, self.n_heads, rngs=rngs, dtype=dtype)
+    self.compressor = Compressor(cfg.hidden_size, self.head_dim, cfg.csa_ratio, True, cfg.rms_norm_eps,
+                                 rngs=rngs, dtype=dtype)
+
+  def scores(self, x: jnp.ndarray, qr: jnp.ndarray, positions: jnp.ndarray, freqs: np.ndarray) -> jnp.ndarray:
+    """score[t, s] = sum_h w[t,h] * relu(q[t,h] . k[s]) in f32; -inf where row s is not yet visible."""
+    keys = self.compressor(x, freqs)  # [R, ci]
+    q = self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim)
+    q = rope.apply(q, positions, freqs)
+    w = self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+    s = jnp.einsum("th,thr->tr", w, jax.nn.relu(jnp.einsum("thc,rc->thr", q, keys)))
+    return jnp.where(visible_rows(positions, keys.shape[0], self.ratio), s, -jnp.inf)
+
+  def __call__(self, x, qr, positions, freqs) -> jnp.ndarray:
+    """[S, min(topk, R)] int32 row ids, best first; -1 marks a slot with no visible row."""
+    s = self.scores(x, qr, positions, freqs)
+    k = min(self.topk, s.shape[1])
+    if k == 0:
+      return jnp.zeros((x.shape[0], 0), jnp.int32)
+    vals, idx = jax.lax.top_k(s, k)
+    return jnp.where(jnp.isneginf(vals), -1, idx).astype(jnp.int32)

@@ -1,0 +1,54 @@
+"""Primitive layers of the reference model: linear, RMSNorm. Weights use the checkpoint's [out, in] layout."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+F32 = jnp.float32
+
+
+def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> nnx.Param:
+  """A N(0, std^2) parameter. Draws a power-of-two sized vector and reshapes it: eager random
+  draws compile once per shape, and this keeps a tiny model's init from compiling ~100 of them."""
+  n = math.prod(shape)
+  draw = jax.random.normal(rngs.params(), (1 << max(n - 1, 0).bit_length(),), F32)[:n]
+  return nnx.Param((std * draw.reshape(shape)).astype(dtype))
+
+
+def matmul_t(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+  """x @ w.T in f32 (w is [out, in]), whatever the storage dtypes."""
+  return jnp.einsum("...i,oi->...o", x.astype(F32), w.astype(F32))
+
+
+class Linear(nnx.Module):
+  """y = x @ W^T with W stored [out, in], as in the checkpoint. No bias anywhere in DeepSeek-V4."""
+
+  def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype=F32, std: float = 0.02):
+    self.weight = normal(rngs, (d_out, d_in), std, dtype)
+
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    return matmul_t(x, self.weight[...])
+
+
+def rms_normalize(x: jnp.ndarray, eps: float) -> jnp.ndarray:
+  """Unweighted RMSNorm in f32 (the per-head q norm and the hyper-connection input norm)."""
+  x = x.astype(F32)
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+  """Weighted RMSNorm; weights are kept in f32 (both references do)."""
+
+  def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs | None = None, jitter: float = 0.0):
+    w = jnp.ones((dim,), F32)
+    if jitter and rngs is not None:
+      w = w + jitter * jax.random.normal(rngs.params(), (dim,), F32)
+    self.weight = nnx.Param(w)
+    self.eps = eps
+
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    return self.weight[...].astype(F32) * rms_normalize(x, self.eps)

@@ -1,0 +1,101 @@
+"""The DeepSeek-V4 reference model: Flax NNX, plain jnp, f32 math, logits for every position.
+
+Module attribute names follow the official checkpoint's names (`layers.L.attn.wq_a.weight`, ...),
+so that loading a checkpoint is a mechanical mapping (see ds4jax/checkpoint/mapping.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ds4jax.attention import Attention
+from ds4jax.config import DeepseekV4Config
+from ds4jax.hyper_connection import HyperConnection, HyperHead
+from ds4jax.layers import F32, Linear, RMSNorm, normal
+from ds4jax.moe import MoE
+
+
+class Block(nnx.Module):
+  """One layer: HC site around attention, HC site around the MoE."""
+
+  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32):
+    D, n, eps = cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps
+    self.hc_attn = HyperConnection(D, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, rngs=rngs)
+    self.attn_norm = RMSNorm(D, eps)
+    self.attn = Attention(cfg, layer, rngs=rngs, dtype=dtype)
+    self.hc_ffn = HyperConnection(D, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, rngs=rngs)
+    self.ffn_norm = RMSNorm(D, eps)
+    self.ffn = MoE(cfg, layer, rngs=rngs, dtype=dtype)
+
+  def __call__(self, X: jnp.ndarray, tokens: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+    h, post, comb = self.hc_attn(X)
+    X = HyperConnection.merge(X, self.attn(self.attn_norm(h), positions), post, comb)
+    h, post, comb = self.hc_ffn(X)
+    return HyperConnection.merge(X, self.ffn(self.ffn_norm(h), tokens), post, comb)
+
+
+class DeepseekV4(nnx.Module):
+  """tokens [S] -> logits [S, vocab] (f32), for a prompt that starts at position 0."""
+
+  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32):
+    self.cfg = cfg
+    D, n = cfg.hidden_size, cfg.hc_mult
+    self.embed = normal(rngs, (cfg.vocab_size, D), 1.0, dtype)
+    self.layers = nnx.List([Block(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_layers)])
+    self.hc_head = HyperHead(D, n, cfg.hc_eps, cfg.rms_norm_eps, rngs=rngs)
+    self.norm = RMSNorm(D, cfg.rms_norm_eps)
+    self.head = Linear(D, cfg.vocab_size, rngs=rngs, dtype=dtype)
+
+  def __call__(self, tokens: jnp.ndarray, *, return_streams: bool = False):
+    """With `return_streams`, also returns the [L+1, S, n, D] streams: the embedding, then each layer's output."""
+    with jax.default_matmul_precision("highest"):  # an exact reference, also on GPUs
+      positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+      X = jnp.broadcast_to(self.embed[...][tokens].astype(F32)[:, None, :],
+                           (tokens.shape[0], self.cfg.hc_mult, self.cfg.hidden_size))
+      streams = [X]
+      for block in self.layers:
+        X = block(X, tokens, positions)
+        streams.append(X)
+      logits = self.head(self.norm(self.hc_head(X)))
+    return (logits, jnp.stack(streams)) if return_streams else logits
+
+
+def check_tokens(tokens, cfg: DeepseekV4Config) -> np.ndarray:
+  """Host-side validation of a prompt (jit code cannot raise on values)."""
+  t = np.asarray(tokens)
+  if t.ndim != 1 or t.shape[0] == 0:
+    raise ValueError(f"tokens must be a non-empty 1-D array of ids, got shape {t.shape}")
+  if not np.issubdtype(t.dtype, np.integer):
+    raise ValueError(f"tokens must be integers, got dtype {t.dtype}")
+  bad = np.flatnonzero((t < 0) | (t >= cfg.vocab_size))
+  if bad.size:
+    raise ValueError(f"token id {int(t[bad[0]])} at position {int(bad[0])} is outside the vocabulary "
+                     f"[0, {cfg.vocab_size}) ({bad.size} bad ids in all)")
+  if t.shape[0] > cfg.max_position_embeddings:
+    raise ValueError(f"prompt of {t.shape[0]} tokens exceeds max_position_embeddings="
+                     f"{cfg.max_position_embeddings}")
+  return t.astype(np.int32)
+
+
+@nnx.jit(static_argnames="return_streams")
+def _forward(model: DeepseekV4, tokens: jnp.ndarray, return_streams: bool = False):
+  return model(tokens, return_streams=return_streams)
+
+
+def forward(model: DeepseekV4, tokens, *, return_streams: bool = False):
+  """Validated, jitted reference prefill: logits [S, vocab] (and the streams if asked)."""
+  return _forward(model, jnp.asarray(check_tokens(tokens, model.cfg)), return_streams=return_streams)
+
+
+def init_random(cfg: DeepseekV4Config, seed: int = 0, dtype=jnp.bfloat16) -> DeepseekV4:
+  """Random weights. Each one is drawn by a jax op on the default device, so on a GPU nothing is
+  staged in host memory (and nothing is built whole first: peak memory is the model itself)."""
+  return DeepseekV4(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype)
+
+
+def abstract_model(cfg: DeepseekV4Config, dtype=jnp.bfloat16) -> DeepseekV4:
+  """The model's structure with ShapeDtypeStructs in place of arrays (no memory; any preset)."""
+  return nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(params=0), dtype=dtype))

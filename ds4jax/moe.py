@@ -1,0 +1,98 @@
+"""MoE of every layer (deepseek-v4.md §7): sqrt-softplus router, hash or top-k routing, clamped SwiGLU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ds4jax.config import DeepseekV4Config, Routing
+from ds4jax.layers import F32, Linear, matmul_t, normal
+
+
+class Buffer(nnx.Variable):
+  """A non-trainable array that is part of the checkpoint (the hash routing table)."""
+
+
+def clamped_swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
+  """silu(min(gate, L)) * clip(up, -L, L): the gate is clamped from above only."""
+  return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+class Router(nnx.Module):
+  """`ffn.gate`: scores every expert; picks by tid2eid (hash layers) or top-k of score + bias."""
+
+  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32):
+    self.routing, self.k, self.scale = cfg.routing[layer], cfg.experts_per_token, cfg.routed_scaling_factor
+    E = cfg.n_routed_experts
+    self.weight = normal(rngs, (E, cfg.hidden_size), 0.02, dtype)
+    topk = self.routing is Routing.TOPK
+    self.bias = normal(rngs, (E,), 0.02, F32) if topk else None  # used for selection only
+    # Hash table with distinct experts per token: the top-k of a random key per (token, expert).
+    self.tid2eid = None if topk else Buffer(
+        jax.lax.top_k(jax.random.uniform(rngs.params(), (cfg.vocab_size, E)), self.k)[1].astype(jnp.int32))
+
+  def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Returns (weights [S, k] f32, expert ids [S, k] int32)."""
+    score = jnp.sqrt(jax.nn.softplus(matmul_t(x, self.weight[...])))  # [S, E]
+    if self.routing is Routing.HASH:
+      idx = self.tid2eid[...][tokens]
+    else:
+      idx = jax.lax.top_k(score + self.bias[...], self.k)[1]
+    w = jnp.take_along_axis(score, idx, axis=-1)
+    return w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * self.scale, idx.astype(jnp.int32)
+
+
+class Experts(nnx.Module):
+  """The routed experts, stacked: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down)."""
+
+  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32):
+    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    self.limit = cfg.swiglu_limit
+    self.w1 = normal(rngs, (E, I, D), 0.02, dtype)
+    self.w2 = normal(rngs, (E, D, I), 0.02, dtype)
+    self.w3 = normal(rngs, (E, I, D), 0.02, dtype)
+
+  def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
+    """y[t] = sum_k weights[t,k] * E_{idx[t,k]}(x[t]).
+
+    Dense reference: every expert runs on every token (one expert at a time, to bound memory)
+    and is weighted by the token's combine weight, 0 where not routed. Exact, and O(E) slow.
+    """
+    S = x.shape[0]
+    combine = jnp.zeros((S, self.w1.shape[0]), F32).at[jnp.arange(S)[:, None], idx].add(weights)
+    x = x.astype(F32)
+
+    def one_expert(acc, expert):
+      w1, w2, w3, c = expert
+      h = clamped_swiglu(matmul_t(x, w1), matmul_t(x, w3), self.limit)
+      return acc + c[:, None] * matmul_t(h, w2), None
+
+    y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, F32),
+                        (self.w1[...], self.w2[...], self.w3[...], combine.T))
+    return y
+
+
+class SharedExpert(nnx.Module):
+
+  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32):
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    self.limit = cfg.swiglu_limit
+    self.w1 = Linear(D, I, rngs=rngs, dtype=dtype)
+    self.w2 = Linear(I, D, rngs=rngs, dtype=dtype)
+    self.w3 = Linear(D, I, rngs=rngs, dtype=dtype)
+
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nnx.Module):
+
+  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32):
+    self.gate = Router(cfg, layer, rngs=rngs, dtype=dtype)
+    self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
+    self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype)
+
+  def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray) -> jnp.ndarray:
+    weights, idx = self.gate(x, tokens)
+    return self.experts(x, weights, idx) + self.shared_experts(x)
