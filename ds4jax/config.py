@@ -309,34 +309,34 @@ def v4_pro(**overrides) -> DeepseekV4Config:
   return DeepseekV4Config(**(cfg | overrides))
 
 
-def _tiny(name: str, attention, routing, **overrides) -> DeepseekV4Config:
-  cfg = dict(name=name, vocab_size=256, hidden_size=64, attention=attention, routing=routing, num_heads=4,
-             head_dim=160, rope_head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
-             hca_ratio=8, index_n_heads=4, index_head_dim=64, index_topk=3,
-             yarn=Yarn(factor=4.0, original_max_position_embeddings=32), max_position_embeddings=128,
-             n_routed_experts=8, experts_per_token=2, moe_intermediate_size=32, routed_scaling_factor=1.5,
-             swiglu_limit=1.0)
-  return DeepseekV4Config(**(cfg | overrides))
+def _tiny(overrides: dict, **preset) -> DeepseekV4Config:
+  """Small dims shared by the tiny presets (those of deepseek-v4.md §13); `preset` then `overrides` win."""
+  base = dict(vocab_size=256, hidden_size=64, num_heads=4, head_dim=160, rope_head_dim=32, q_lora_rank=32,
+              o_groups=2, o_lora_rank=16, sliding_window=8, hca_ratio=8, index_n_heads=4, index_head_dim=64,
+              index_topk=3, yarn=Yarn(factor=4.0, original_max_position_embeddings=32),
+              max_position_embeddings=128, n_routed_experts=8, experts_per_token=2, moe_intermediate_size=32,
+              routed_scaling_factor=1.5, swiglu_limit=1.0)
+  return DeepseekV4Config(**(base | preset | overrides))
 
 
 def tiny(**overrides) -> DeepseekV4Config:
   """4 layers [window, CSA, HCA(ratio 8), CSA], layer 0 hash-routed: every layer kind in one model."""
-  return _tiny("tiny", (_W, _C, _H, _C), (Routing.HASH,) + (Routing.TOPK,) * 3, **overrides)
+  return _tiny(overrides, name="tiny", attention=(_W, _C, _H, _C), routing=(Routing.HASH,) + (Routing.TOPK,) * 3)
 
 
 def tiny_window(**overrides) -> DeepseekV4Config:
   """2 window-only layers, both hash-routed."""
-  return _tiny("tiny_window", (_W, _W), (Routing.HASH, Routing.HASH), **overrides)
+  return _tiny(overrides, name="tiny_window", attention=(_W, _W), routing=(Routing.HASH, Routing.HASH))
 
 
 def tiny_csa(**overrides) -> DeepseekV4Config:
   """3 CSA layers with top-k routing; index_topk 4 so the indexer really drops rows."""
-  return _tiny("tiny_csa", (_C, _C, _C), (Routing.TOPK,) * 3, index_topk=4, **overrides)
+  return _tiny(overrides, name="tiny_csa", attention=(_C, _C, _C), routing=(Routing.TOPK,) * 3, index_topk=4)
 
 
 def tiny_hca(**overrides) -> DeepseekV4Config:
   """2 HCA layers (ratio 8) + 1 window layer; hash routing on the first two."""
-  return _tiny("tiny_hca", (_H, _H, _W), (Routing.HASH, Routing.HASH, Routing.TOPK), **overrides)
+  return _tiny(overrides, name="tiny_hca", attention=(_H, _H, _W), routing=(Routing.HASH, Routing.HASH, Routing.TOPK))
 
 
 PRESETS = {f.__name__: f for f in (v4_flash, v4_pro, tiny, tiny_window, tiny_csa, tiny_hca)}

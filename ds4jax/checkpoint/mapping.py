@@ -104,15 +104,15 @@ def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None
     for i, (p, var, names) in enumerate(wanted):
       arrays = [read_tensor(ckpt, n, used) for n in names]
       is_int = jnp.issubdtype(var.dtype, jnp.integer)
+      # A stacked variable ([E, ...] routed experts) is made of E tensors of shape var.shape[1:].
+      want = tuple(var.shape)[1:] if len(names) > 1 else tuple(var.shape)
       for n, a in zip(names, arrays):
         if np.issubdtype(a.dtype, np.integer) != is_int:
           raise CheckpointError(f"{n}: expected {'an integer' if is_int else 'a floating-point or FP8/FP4'} "
                                 f"tensor, got {ckpt.spec(n).dtype}")
+        if a.shape != want:
+          raise CheckpointError(f"{n}: shape {a.shape} does not match the config's {want}")
       value = np.stack(arrays) if len(names) > 1 else arrays[0]
-      if value.shape != tuple(var.shape):
-        shape = value.shape[1:] if len(names) > 1 else value.shape
-        want = tuple(var.shape)[1:] if len(names) > 1 else tuple(var.shape)
-        raise CheckpointError(f"{names[0]}: shape {shape} does not match the config's {want}")
       if names[0].endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):
         raise CheckpointError(f"{names[0]}: expert ids must lie in [0, {cfg.n_routed_experts}), "
                               f"got [{value.min()}, {value.max()}]")

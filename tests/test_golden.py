@@ -1,0 +1,60 @@
+"""The reference model against Hugging Face transformers' DeepseekV4ForCausalLM (goldens in tests/goldens/).
+
+The goldens' weights are loaded through ds4jax's own safetensors loader (official names; one sharded).
+"""
+
+import pathlib
+
+import chex
+import numpy as np
+import pytest
+
+from ds4jax import model
+from ds4jax.checkpoint.mapping import load_checkpoint
+
+GOLDENS = pathlib.Path(__file__).parent / "goldens"
+ATOL = 1e-4  # f32, every position
+
+
+@pytest.fixture(scope="module", params=["mixed", "csa_topk", "hca_hash"])
+def golden(request):
+  d = GOLDENS / request.param
+  m = load_checkpoint(d, dtype=np.float32, log=None)
+  g = dict(np.load(d / "golden.npz"))
+  logits, streams = model.forward(m, g["input_ids"], return_streams=True)
+  return request.param, g, np.asarray(logits), np.asarray(streams), m
+
+
+def nmse(a, b):
+  return float(np.sum((a - b) ** 2) / np.sum(b ** 2))
+
+
+def test_logits_match_transformers_at_every_position(golden):
+  name, g, logits, _, _ = golden
+  err = np.abs(logits - g["logits"]).max()
+  print(f"{name}: S={len(g['input_ids'])} max|logit|={np.abs(g['logits']).max():.3f} "
+        f"max abs err={err:.3e} NMSE={nmse(logits, g['logits']):.3e}")
+  assert np.abs(g["logits"]).max() > 1.0  # the golden is not degenerate
+  chex.assert_trees_all_close(logits, g["logits"], atol=ATOL, rtol=0)
+
+
+def test_streams_match_after_every_layer(golden):
+  """hidden_states[0] is the embedding copied into the streams, [i] the output of layer i-1."""
+  name, g, _, streams, _ = golden
+  assert streams.shape == g["hidden_states"].shape
+  for i, (ours, theirs) in enumerate(zip(streams, g["hidden_states"])):
+    chex.assert_trees_all_close(ours, theirs, atol=ATOL, rtol=1e-4, custom_message=f"{name} stream {i}")
+
+
+def test_top1_agrees(golden):
+  _, g, logits, _, _ = golden
+  assert (logits.argmax(-1) == g["logits"].argmax(-1)).mean() == 1.0
+
+
+def test_golden_comparison_can_fail(golden):
+  """A one-ulp-scale bug would show: perturbing the prompt changes the logits far beyond the tolerance."""
+  _, g, _, _, m = golden
+  ids = g["input_ids"].copy()
+  ids[len(ids) // 2] = (ids[len(ids) // 2] + 1) % 256
+  moved = np.abs(np.asarray(model.forward(m, ids, return_streams=True)[0]) - g["logits"])[len(ids) // 2:].max()
+  assert moved > 100 * ATOL
