@@ -38,6 +38,11 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 INT_DTYPES = ("I64", "I32")
 
 
+def is_stacked(path: tuple) -> bool:
+  """True for the routed experts' [E, ...] variables, each made of E checkpoint tensors."""
+  return len(path) == 5 and tuple(path[2:4]) == ("ffn", "experts")
+
+
 def checkpoint_names(path: tuple, cfg: DeepseekV4Config) -> list[str]:
   """The checkpoint tensor name(s) that make up the model variable at `path`."""
   parts = [str(p) for p in path]
@@ -47,7 +52,7 @@ def checkpoint_names(path: tuple, cfg: DeepseekV4Config) -> list[str]:
     return [f"hc_head_{parts[1]}"]
   if len(parts) == 4 and parts[0] == "layers" and parts[2] in ("hc_attn", "hc_ffn"):
     return [f"layers.{parts[1]}.{parts[2]}_{parts[3]}"]
-  if len(parts) == 5 and parts[2:4] == ["ffn", "experts"]:
+  if is_stacked(path):
     return [f"layers.{parts[1]}.ffn.experts.{e}.{parts[4]}.weight" for e in range(cfg.n_routed_experts)]
   return [".".join(parts)]
 
@@ -105,14 +110,14 @@ def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None
       arrays = [read_tensor(ckpt, n, used) for n in names]
       is_int = jnp.issubdtype(var.dtype, jnp.integer)
       # A stacked variable ([E, ...] routed experts) is made of E tensors of shape var.shape[1:].
-      want = tuple(var.shape)[1:] if len(names) > 1 else tuple(var.shape)
+      want = tuple(var.shape)[1:] if is_stacked(p) else tuple(var.shape)
       for n, a in zip(names, arrays):
         if np.issubdtype(a.dtype, np.integer) != is_int:
           raise CheckpointError(f"{n}: expected {'an integer' if is_int else 'a floating-point or FP8/FP4'} "
                                 f"tensor, got {ckpt.spec(n).dtype}")
         if a.shape != want:
           raise CheckpointError(f"{n}: shape {a.shape} does not match the config's {want}")
-      value = np.stack(arrays) if len(names) > 1 else arrays[0]
+      value = np.stack(arrays) if is_stacked(p) else arrays[0]
       if names[0].endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):
         raise CheckpointError(f"{names[0]}: expert ids must lie in [0, {cfg.n_routed_experts}), "
                               f"got [{value.min()}, {value.max()}]")
@@ -139,7 +144,7 @@ def save_checkpoint(model: DeepseekV4, directory: str | os.PathLike, *, official
   for path, var in nnx.to_flat_state(nnx.state(model)):
     names = checkpoint_names(path, model.cfg)
     value = np.asarray(var[...])
-    for name, part in zip(names, value if len(names) > 1 else [value]):
+    for name, part in zip(names, value if is_stacked(path) else [value]):
       if official_formats and (OFFICIAL_FP8.search(name) or OFFICIAL_FP4.search(name)):
         fmt = fp8_e4m3 if OFFICIAL_FP8.search(name) else fp4_e2m1
         tensors[name], tensors[_scale_name(name)] = fmt.quantize(part.astype(np.float32))

@@ -1,0 +1,41 @@
+"""What every results JSON records about the run: device, versions, commit, date. Notebooks load these files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+
+import jax
+import jaxlib
+
+
+def environment() -> dict:
+  dev = jax.devices()[0]
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                            cwd=os.path.dirname(__file__)).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip())
+  except (OSError, subprocess.CalledProcessError):
+    commit, dirty = "unknown", None
+  return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              device_kind=dev.device_kind, platform=dev.platform, device_count=jax.device_count(),
+              jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version(),
+              host=platform.node(), git_commit=commit, git_dirty=dirty)
+
+
+def write_json(path: str, record: dict) -> None:
+  """Writes atomically (temp file + rename), so a crash never leaves half a results file."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(record, f, indent=1, sort_keys=False)
+  os.replace(tmp, path)
+
+
+def peak_device_bytes() -> int | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
