@@ -16,7 +16,7 @@ from ds4jax.compressor import Compressor, visible_rows
 from ds4jax.config import Attention as Kind
 from ds4jax.config import DeepseekV4Config
 from ds4jax.indexer import Indexer
-from ds4jax.layers import F32, Linear, RMSNorm, normal, rms_normalize
+from ds4jax.layers import F32, Linear, RMSNorm, einsum, normal, rms_normalize
 
 
 def window_bias(q_pos: jnp.ndarray, k_pos: jnp.ndarray, window: int) -> jnp.ndarray:
@@ -38,11 +38,11 @@ def sink_attention(q: jnp.ndarray, keys: jnp.ndarray, bias: jnp.ndarray, sink: j
 
   q: [S, H, d]; keys: [N, d]; bias: [S, N] (0 or -inf); sink: [H]. Returns [S, H, d] in f32.
   """
-  s = jnp.einsum("thd,nd->thn", q.astype(F32), keys.astype(F32)) * scale + bias[:, None, :]
+  s = einsum("thd,nd->thn", q.astype(F32), keys.astype(F32)) * scale + bias[:, None, :]
   m = jnp.maximum(jnp.max(s, axis=-1), sink[None, :])  # the sink joins the running max too
   p = jnp.exp(s - m[..., None])
   denom = jnp.sum(p, axis=-1) + jnp.exp(sink[None, :] - m)  # the sink adds mass but no value
-  return jnp.einsum("thn,nd->thd", p / denom[..., None], keys.astype(F32))
+  return einsum("thn,nd->thd", p / denom[..., None], keys.astype(F32))
 
 
 class Attention(nnx.Module):
@@ -88,5 +88,5 @@ class Attention(nnx.Module):
     o = rope.apply(o, positions, freqs, inverse=True)  # V carries rotated dims: rotate back by -t
     # Grouped low-rank output: heads are grouped contiguously, each group has its own wo_a slice.
     wo_a = self.wo_a.weight[...].astype(F32).reshape(G, cfg.o_lora_rank, H * d // G)
-    z = jnp.einsum("sgi,gri->sgr", o.reshape(S, G, H * d // G), wo_a).reshape(S, G * cfg.o_lora_rank)
+    z = einsum("sgi,gri->sgr", o.reshape(S, G, H * d // G), wo_a).reshape(S, G * cfg.o_lora_rank)
     return self.wo_b(z)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ds4jax.layers import F32, normal, rms_normalize
+from ds4jax.layers import F32, einsum, normal, rms_normalize
 
 
 def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
@@ -37,18 +37,18 @@ class HyperConnection(nnx.Module):
   def __call__(self, X: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """X: [S, n, D] -> (h [S, D] sublayer input, post [S, n], comb [S, n, n])."""
     n = self.n
-    mix = jnp.einsum("si,oi->so", rms_normalize(X.reshape(X.shape[0], -1), self.norm_eps), self.fn[...])
+    mix = einsum("si,oi->so", rms_normalize(X.reshape(X.shape[0], -1), self.norm_eps), self.fn[...])
     scale, base = self.scale[...], self.base[...]
     pre = jax.nn.sigmoid(mix[:, :n] * scale[0] + base[:n]) + self.eps
     post = 2.0 * jax.nn.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
     comb = sinkhorn((mix[:, 2 * n:] * scale[2] + base[2 * n:]).reshape(-1, n, n), self.iters, self.eps)
-    h = jnp.einsum("sn,snd->sd", pre, X.astype(F32))
+    h = einsum("sn,snd->sd", pre, X.astype(F32))
     return h, post, comb
 
   @staticmethod
   def merge(X: jnp.ndarray, y: jnp.ndarray, post: jnp.ndarray, comb: jnp.ndarray) -> jnp.ndarray:
     """New stream k = post[k] * y + sum_j comb[j, k] * X[j] (C transposed onto the streams)."""
-    return post[:, :, None] * y[:, None, :] + jnp.einsum("sjk,sjd->skd", comb, X.astype(F32))
+    return post[:, :, None] * y[:, None, :] + einsum("sjk,sjd->skd", comb, X.astype(F32))
 
 
 class HyperHead(nnx.Module):
@@ -61,6 +61,6 @@ class HyperHead(nnx.Module):
     self.scale = nnx.Param(jnp.ones((1,), F32))
 
   def __call__(self, X: jnp.ndarray) -> jnp.ndarray:
-    mix = jnp.einsum("si,oi->so", rms_normalize(X.reshape(X.shape[0], -1), self.norm_eps), self.fn[...])
+    mix = einsum("si,oi->so", rms_normalize(X.reshape(X.shape[0], -1), self.norm_eps), self.fn[...])
     pre = jax.nn.sigmoid(mix * self.scale[...] + self.base[...]) + self.eps
-    return jnp.einsum("sn,snd->sd", pre, X.astype(F32))
+    return einsum("sn,snd->sd", pre, X.astype(F32))

@@ -10,7 +10,7 @@ from flax import nnx
 from ds4jax import rope
 from ds4jax.compressor import Compressor, visible_rows
 from ds4jax.config import DeepseekV4Config
-from ds4jax.layers import F32, Linear
+from ds4jax.layers import F32, Linear, einsum
 
 
 class Indexer(nnx.Module):
@@ -29,7 +29,7 @@ class Indexer(nnx.Module):
     q = self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim)
     q = rope.apply(q, positions, freqs)
     w = self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-    s = jnp.einsum("th,thr->tr", w, jax.nn.relu(jnp.einsum("thc,rc->thr", q, keys)))
+    s = einsum("th,thr->tr", w, jax.nn.relu(einsum("thc,rc->thr", q, keys)))
     return jnp.where(visible_rows(positions, keys.shape[0], self.ratio), s, -jnp.inf)
 
   def __call__(self, x, qr, positions, freqs) -> jnp.ndarray:

@@ -19,9 +19,14 @@ def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> nnx.Param:
   return nnx.Param((std * draw.reshape(shape)).astype(dtype))
 
 
+def einsum(spec: str, *operands) -> jnp.ndarray:
+  """f32 einsum at full f32 precision: the reference must not pick up TF32/bf16 passes on GPUs."""
+  return jnp.einsum(spec, *(o.astype(F32) for o in operands), precision=jax.lax.Precision.HIGHEST)
+
+
 def matmul_t(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
   """x @ w.T in f32 (w is [out, in]), whatever the storage dtypes."""
-  return jnp.einsum("...i,oi->...o", x.astype(F32), w.astype(F32))
+  return einsum("...i,oi->...o", x, w)
 
 
 class Linear(nnx.Module):

@@ -51,15 +51,14 @@ class DeepseekV4(nnx.Module):
 
   def __call__(self, tokens: jnp.ndarray, *, return_streams: bool = False):
     """With `return_streams`, also returns the [L+1, S, n, D] streams: the embedding, then each layer's output."""
-    with jax.default_matmul_precision("highest"):  # an exact reference, also on GPUs
-      positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-      X = jnp.broadcast_to(self.embed[...][tokens].astype(F32)[:, None, :],
-                           (tokens.shape[0], self.cfg.hc_mult, self.cfg.hidden_size))
-      streams = [X]
-      for block in self.layers:
-        X = block(X, tokens, positions)
-        streams.append(X)
-      logits = self.head(self.norm(self.hc_head(X)))
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    X = jnp.broadcast_to(self.embed[...][tokens].astype(F32)[:, None, :],
+                         (tokens.shape[0], self.cfg.hc_mult, self.cfg.hidden_size))
+    streams = [X]
+    for block in self.layers:
+      X = block(X, tokens, positions)
+      streams.append(X)
+    logits = self.head(self.norm(self.hc_head(X)))
     return (logits, jnp.stack(streams)) if return_streams else logits
 
 

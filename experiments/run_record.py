@@ -19,8 +19,8 @@ def environment() -> dict:
                             cwd=os.path.dirname(__file__)).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
                                 cwd=os.path.dirname(__file__)).stdout.strip())
-  except (OSError, subprocess.CalledProcessError):
-    commit, dirty = "unknown", None
+  except (OSError, subprocess.CalledProcessError):  # e.g. a device machine's copy without git
+    commit, dirty = os.environ.get("DS4JAX_GIT_COMMIT", "unknown"), None
   return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               device_kind=dev.device_kind, platform=dev.platform, device_count=jax.device_count(),
               jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version(),
