@@ -1,0 +1,187 @@
+"""Prefill optimizations as separately killable switches, with per-device defaults from a capability table.
+
+Each optimization is one absl flag (defined by `define_flags`, used by the experiments' entry points) and
+one field of the frozen `Features` that the model receives. Library code and tests never read FLAGS.
+
+    flag (ds4jax)          upstream switch (Lucebox)                      what it selects
+    moe_sparse_gate_up     DFLASH_DS4_MIX_MMQ_PREFILL (#673)              fused quantized gate/up Pallas kernel vs dequantize-then-matmul
+    moe_adaptive_tile      GGML_CUDA_MMQ_MOE_ADAPTIVE_X                   MoE row tile follows the rows per expert
+    moe_tile_rows          GGML_CUDA_MMQ_X                                force a MoE row tile (0 = heuristic)
+    moe_compact_queue      (AMD llama.cpp #63 compacted MoE tiling)       grid over real (expert, tile) work items only
+    moe_persistent         GGML_CUDA_MMQ_MOE_PERSISTENT                   fixed programs loop over the work queue
+    moe_programs_per_core  GGML_CUDA_MMQ_MOE_PERSISTENT_BLOCKS_PER_CU     persistent programs per core
+    moe_fused_combine      DFLASH_MOE_FUSED_COMBINE                       weight + sum the top-k outputs + shared expert in one pass
+    direct_indexer_topk    DFLASH_DS4_DIRECT_INDEXER_TOPK                 top-k indices go straight into attention (no dense mask)
+    mla_stream_topk        GGML_CUDA_MLA_STREAM_TOPK                      streaming sparse MLA attention kernel
+    mla_stream_f32_stage   GGML_CUDA_MLA_STREAM_F32_STAGE                 stage each KV row in f32 once for all heads
+    mla_stream_fast_exp    GGML_CUDA_MLA_STREAM_FAST_EXP                  exp2 with log2(e) folded into the scale
+    long_context_chunk     DFLASH_DS4_LONG_CONTEXT_CHUNK                  prefill chunk cap for long prompts (tokens)
+    prefill_band_tokens    (#684 layer-major bands, cap 10240)            tokens per layer-major band
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+
+# Boolean switches: name -> (upstream name, help, switches it requires).
+SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "moe_sparse_gate_up": ("DFLASH_DS4_MIX_MMQ_PREFILL", "Fused quantized MoE gate/up + clamped SwiGLU kernel.", ()),
+    "moe_adaptive_tile": ("GGML_CUDA_MMQ_MOE_ADAPTIVE_X", "MoE row tile follows the rows per expert.", ()),
+    "moe_compact_queue": ("AMD llama.cpp PR #63", "MoE grid over real (expert, row-tile) items only.", ()),
+    "moe_persistent": ("GGML_CUDA_MMQ_MOE_PERSISTENT", "Fixed MoE programs loop over the compact queue.",
+                       ("moe_compact_queue",)),
+    "moe_fused_combine": ("DFLASH_MOE_FUSED_COMBINE", "Down projection + weighted top-k combine + shared add in one pass.",
+                          ()),
+    "direct_indexer_topk": ("DFLASH_DS4_DIRECT_INDEXER_TOPK", "Top-k indices straight into attention, no dense mask.",
+                            ()),
+    "mla_stream_topk": ("GGML_CUDA_MLA_STREAM_TOPK", "Streaming sparse MLA attention kernel.", ()),
+    "mla_stream_f32_stage": ("GGML_CUDA_MLA_STREAM_F32_STAGE", "Stage KV rows in f32 once for all heads.",
+                             ("mla_stream_topk",)),
+    "mla_stream_fast_exp": ("GGML_CUDA_MLA_STREAM_FAST_EXP", "exp2 with log2(e) folded into the softmax scale.",
+                            ("mla_stream_topk", "mla_stream_f32_stage")),
+}
+# Integer knobs: name -> (upstream name, help, default).
+KNOBS: dict[str, tuple[str, str, int]] = {
+    "moe_tile_rows": ("GGML_CUDA_MMQ_X", "Force the MoE row tile (0 = heuristic).", 0),
+    "moe_programs_per_core": ("GGML_CUDA_MMQ_MOE_PERSISTENT_BLOCKS_PER_CU", "Persistent MoE programs per core.", 32),
+    "long_context_chunk": ("DFLASH_DS4_LONG_CONTEXT_CHUNK", "Prefill chunk cap in tokens (0 = one chunk).", 8192),
+    "prefill_band_tokens": ("#684 layer-major band", "Tokens per layer-major prefill band.", 8192),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Features:
+  """The resolved feature set the model runs with. All False is the exact reference path."""
+
+  moe_sparse_gate_up: bool = False
+  moe_adaptive_tile: bool = False
+  moe_compact_queue: bool = False
+  moe_persistent: bool = False
+  moe_fused_combine: bool = False
+  direct_indexer_topk: bool = False
+  mla_stream_topk: bool = False
+  mla_stream_f32_stage: bool = False
+  mla_stream_fast_exp: bool = False
+  moe_tile_rows: int = 0
+  moe_programs_per_core: int = 32
+  long_context_chunk: int = 8192
+  prefill_band_tokens: int = 8192
+  device_class: str = "cpu_interpret"
+
+  @property
+  def interpret(self) -> bool:
+    """Pallas kernels run in interpret mode on the CPU."""
+    return self.device_class == "cpu_interpret"
+
+  def on(self) -> list[str]:
+    return [s for s in SWITCHES if getattr(self, s)]
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+REFERENCE = Features()  # everything off: the exact path
+
+
+# ---- the capability table ----
+DEVICE_CLASSES = ("gfx1151", "rdna35_other", "rocm_other", "sm_90", "cpu_interpret")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capability:
+  supported: bool
+  default: bool
+
+
+def _row(supported: set[str], default_on: set[str]) -> dict[str, Capability]:
+  assert default_on <= supported, default_on - supported
+  return {s: Capability(s in supported, s in default_on) for s in SWITCHES}
+
+
+# Only what works is advertised: every switch marked supported here is exercised by a test on that
+# device class (interpret mode for the CPU, a GPU run for sm_90, the offline lowering check for gfx1151).
+# A gfx1151-only default is keyed to "gfx1151", never to all RDNA3.5 (upstream review item 6).
+CAPABILITIES: dict[str, dict[str, Capability]] = {
+    "gfx1151": _row(set(), set()),
+    "rdna35_other": _row(set(), set()),
+    "rocm_other": _row(set(), set()),
+    "sm_90": _row(set(), set()),
+    "cpu_interpret": _row(set(), set()),
+}
+
+
+def device_class(device: jax.Device | None = None) -> str:
+  """Maps a jax device to a row of the capability table."""
+  device = device or jax.devices()[0]
+  if device.platform == "cpu":
+    return "cpu_interpret"
+  arch = str(getattr(device, "compute_capability", "") or "")
+  if arch.startswith("gfx"):
+    if arch == "gfx1151":
+      return "gfx1151"
+    return "rdna35_other" if arch.startswith("gfx115") else "rocm_other"
+  if device.platform in ("cuda", "gpu") and arch.startswith("9."):
+    return "sm_90"
+  raise ValueError(f"device {device.device_kind!r} (platform {device.platform}, arch {arch!r}) has no row in the "
+                   f"capability table {DEVICE_CLASSES}; add one before running on it")
+
+
+class FeatureError(ValueError):
+  """An impossible or unsupported feature combination, reported at start-up."""
+
+
+def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None) -> Features:
+  """Table defaults for `device_cls`, then `overrides` (None values = keep the default); then checks.
+
+  Raises FeatureError naming the switch when one is unsupported on the device or misses a dependency.
+  Nothing ever falls back silently.
+  """
+  if device_cls not in CAPABILITIES:
+    raise FeatureError(f"unknown device class {device_cls!r}; known: {DEVICE_CLASSES}")
+  row = CAPABILITIES[device_cls]
+  values: dict[str, Any] = {s: cap.default for s, cap in row.items()}
+  values.update({k: default for k, (_, _, default) in KNOBS.items()})
+  for k, v in (overrides or {}).items():
+    if k not in SWITCHES and k not in KNOBS:
+      raise FeatureError(f"unknown feature {k!r}; known: {sorted(SWITCHES) + sorted(KNOBS)}")
+    if v is not None:
+      values[k] = v
+  errors = []
+  for s, (upstream, _, requires) in SWITCHES.items():
+    if not values[s]:
+      continue
+    if not row[s].supported:
+      errors.append(f"--{s} ({upstream}) is not supported on {device_cls} (see ds4jax/features.py CAPABILITIES)")
+    missing = [r for r in requires if not values[r]]
+    if missing:
+      errors.append(f"--{s} requires " + ", ".join(f"--{r}" for r in missing))
+  for k in KNOBS:
+    if not isinstance(values[k], int) or values[k] < 0:
+      errors.append(f"--{k} must be a non-negative integer, got {values[k]!r}")
+  if values["moe_tile_rows"] and values["moe_tile_rows"] & (values["moe_tile_rows"] - 1):
+    errors.append(f"--moe_tile_rows must be a power of two (Pallas-Triton tiles), got {values['moe_tile_rows']}")
+  if errors:
+    raise FeatureError("invalid feature set: " + "; ".join(errors))
+  return Features(device_class=device_cls, **values)
+
+
+def define_flags(flag_values=None) -> None:
+  """Defines one absl flag per switch and knob (default None = the capability table's default)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+
+  fv = flag_values or flags.FLAGS
+  for s, (upstream, text, requires) in SWITCHES.items():
+    need = f" Requires {', '.join(requires)}." if requires else ""
+    flags.DEFINE_boolean(s, None, f"{text} Upstream: {upstream}.{need} Default: the device capability table.",
+                         flag_values=fv)
+  for k, (upstream, text, default) in KNOBS.items():
+    flags.DEFINE_integer(k, None, f"{text} Upstream: {upstream}. Default: {default}.", flag_values=fv)
+
+
+def from_flags(flag_values, device_cls: str | None = None) -> Features:
+  """Resolves the features from parsed absl flags (for entry points only)."""
+  overrides = {k: getattr(flag_values, k) for k in list(SWITCHES) + list(KNOBS)}
+  return resolve(device_cls or device_class(), overrides)

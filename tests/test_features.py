@@ -1,0 +1,80 @@
+"""Feature switches and the device capability table (no GPU needed)."""
+
+import types
+
+import pytest
+from absl import flags
+
+from ds4jax import features
+from ds4jax.features import CAPABILITIES, FeatureError, SWITCHES
+
+
+def fake_device(platform, arch, kind="fake"):
+  return types.SimpleNamespace(platform=platform, compute_capability=arch, device_kind=kind)
+
+
+@pytest.mark.parametrize("platform, arch, want", [
+    ("rocm", "gfx1151", "gfx1151"),
+    ("rocm", "gfx1150", "rdna35_other"),
+    ("rocm", "gfx1152", "rdna35_other"),
+    ("rocm", "gfx942", "rocm_other"),
+    ("gpu", "gfx1100", "rocm_other"),
+    ("cuda", "9.0", "sm_90"),
+    ("cpu", None, "cpu_interpret"),
+])
+def test_device_classes(platform, arch, want):
+  assert features.device_class(fake_device(platform, arch)) == want
+
+
+def test_unknown_gpu_is_refused():
+  with pytest.raises(ValueError, match="no row in the capability table"):
+    features.device_class(fake_device("cuda", "8.0", "A100"))
+
+
+def test_every_device_class_has_every_switch():
+  for cls in features.DEVICE_CLASSES:
+    assert set(CAPABILITIES[cls]) == set(SWITCHES)
+    for s, cap in CAPABILITIES[cls].items():
+      assert cap.supported or not cap.default, f"{cls}: {s} is on by default but unsupported"
+
+
+def test_gfx1151_defaults_do_not_leak_to_other_rdna35():
+  """A gfx1151-only default must not apply to gfx1150 (upstream review item 6)."""
+  g51, g50 = CAPABILITIES["gfx1151"], CAPABILITIES["rdna35_other"]
+  for s in SWITCHES:
+    if g51[s].default and not g50[s].supported:
+      assert features.resolve("rdna35_other").__getattribute__(s) is False
+
+
+def test_reference_is_all_off():
+  f = features.resolve("cpu_interpret", {s: False for s in SWITCHES})
+  assert f.on() == [] and f.interpret
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(mla_stream_fast_exp=True), r"--mla_stream_fast_exp requires --mla_stream_topk, --mla_stream_f32_stage"),
+    (dict(mla_stream_f32_stage=True), r"--mla_stream_f32_stage requires --mla_stream_topk"),
+    (dict(moe_persistent=True), r"--moe_persistent requires --moe_compact_queue"),
+    (dict(moe_tile_rows=48), "power of two"),
+    (dict(long_context_chunk=-1), "non-negative"),
+    (dict(bogus=True), "unknown feature 'bogus'"),
+])
+def test_impossible_combinations_fail_with_a_clear_message(overrides, message):
+  with pytest.raises(FeatureError, match=message):
+    features.resolve("cpu_interpret", overrides)
+
+
+def test_unsupported_switch_is_an_error_not_a_fallback():
+  unsupported = [s for s, cap in CAPABILITIES["rocm_other"].items() if not cap.supported]
+  assert unsupported, "nothing to check"
+  with pytest.raises(FeatureError, match=rf"--{unsupported[0]} .* is not supported on rocm_other"):
+    features.resolve("rocm_other", {unsupported[0]: True})
+
+
+def test_flags_map_to_features():
+  fv = flags.FlagValues()
+  features.define_flags(fv)
+  fv(["prog", "--nomoe_fused_combine", "--prefill_band_tokens=4096"])
+  f = features.from_flags(fv, "cpu_interpret")
+  assert f.prefill_band_tokens == 4096 and not f.moe_fused_combine
+  assert "GGML_CUDA_MLA_STREAM_FAST_EXP" in fv["mla_stream_fast_exp"].help
