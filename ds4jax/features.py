@@ -172,7 +172,7 @@ def define_flags(flag_values=None) -> None:
   """Defines one absl flag per switch and knob (default None = the capability table's default)."""
   from absl import flags  # pylint: disable=import-outside-toplevel
 
-  fv = flag_values or flags.FLAGS
+  fv = flags.FLAGS if flag_values is None else flag_values  # an empty FlagValues is falsy
   for s, (upstream, text, requires) in SWITCHES.items():
     need = f" Requires {', '.join(requires)}." if requires else ""
     flags.DEFINE_boolean(s, None, f"{text} Upstream: {upstream}.{need} Default: the device capability table.",
