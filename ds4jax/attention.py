@@ -16,7 +16,8 @@ from ds4jax.compressor import Compressor, visible_rows
 from ds4jax.config import Attention as Kind
 from ds4jax.config import DeepseekV4Config
 from ds4jax.indexer import Indexer
-from ds4jax.layers import F32, Linear, RMSNorm, einsum, normal, rms_normalize
+from ds4jax.layers import F32, Linear, RMSNorm, dense, einsum, normal, rms_normalize
+from ds4jax.quant.policy import POLICIES, QuantPolicy
 
 
 def window_bias(q_pos: jnp.ndarray, k_pos: jnp.ndarray, window: int) -> jnp.ndarray:
@@ -47,20 +48,22 @@ def sink_attention(q: jnp.ndarray, keys: jnp.ndarray, bias: jnp.ndarray, sink: j
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32):
+  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32,
+               policy: QuantPolicy = POLICIES["bf16"]):
     self.cfg, self.kind = cfg, cfg.attention[layer]
     H, d, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
-    self.wq_a = Linear(D, cfg.q_lora_rank, rngs=rngs, dtype=dtype)
+    q = dict(rngs=rngs, dtype=dtype, fmt=policy.dense)  # the projections the official checkpoint keeps in FP8
+    self.wq_a = Linear(D, cfg.q_lora_rank, **q)
     self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-    self.wq_b = Linear(cfg.q_lora_rank, H * d, rngs=rngs, dtype=dtype)
-    self.wkv = Linear(D, d, rngs=rngs, dtype=dtype)
+    self.wq_b = Linear(cfg.q_lora_rank, H * d, **q)
+    self.wkv = Linear(D, d, **q)
     self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
-    self.wo_a = Linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, rngs=rngs, dtype=dtype)
-    self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, rngs=rngs, dtype=dtype)
+    self.wo_a = Linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, **q)
+    self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, **q)
     self.attn_sink = normal(rngs, (H,), 0.5, F32)
     self.compressor = None if self.kind is Kind.WINDOW else Compressor(
         D, d, cfg.compress_ratio(layer), self.kind is Kind.CSA, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
-    self.indexer = Indexer(cfg, rngs=rngs, dtype=dtype) if self.kind is Kind.CSA else None
+    self.indexer = Indexer(cfg, rngs=rngs, dtype=dtype, policy=policy) if self.kind is Kind.CSA else None
 
   def key_set(self, x, qr, positions, freqs):
     """The keys and their [S, N] mask: the raw rows (window) followed by the compressed rows."""
@@ -87,6 +90,6 @@ class Attention(nnx.Module):
     o = sink_attention(q, keys, bias, self.attn_sink[...], d ** -0.5)
     o = rope.apply(o, positions, freqs, inverse=True)  # V carries rotated dims: rotate back by -t
     # Grouped low-rank output: heads are grouped contiguously, each group has its own wo_a slice.
-    wo_a = self.wo_a.weight[...].astype(F32).reshape(G, cfg.o_lora_rank, H * d // G)
+    wo_a = dense(self.wo_a.weight).reshape(G, cfg.o_lora_rank, H * d // G)
     z = einsum("sgi,gri->sgr", o.reshape(S, G, H * d // G), wo_a).reshape(S, G * cfg.o_lora_rank)
     return self.wo_b(z)

@@ -11,14 +11,15 @@ from ds4jax import rope
 from ds4jax.compressor import Compressor, visible_rows
 from ds4jax.config import DeepseekV4Config
 from ds4jax.layers import F32, Linear, einsum
+from ds4jax.quant.policy import POLICIES, QuantPolicy
 
 
 class Indexer(nnx.Module):
 
-  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32):
+  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"]):
     self.n_heads, self.head_dim, self.topk, self.ratio = (
         cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.csa_ratio)
-    self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, rngs=rngs, dtype=dtype)
+    self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, rngs=rngs, dtype=dtype, fmt=policy.dense)
     self.weights_proj = Linear(cfg.hidden_size, self.n_heads, rngs=rngs, dtype=dtype)
     self.compressor = Compressor(cfg.hidden_size, self.head_dim, cfg.csa_ratio, True, cfg.rms_norm_eps,
                                  rngs=rngs, dtype=dtype)

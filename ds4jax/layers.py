@@ -1,4 +1,7 @@
-"""Primitive layers of the reference model: linear, RMSNorm. Weights use the checkpoint's [out, in] layout."""
+"""Primitive layers of the reference model: weights (plain or quantized), linear, RMSNorm.
+
+Weights use the checkpoint's [out, in] layout.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,9 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from ds4jax.quant import formats
+from ds4jax.quant import policy as quant_policy
 
 F32 = jnp.float32
 
@@ -29,14 +35,46 @@ def matmul_t(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
   return einsum("...i,oi->...o", x, w)
 
 
+class QuantStorage(nnx.Variable):
+  """One storage array (codes, scales, codebooks, mode) of a quantized weight."""
+
+
+class QuantizedWeight(nnx.Module):
+  """A weight [..., out, in] stored in a ds4jax.quant format; read it through `dequantize`."""
+
+  def __init__(self, fmt: str, shape: tuple[int, ...], arrays: dict):
+    self.format, self.logical_shape = fmt, tuple(shape)
+    self.names = tuple(arrays)
+    for name, a in arrays.items():
+      setattr(self, name, QuantStorage(a))
+
+  def storage(self) -> dict:
+    return {n: getattr(self, n)[...] for n in self.names}
+
+  def dequantize(self) -> jnp.ndarray:
+    return formats.get(self.format).dequantize(**self.storage())
+
+
+def make_weight(rngs: nnx.Rngs, shape, std: float, dtype, fmt: str = "bf16"):
+  """A random weight: a plain parameter in `dtype` for the "bf16" format, else quantized storage."""
+  if fmt == "bf16":
+    return normal(rngs, shape, std, dtype)
+  return QuantizedWeight(fmt, shape, quant_policy.random_storage(formats.get(fmt), tuple(shape), rngs.params(), std))
+
+
+def dense(w) -> jnp.ndarray:
+  """The f32 value of a weight, plain or quantized."""
+  return w.dequantize() if isinstance(w, QuantizedWeight) else w[...].astype(F32)
+
+
 class Linear(nnx.Module):
   """y = x @ W^T with W stored [out, in], as in the checkpoint. No bias anywhere in DeepSeek-V4."""
 
-  def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype=F32, std: float = 0.02):
-    self.weight = normal(rngs, (d_out, d_in), std, dtype)
+  def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype=F32, std: float = 0.02, fmt: str = "bf16"):
+    self.weight = make_weight(rngs, (d_out, d_in), std, dtype, fmt)
 
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-    return matmul_t(x, self.weight[...])
+    return matmul_t(x, dense(self.weight))
 
 
 def rms_normalize(x: jnp.ndarray, eps: float) -> jnp.ndarray:

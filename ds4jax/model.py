@@ -16,19 +16,21 @@ from ds4jax.config import DeepseekV4Config
 from ds4jax.hyper_connection import HyperConnection, HyperHead
 from ds4jax.layers import F32, Linear, RMSNorm, normal
 from ds4jax.moe import MoE
+from ds4jax.quant import policy as quant_policy
+from ds4jax.quant.policy import QuantPolicy
 
 
 class Block(nnx.Module):
   """One layer: HC site around attention, HC site around the MoE."""
 
-  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32):
+  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype, policy: QuantPolicy):
     D, n, eps = cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps
     self.hc_attn = HyperConnection(D, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, rngs=rngs)
     self.attn_norm = RMSNorm(D, eps)
-    self.attn = Attention(cfg, layer, rngs=rngs, dtype=dtype)
+    self.attn = Attention(cfg, layer, rngs=rngs, dtype=dtype, policy=policy)
     self.hc_ffn = HyperConnection(D, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, rngs=rngs)
     self.ffn_norm = RMSNorm(D, eps)
-    self.ffn = MoE(cfg, layer, rngs=rngs, dtype=dtype)
+    self.ffn = MoE(cfg, layer, rngs=rngs, dtype=dtype, policy=policy)
 
   def __call__(self, X: jnp.ndarray, tokens: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
     h, post, comb = self.hc_attn(X)
@@ -40,11 +42,13 @@ class Block(nnx.Module):
 class DeepseekV4(nnx.Module):
   """tokens [S] -> logits [S, vocab] (f32), for a prompt that starts at position 0."""
 
-  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32):
-    self.cfg = cfg
+  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: str | QuantPolicy = "bf16"):
+    policy = quant_policy.get(policy) if isinstance(policy, str) else policy
+    quant_policy.check_config(policy, cfg)
+    self.cfg, self.policy = cfg, policy
     D, n = cfg.hidden_size, cfg.hc_mult
     self.embed = normal(rngs, (cfg.vocab_size, D), 1.0, dtype)
-    self.layers = nnx.List([Block(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_layers)])
+    self.layers = nnx.List([Block(cfg, i, rngs=rngs, dtype=dtype, policy=policy) for i in range(cfg.num_layers)])
     self.hc_head = HyperHead(D, n, cfg.hc_eps, cfg.rms_norm_eps, rngs=rngs)
     self.norm = RMSNorm(D, cfg.rms_norm_eps)
     self.head = Linear(D, cfg.vocab_size, rngs=rngs, dtype=dtype)
@@ -89,12 +93,13 @@ def forward(model: DeepseekV4, tokens, *, return_streams: bool = False):
   return _forward(model, jnp.asarray(check_tokens(tokens, model.cfg)), return_streams=return_streams)
 
 
-def init_random(cfg: DeepseekV4Config, seed: int = 0, dtype=jnp.bfloat16) -> DeepseekV4:
-  """Random weights. Each one is drawn by a jax op on the default device, so on a GPU nothing is
-  staged in host memory (and nothing is built whole first: peak memory is the model itself)."""
-  return DeepseekV4(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype)
+def init_random(cfg: DeepseekV4Config, seed: int = 0, dtype=jnp.bfloat16,
+                policy: str | QuantPolicy = "bf16") -> DeepseekV4:
+  """Random weights under a quantization policy. Each one is drawn by a jax op on the default device,
+  so on a GPU nothing is staged in host memory (peak memory is the model itself plus one weight)."""
+  return DeepseekV4(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, policy=policy)
 
 
-def abstract_model(cfg: DeepseekV4Config, dtype=jnp.bfloat16) -> DeepseekV4:
+def abstract_model(cfg: DeepseekV4Config, dtype=jnp.bfloat16, policy: str | QuantPolicy = "bf16") -> DeepseekV4:
   """The model's structure with ShapeDtypeStructs in place of arrays (no memory; any preset)."""
-  return nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(params=0), dtype=dtype))
+  return nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(params=0), dtype=dtype, policy=policy))

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ds4jax.config import DeepseekV4Config, Routing
-from ds4jax.layers import F32, Linear, matmul_t, normal
+from ds4jax.layers import F32, Linear, QuantizedWeight, make_weight, matmul_t, normal
+from ds4jax.quant import formats
+from ds4jax.quant.policy import POLICIES, QuantPolicy
 
 
 class Buffer(nnx.Variable):
@@ -43,15 +45,20 @@ class Router(nnx.Module):
     return w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * self.scale, idx.astype(jnp.int32)
 
 
+def _expert_dense(w, fmt: str | None) -> jnp.ndarray:
+  """One expert's f32 weight from its slice: a plain array, or a dict of storage arrays in `fmt`."""
+  return w.astype(F32) if fmt is None else formats.get(fmt).dequantize(**w)
+
+
 class Experts(nnx.Module):
   """The routed experts, stacked: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down)."""
 
-  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32):
+  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"]):
     E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    self.limit = cfg.swiglu_limit
-    self.w1 = normal(rngs, (E, I, D), 0.02, dtype)
-    self.w2 = normal(rngs, (E, D, I), 0.02, dtype)
-    self.w3 = normal(rngs, (E, I, D), 0.02, dtype)
+    self.limit, self.n_experts = cfg.swiglu_limit, E
+    self.w1 = make_weight(rngs, (E, I, D), 0.02, dtype, policy.gate_up)
+    self.w2 = make_weight(rngs, (E, D, I), 0.02, dtype, policy.down)
+    self.w3 = make_weight(rngs, (E, I, D), 0.02, dtype, policy.gate_up)
 
   def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
     """y[t] = sum_k weights[t,k] * E_{idx[t,k]}(x[t]).
@@ -60,27 +67,31 @@ class Experts(nnx.Module):
     and is weighted by the token's combine weight, 0 where not routed. Exact, and O(E) slow.
     """
     S = x.shape[0]
-    combine = jnp.zeros((S, self.w1.shape[0]), F32).at[jnp.arange(S)[:, None], idx].add(weights)
+    combine = jnp.zeros((S, self.n_experts), F32).at[jnp.arange(S)[:, None], idx].add(weights)
     x = x.astype(F32)
 
     def one_expert(acc, expert):
-      w1, w2, w3, c = expert
+      w1, w2, w3 = (_expert_dense(w, fmt) for w, fmt in zip(expert[:3], formats_))
+      c = expert[3]
       h = clamped_swiglu(matmul_t(x, w1), matmul_t(x, w3), self.limit)
       return acc + c[:, None] * matmul_t(h, w2), None
 
-    y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, F32),
-                        (self.w1[...], self.w2[...], self.w3[...], combine.T))
+    # Quantized experts are decoded one expert at a time inside the scan: never all of them at once.
+    weights_ = [w.storage() if isinstance(w, QuantizedWeight) else w[...] for w in (self.w1, self.w2, self.w3)]
+    formats_ = [w.format if isinstance(w, QuantizedWeight) else None for w in (self.w1, self.w2, self.w3)]
+    y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, F32), (*weights_, combine.T))
     return y
 
 
 class SharedExpert(nnx.Module):
 
-  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32):
+  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"]):
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
     self.limit = cfg.swiglu_limit
-    self.w1 = Linear(D, I, rngs=rngs, dtype=dtype)
-    self.w2 = Linear(I, D, rngs=rngs, dtype=dtype)
-    self.w3 = Linear(D, I, rngs=rngs, dtype=dtype)
+    q = dict(rngs=rngs, dtype=dtype, fmt=policy.dense)
+    self.w1 = Linear(D, I, **q)
+    self.w2 = Linear(I, D, **q)
+    self.w3 = Linear(D, I, **q)
 
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
     return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
@@ -88,10 +99,11 @@ class SharedExpert(nnx.Module):
 
 class MoE(nnx.Module):
 
-  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32):
+  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32,
+               policy: QuantPolicy = POLICIES["bf16"]):
     self.gate = Router(cfg, layer, rngs=rngs, dtype=dtype)
-    self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
-    self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype)
+    self.experts = Experts(cfg, rngs=rngs, dtype=dtype, policy=policy)
+    self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype, policy=policy)
 
   def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray) -> jnp.ndarray:
     weights, idx = self.gate(x, tokens)

@@ -27,8 +27,11 @@ from flax import nnx
 from ds4jax.checkpoint.safetensors_reader import CheckpointError, SafetensorsCheckpoint
 from ds4jax.checkpoint.safetensors_writer import save_file
 from ds4jax.config import DeepseekV4Config
+from ds4jax.layers import QuantizedWeight, QuantStorage, dense
 from ds4jax.model import DeepseekV4, abstract_model
-from ds4jax.quant import fp4_e2m1, fp8_e4m3, ue8m0
+from ds4jax.quant import formats, fp4_e2m1, fp8_e4m3, ue8m0
+from ds4jax.quant import policy as quant_policy
+from ds4jax.quant.policy import QuantPolicy
 
 IGNORED_PREFIXES = ("mtp.",)
 # Tensors the official checkpoint stores in FP8 (128x128 blocks) and FP4 (per-32); the rest is BF16/F32.
@@ -87,63 +90,105 @@ def read_tensor(ckpt: SafetensorsCheckpoint, name: str, used: set[str]) -> np.nd
   raise CheckpointError(f"{name}: unsupported dtype {spec.dtype} for a model weight")
 
 
+def weights(model: DeepseekV4) -> list[tuple[tuple, nnx.Variable | QuantizedWeight]]:
+  """Every weight of the model with its path: plain variables, and quantized weights as one unit."""
+  out = []
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, QuantizedWeight):
+      out.append((path, node))
+    elif isinstance(node, nnx.Variable) and not isinstance(node, QuantStorage):
+      out.append((path, node))
+  return out
+
+
+def _read_stored(ckpt: SafetensorsCheckpoint, names: list[str], fmt: str, used: set[str]) -> dict | None:
+  """The storage arrays of an official FP8/FP4 tensor copied as they are, when the target format is the same."""
+  want = {"fp8_e4m3": ("F8_E4M3",), "fp4_e2m1": ("I8", "U8")}.get(fmt)
+  if not want or any(ckpt.spec(n).dtype not in want or _scale_name(n) not in ckpt for n in names):
+    return None
+  codes = [np.asarray(ckpt.read(n)) for n in names]
+  scales = [ue8m0.check_scale_bytes(np.asarray(ckpt.read(_scale_name(n))).view(np.uint8), _scale_name(n))
+            for n in names]
+  used.update(names + [_scale_name(n) for n in names])
+  stack = (lambda xs: np.stack(xs)) if len(names) > 1 else (lambda xs: xs[0])
+  key = "weight" if fmt == "fp8_e4m3" else "packed"
+  return {key: stack([c.view(np.int8) if fmt == "fp4_e2m1" else c for c in codes]), "scale": stack(scales)}
+
+
 def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None, *, dtype=jnp.bfloat16,
-                    log: Callable[[str], None] | None = print) -> DeepseekV4:
+                    policy: str | QuantPolicy = "bf16", log: Callable[[str], None] | None = print) -> DeepseekV4:
   """Builds the model from a checkpoint directory (config.json + safetensors, single or sharded).
 
-  Every model variable must be present with the right shape and a usable dtype, and every tensor in
-  the checkpoint must be used (except `mtp.*`); otherwise a CheckpointError names the tensors.
-  Tensors go to the default device one at a time.
+  Every model weight must be present with the right shape and a usable dtype, and every tensor in the
+  checkpoint must be used (except `mtp.*`); otherwise a CheckpointError names the tensors. Weights go
+  to the default device one at a time. Under a quantization `policy`, each weight is converted to its
+  role's format (FP8/FP4 tensors already in the target format are copied, not re-encoded).
   """
   cfg = cfg or DeepseekV4Config.from_hf_config(path)
-  graphdef, state = nnx.split(abstract_model(cfg, dtype))
-  flat = nnx.to_flat_state(state)
+  model = abstract_model(cfg, dtype, policy)
   used: set[str] = set()
   t0 = time.time()
   with SafetensorsCheckpoint(path) as ckpt:
-    wanted = [(p, v, checkpoint_names(p, cfg)) for p, v in flat]
+    wanted = [(p, w, checkpoint_names(p, cfg)) for p, w in weights(model)]
     missing = [n for _, _, names in wanted for n in names if n not in ckpt]
     if missing:
       raise CheckpointError(f"checkpoint {os.fspath(path)} lacks {len(missing)} tensor(s) the model needs, "
                             f"e.g. {missing[:5]}")
-    for i, (p, var, names) in enumerate(wanted):
-      arrays = [read_tensor(ckpt, n, used) for n in names]
-      is_int = jnp.issubdtype(var.dtype, jnp.integer)
-      # A stacked variable ([E, ...] routed experts) is made of E tensors of shape var.shape[1:].
-      want = tuple(var.shape)[1:] if is_stacked(p) else tuple(var.shape)
-      for n, a in zip(names, arrays):
-        if np.issubdtype(a.dtype, np.integer) != is_int:
-          raise CheckpointError(f"{n}: expected {'an integer' if is_int else 'a floating-point or FP8/FP4'} "
-                                f"tensor, got {ckpt.spec(n).dtype}")
-        if a.shape != want:
-          raise CheckpointError(f"{n}: shape {a.shape} does not match the config's {want}")
-      value = np.stack(arrays) if is_stacked(p) else arrays[0]
-      if names[0].endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):
-        raise CheckpointError(f"{names[0]}: expert ids must lie in [0, {cfg.n_routed_experts}), "
-                              f"got [{value.min()}, {value.max()}]")
-      var.set_value(jax.device_put(value.astype(var.dtype)))
+    for i, (p, w, names) in enumerate(wanted):
+      if isinstance(w, QuantizedWeight):
+        stored = _read_stored(ckpt, names, w.format, used)
+        if stored is None:
+          value = _read_float(ckpt, names, is_stacked(p), w.logical_shape, used)
+          stored = quant_policy.quantize(formats.get(w.format), value)
+        for name, array in stored.items():
+          var = getattr(w, name)
+          if array.shape != tuple(var.shape):
+            raise CheckpointError(f"{names[0]}: {name} shape {array.shape} does not match the config's "
+                                  f"{tuple(var.shape)}")
+          var.set_value(jax.device_put(array.astype(var.dtype)))
+      else:
+        is_int = jnp.issubdtype(w.dtype, jnp.integer)
+        value = _read_float(ckpt, names, is_stacked(p), tuple(w.shape), used, integer=is_int)
+        if names[0].endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):
+          raise CheckpointError(f"{names[0]}: expert ids must lie in [0, {cfg.n_routed_experts}), "
+                                f"got [{value.min()}, {value.max()}]")
+        w.set_value(jax.device_put(value.astype(w.dtype)))
       if log and (i + 1) % 200 == 0:
-        log(f"  loaded {i + 1}/{len(wanted)} variables ({time.time() - t0:.0f}s)")
+        log(f"  loaded {i + 1}/{len(wanted)} weights ({time.time() - t0:.0f}s)")
     unexpected = sorted(n for n in ckpt.names() if n not in used and not n.startswith(IGNORED_PREFIXES))
   if unexpected:
     raise CheckpointError(f"checkpoint {os.fspath(path)} has {len(unexpected)} tensor(s) the model does not "
                           f"use, e.g. {unexpected[:5]} (wrong config?)")
-  return nnx.merge(graphdef, state)
+  return model
+
+
+def _read_float(ckpt, names, stacked: bool, shape, used, integer: bool = False) -> np.ndarray:
+  """Reads (and dequantizes) the tensors of one weight, checking dtype class and shape; stacks experts."""
+  want = shape[1:] if stacked else shape
+  arrays = [read_tensor(ckpt, n, used) for n in names]
+  for n, a in zip(names, arrays):
+    if np.issubdtype(a.dtype, np.integer) != integer:
+      raise CheckpointError(f"{n}: expected {'an integer' if integer else 'a floating-point or FP8/FP4'} "
+                            f"tensor, got {ckpt.spec(n).dtype}")
+    if a.shape != want:
+      raise CheckpointError(f"{n}: shape {a.shape} does not match the config's {want}")
+  return np.stack(arrays) if stacked else arrays[0]
 
 
 def save_checkpoint(model: DeepseekV4, directory: str | os.PathLike, *, official_formats: bool = False) -> None:
   """Writes `config.json` (HF form) and `model.safetensors` under the official names.
 
-  With `official_formats`, dense projections are stored as FP8 E4M3 and routed experts as FP4 E2M1,
-  each with its UE8M0 `.scale`, as in the published checkpoint; otherwise every tensor keeps its dtype.
+  Quantized weights are written dequantized (f32). With `official_formats`, dense projections are
+  stored as FP8 E4M3 and routed experts as FP4 E2M1, each with its UE8M0 `.scale`, as in the
+  published checkpoint; otherwise every plain tensor keeps its dtype.
   """
   os.makedirs(directory, exist_ok=True)
   with open(os.path.join(directory, "config.json"), "w") as f:
     json.dump(model.cfg.to_hf_config(), f, indent=1)
   tensors, dtype_names = {}, {}
-  for path, var in nnx.to_flat_state(nnx.state(model)):
+  for path, w in weights(model):
     names = checkpoint_names(path, model.cfg)
-    value = np.asarray(var[...])
+    value = np.asarray(dense(w) if isinstance(w, QuantizedWeight) else w[...])
     for name, part in zip(names, value if is_stacked(path) else [value]):
       if official_formats and (OFFICIAL_FP8.search(name) or OFFICIAL_FP4.search(name)):
         fmt = fp8_e4m3 if OFFICIAL_FP8.search(name) else fp4_e2m1

@@ -22,13 +22,14 @@ def save(model: DeepseekV4, directory: str | os.PathLike) -> None:
   directory = os.path.abspath(os.fspath(directory))
   os.makedirs(directory, exist_ok=True)
   with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-    json.dump({"config": model.cfg.to_dict(), "dtype": str(model.embed.dtype)}, f, indent=1)
+    json.dump({"config": model.cfg.to_dict(), "dtype": str(model.embed.dtype), "policy": model.policy.name}, f,
+              indent=1)
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(os.path.join(directory, STATE_DIR), nnx.state(model))
 
 
 def restore(directory: str | os.PathLike) -> DeepseekV4:
-  """Rebuilds the model saved by `save`, with its saved weight dtype, onto the default device."""
+  """Rebuilds the model saved by `save`, with its weight dtype and quantization policy, on the default device."""
   directory = os.path.abspath(os.fspath(directory))
   cfg_path = os.path.join(directory, CONFIG_FILE)
   if not os.path.exists(cfg_path):
@@ -36,7 +37,7 @@ def restore(directory: str | os.PathLike) -> DeepseekV4:
   with open(cfg_path) as f:
     saved = json.load(f)
   cfg, dtype = DeepseekV4Config.from_dict(saved["config"]), jnp.dtype(saved["dtype"])
-  graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+  graphdef, abstract = nnx.split(abstract_model(cfg, dtype, saved.get("policy", "bf16")))
   with ocp.StandardCheckpointer() as ckptr:
     state = ckptr.restore(os.path.join(directory, STATE_DIR), abstract)
   return nnx.merge(graphdef, state)

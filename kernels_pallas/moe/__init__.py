@@ -1,0 +1,9 @@
+"""Grouped MoE (routed experts + shared expert) as Pallas-Triton kernels; see api.py."""
+
+from kernels_pallas.moe.api import Plan, SharedExpert, moe, moe_reference, nmse, plan
+from kernels_pallas.moe.config import Config
+from kernels_pallas.moe.routing import Routing, check_routes, route
+from kernels_pallas.moe.weights import DenseWeights, ExpertWeights, as_expert_weights
+
+__all__ = ["Config", "DenseWeights", "ExpertWeights", "Plan", "Routing", "SharedExpert", "as_expert_weights",
+           "check_routes", "moe", "moe_reference", "nmse", "plan", "route"]

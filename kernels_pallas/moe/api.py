@@ -1,0 +1,223 @@
+"""Public entry of the grouped MoE: `moe` (Pallas-Triton kernels) and `moe_reference` (exact, plain jnp).
+
+    y[t] = shared(x[t]) + Σ_k w[t,k] · W2_e( silu(min(W1_e x_t, L)) · clip(W3_e x_t, −L, L) ),   e = ids[t,k]
+
+Pipeline of `moe` (static shapes; each stage is a jit of its own, inlined under an outer jit):
+  1. routing.route      XLA: stable sort of the S·K routes by expert, counts/offsets, compact work list.
+  2. gate_up.gate_up    Pallas: grouped W1/W3 matmul + clamped SwiGLU → h [S·K, I] (sorted rows).
+  3. down.down          Pallas: grouped W2 matmul → out [S·K, D] f32 (sorted rows).
+  4. down.combine       Pallas (fused_combine) or XLA: y[t] = shared[t] + Σ_k w[t,k] · out[row_of_route[t,k]].
+The shared expert, when given as weights, runs through the same two grouped kernels as a single group.
+`plan` returns the static decisions (row tile, work list, grids, kernel names) that `moe` builds, for inspection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.layers import matmul_t
+from ds4jax.moe import clamped_swiglu
+from kernels_pallas.moe import _schedule
+from kernels_pallas.moe import down as down_mod
+from kernels_pallas.moe import gate_up as gate_up_mod
+from kernels_pallas.moe import routing as routing_mod
+from kernels_pallas.moe.config import Config
+from kernels_pallas.moe.weights import ExpertWeights, as_expert_weights
+
+# The first pallas_call imports this module lazily, and it registers a tracing-context option, which makes the
+# next call of every jitted function retrace and recompile once. Importing it up front avoids that.
+import jax.experimental.pallas.fuser  # noqa: E402,F401  pylint: disable=unused-import
+
+F32 = jnp.float32
+
+
+class SharedExpert(NamedTuple):
+  """Shared-expert weights, [out, in] layout: w1/w3 [I_s, D] (gate/up), w2 [D, I_s] (down)."""
+  w1: jax.Array
+  w2: jax.Array
+  w3: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What `moe` builds for given static shapes and config (grids are Pallas grids, axis 0 first)."""
+  block_m: int
+  work_list: str                 # "compact" | "dense"
+  max_items: int                 # static length of the work list (= grid axis 0 unless persistent)
+  schedule: str                  # "grid" | "persistent"
+  gate_up_grid: tuple[int, ...]
+  down_grid: tuple[int, ...]
+  combine: str                   # "fused" | "xla"
+  combine_grid: tuple[int, ...] | None
+  kernels: tuple[str, ...]       # pallas_call names, in call order
+
+
+def plan(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, config: Config,
+         shared_intermediate: int | None = None) -> Plan:
+  S, K, E, D, I = num_tokens, top_k, num_experts, hidden, intermediate
+  R = S * K
+  bm = config.row_tile(R, E)
+  max_items = routing_mod.max_work_items(R, E, bm) if config.compact_queue else E * -(-R // bm)
+  P = config.programs()
+  grid = lambda items, n: _schedule.grid(persistent=config.persistent, max_items=items, n_tiles=n, num_programs=P,
+                                         tile_order=config.tile_order)
+  suffix = "_persistent" if config.persistent else ""
+  kernels = []
+  if shared_intermediate is not None:
+    kernels += ["moe_shared_gate_up" + suffix, "moe_shared_down" + suffix]
+  kernels += ["moe_gate_up" + suffix, "moe_down" + suffix]
+  if config.fused_combine:
+    kernels.append("moe_combine")
+  return Plan(block_m=bm, work_list="compact" if config.compact_queue else "dense", max_items=max_items,
+              schedule="persistent" if config.persistent else "grid",
+              gate_up_grid=grid(max_items, I // config.block_n), down_grid=grid(max_items, D // config.down_bn),
+              combine="fused" if config.fused_combine else "xla",
+              combine_grid=(-(-S // config.combine_block_t), D // config.combine_block_d)
+              if config.fused_combine else None,
+              kernels=tuple(kernels))
+
+
+def _check(x, route_weights, route_ids, w1: ExpertWeights, w2: ExpertWeights, w3: ExpertWeights, shared,
+           config: Config):
+  config.validate()
+  if x.ndim != 2:
+    raise ValueError(f"x must be [S, D], got shape {tuple(x.shape)}")
+  if jnp.dtype(x.dtype) not in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"x: unsupported dtype {x.dtype}; expected float32, bfloat16 or float16")
+  S, D = x.shape
+  if route_ids.ndim != 2 or route_ids.shape[0] != S:
+    raise ValueError(f"route_ids shape {tuple(route_ids.shape)} must be [S, K] with S = {S} "
+                     f"(x shape {tuple(x.shape)})")
+  if not jnp.issubdtype(route_ids.dtype, jnp.integer):
+    raise ValueError(f"route_ids must be integers, got dtype {route_ids.dtype}")
+  if tuple(route_weights.shape) != tuple(route_ids.shape):
+    raise ValueError(f"route_weights shape {tuple(route_weights.shape)} must equal route_ids shape "
+                     f"{tuple(route_ids.shape)}")
+  E, I, Dw = w1.shape
+  if tuple(w3.shape) != (E, I, Dw) or Dw != D:
+    raise ValueError(f"w1 {tuple(w1.shape)} and w3 {tuple(w3.shape)} must both be [E, I, D] with D = {D} "
+                     f"(x shape {tuple(x.shape)})")
+  if tuple(w2.shape) != (E, D, I):
+    raise ValueError(f"w2 shape {tuple(w2.shape)} must be [E, D, I] = {(E, D, I)} (w1 shape {tuple(w1.shape)})")
+  bn, bk, dbn, dbk = config.block_n, config.block_k, config.down_bn, config.down_bk
+  if D % bk:
+    raise ValueError(f"hidden size D={D} is not a multiple of block_k={bk} (gate/up reduction)")
+  if I % bn:
+    raise ValueError(f"intermediate size I={I} is not a multiple of block_n={bn} (gate/up output)")
+  if D % dbn:
+    raise ValueError(f"hidden size D={D} is not a multiple of down_block_n={dbn} (down output)")
+  if I % dbk:
+    raise ValueError(f"intermediate size I={I} is not a multiple of down_block_k={dbk} (down reduction)")
+  if config.fused_combine and D % config.combine_block_d:
+    raise ValueError(f"hidden size D={D} is not a multiple of combine_block_d={config.combine_block_d}")
+  if isinstance(shared, SharedExpert):
+    s1, s2, s3 = (jnp.shape(a) for a in shared)
+    Is = s1[0] if len(s1) == 2 else -1
+    if len(s1) != 2 or s1 != s3 or s1[1] != D or tuple(s2) != (D, Is):
+      raise ValueError(f"shared expert shapes w1 {s1}, w2 {s2}, w3 {s3} must be [I_s, D], [D, I_s], [I_s, D] "
+                       f"with D = {D}")
+    if Is % bn or Is % dbk:
+      raise ValueError(f"shared intermediate size {Is} is not a multiple of block_n={bn} and down_block_k={dbk}")
+  elif shared is not None and tuple(jnp.shape(shared)) != (S, D):
+    raise ValueError(f"shared must be None, a SharedExpert of weights, or its output [S, D] = {(S, D)}; "
+                     f"got shape {tuple(jnp.shape(shared))}")
+
+
+def moe(x, route_weights, route_ids, w1, w2, w3, *, swiglu_limit: float, shared=None,
+        config: Config | None = None, interpret: bool = False, validate_routes: bool = True) -> jax.Array:
+  """Routed MoE (+ shared expert) → y [S, D] f32.
+
+  x [S, D] f32/bf16; route_weights [S, K]; route_ids [S, K] int (−1 = masked route); w1/w3 [E, I, D], w2 [E, D, I]
+  as float arrays or `ExpertWeights` formats; `shared` = None, `SharedExpert(w1, w2, w3)` or a precomputed
+  shared output [S, D]. `config=None` picks `Config.default`. Expert ids are checked on the host when concrete
+  and `validate_routes` (a device→host copy and sync; pass False in timed loops); under an outer jit an
+  out-of-range id is treated as masked.
+  """
+  w1, w2, w3 = (as_expert_weights(w, n) for w, n in ((w1, "w1"), (w2, "w2"), (w3, "w3")))
+  x, route_weights, route_ids = jnp.asarray(x), jnp.asarray(route_weights), jnp.asarray(route_ids)
+  if isinstance(shared, (tuple, list)) and not isinstance(shared, SharedExpert):
+    shared = SharedExpert(*shared)
+  if config is None:
+    S, D = x.shape
+    config = Config.default(num_tokens=S, top_k=route_ids.shape[-1], num_experts=w1.shape[0], hidden=D,
+                            intermediate=w1.shape[1], dtype=x.dtype)
+  _check(x, route_weights, route_ids, w1, w2, w3, shared, config)
+  if validate_routes:
+    routing_mod.check_routes(route_ids, w1.shape[0])
+  return _moe(x, route_weights, route_ids.astype(jnp.int32), w1, w2, w3, shared,
+              swiglu_limit=float(swiglu_limit), config=config, interpret=interpret)
+
+
+def _kernel_config(config: Config) -> Config:
+  """The config with the fields that gate_up/down ignore reset, so that eager calls whose configs differ only in
+  the combine share the compiled grouped kernels."""
+  return dataclasses.replace(config, fused_combine=True, combine_block_t=16, combine_block_d=128, adaptive_tile=False)
+
+
+_route = jax.jit(routing_mod.route, static_argnums=(1, 2))
+_single_group = functools.partial(jax.jit, static_argnums=(0, 1))(routing_mod.single_group)
+_gate_up = jax.jit(gate_up_mod.gate_up, static_argnames=("swiglu_limit", "config", "interpret", "name"))
+_down = jax.jit(down_mod.down, static_argnames=("config", "compute_dtype", "interpret", "name"))
+_combine = jax.jit(down_mod.combine, static_argnames=("config", "interpret", "name"))
+_combine_xla = jax.jit(down_mod.combine_xla)
+
+
+def _moe(x, route_weights, route_ids, w1, w2, w3, shared, *, swiglu_limit, config, interpret):
+  """The pipeline. Each stage is its own jit (inlined under an outer jit; cached per stage when eager)."""
+  S, K = route_ids.shape
+  E = w1.shape[0]
+  bm = config.row_tile(S * K, E)
+  kcfg = _kernel_config(config)
+  if isinstance(shared, SharedExpert):
+    one = _single_group(S, config.block_m)
+    s1, s2, s3 = (as_expert_weights(w, n, ndim=2) for w, n in zip(shared, ("shared.w1", "shared.w2", "shared.w3")))
+    hs = _gate_up(x, s1, s3, one, swiglu_limit=swiglu_limit, config=kcfg, interpret=interpret,
+                  name="moe_shared_gate_up")
+    shared = _down(hs, s2, one, config=kcfg, interpret=interpret, name="moe_shared_down")
+  elif shared is not None:
+    shared = jnp.asarray(shared, F32)
+  r = _route(route_ids, E, bm)
+  h = _gate_up(x, w1, w3, r, swiglu_limit=swiglu_limit, config=kcfg, interpret=interpret)
+  out = _down(h, w2, r, config=kcfg, interpret=interpret)
+  if config.fused_combine:
+    return _combine(out, route_weights, r, shared, config=config, interpret=interpret)
+  return _combine_xla(out, route_weights, r, shared)
+
+
+def moe_reference(x, route_weights, route_ids, w1, w2, w3, *, swiglu_limit: float, shared=None) -> jax.Array:
+  """Exact f32 reference: ds4jax.moe's dense formulation (every expert on every token, one expert at a time,
+  weighted by a combine matrix) at HIGHEST precision; masked routes (−1) and out-of-range ids are dropped from
+  the combine matrix. Weights go through their format's canonical `dequantize`."""
+  x = jnp.asarray(x).astype(F32)
+  S = x.shape[0]
+  w1, w2, w3 = (as_expert_weights(w, n).dequantize() for w, n in ((w1, "w1"), (w2, "w2"), (w3, "w3")))
+  E = w1.shape[0]
+  ids = jnp.asarray(route_ids).astype(jnp.int32)
+  valid = (ids >= 0) & (ids < E)
+  combine = jnp.zeros((S, E), F32).at[jnp.arange(S)[:, None], jnp.where(valid, ids, E)].add(
+      jnp.where(valid, jnp.asarray(route_weights, F32), 0.0), mode="drop")
+
+  def one_expert(acc, expert):
+    a, b, c, cw = expert
+    h = clamped_swiglu(matmul_t(x, a), matmul_t(x, c), swiglu_limit)
+    return acc + cw[:, None] * matmul_t(h, b), None
+
+  y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, F32), (w1, w2, w3, combine.T))
+  if isinstance(shared, (tuple, list)):
+    s1, s2, s3 = shared
+    y = y + matmul_t(clamped_swiglu(matmul_t(x, s1), matmul_t(x, s3), swiglu_limit), s2)
+  elif shared is not None:
+    y = y + jnp.asarray(shared, F32)
+  return y
+
+
+def nmse(got, want) -> float:
+  """Σ(got − want)² / Σ want² in float64."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.sum((got - want) ** 2) / max(np.sum(want ** 2), 1e-300))

@@ -1,0 +1,150 @@
+"""Tuning knobs of the grouped MoE kernels: one frozen `Config` plus a heuristic default.
+
+Block sizes must be powers of two (Pallas-Triton tensors must have power-of-two sizes) and at least 16 where they
+are a dot dimension (Triton's `tl.dot` minimum). Which knob maps to which Lucebox switch
+(/work/shared/reference/lucebox-stack.md):
+
+* `adaptive_tile`  : §1.8 `GGML_CUDA_MMQ_MOE_ADAPTIVE_X` — the row tile follows the mean rows per expert.
+* `compact_queue`  : §1.9 — the grid covers only the (expert, row tile) items that hold rows, instead of every
+                     expert × the worst-case tile count with an early exit.
+* `persistent`     : §1.9 `GGML_CUDA_MMQ_MOE_PERSISTENT` — `programs_per_core × num_cores` programs loop over the
+                     work list (`..._PERSISTENT_BLOCKS_PER_CU`).
+* `fused_combine`  : §1.10 `DFLASH_MOE_FUSED_COMBINE` — one kernel over tokens weights and sums the routed rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+MIN_DOT = 16  # Triton's smallest dot dimension
+ADAPTIVE_TILES = (16, 32, 64, 128)
+
+
+def is_pow2(n: int) -> bool:
+  return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+  """The largest power of two <= cap that divides n (1 if n is odd)."""
+  b = 1
+  while b * 2 <= cap and n % (b * 2) == 0:
+    b *= 2
+  return b
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+  """Static knobs of `api.moe`. Hashable, so it can be a static jit argument.
+
+  block_m       row tile of the grouped kernels (the cap of the adaptive tile when `adaptive_tile`).
+  block_n/k     gate/up output tile (over I) and reduction tile (over D).
+  down_block_n/k  down-projection output tile (over D) and reduction tile (over I); None = block_n / block_k.
+  combine_block_t/d  token and column tile of the fused combine kernel.
+  compute_dtype dot operand dtype; None = promote(activation dtype, weight compute dtype): f32 activations with
+                bf16 weights run exact f32 dots (IEEE, not TF32), bf16 with bf16 run bf16 dots. Accumulation is f32.
+  h_dtype       storage dtype of the SwiGLU output h [rows, I]; None = compute dtype.
+  num_cores     SMs/CUs for the persistent grid; None = the default device's `core_count`, else 132 (H200).
+  tile_order    "n" or "item": which work index varies fastest in launch order (see _schedule.py). "n" (all N
+                tiles of an item run together, so its activation tile is read once) measured 14% faster than
+                "item" on the H200 at V4-Flash shapes (8192 tokens: 6.8 vs 8.0 ms; down 2.3 vs 3.2 ms).
+  """
+
+  block_m: int = 64
+  block_n: int = 64
+  block_k: int = 64
+  down_block_n: int | None = None
+  down_block_k: int | None = None
+  combine_block_t: int = 16
+  combine_block_d: int = 128
+  num_warps: int = 4
+  num_stages: int = 3
+  adaptive_tile: bool = True
+  compact_queue: bool = True
+  persistent: bool = False
+  programs_per_core: int = 4
+  num_cores: int | None = None
+  fused_combine: bool = True
+  compute_dtype: str | None = None
+  h_dtype: str | None = None
+  tile_order: str = "n"
+
+  # ---- resolved values -------------------------------------------------------------------------------------
+  @property
+  def down_bn(self) -> int:
+    return self.block_n if self.down_block_n is None else self.down_block_n
+
+  @property
+  def down_bk(self) -> int:
+    return self.block_k if self.down_block_k is None else self.down_block_k
+
+  def row_tile(self, num_routes: int, num_experts: int) -> int:
+    """The row tile used by the routed kernels: `block_m`, or with `adaptive_tile` the smallest of
+    16/32/64/128 that holds the mean rows per expert (S·K/E), capped at `block_m`."""
+    if not self.adaptive_tile:
+      return self.block_m
+    mean_rows = -(-num_routes // max(num_experts, 1))
+    tile = next((t for t in ADAPTIVE_TILES if t >= mean_rows), ADAPTIVE_TILES[-1])
+    return max(MIN_DOT, min(tile, self.block_m))
+
+  def programs(self) -> int:
+    """Number of programs of the persistent grid."""
+    cores = self.num_cores
+    if cores is None:
+      cores = getattr(jax.devices()[0], "core_count", None) or 132
+    return max(1, self.programs_per_core * int(cores))
+
+  def validate(self) -> None:
+    """Raises ValueError for block sizes the Triton lowering cannot take."""
+    dots = dict(block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
+                down_block_n=self.down_bn, down_block_k=self.down_bk)
+    for name, v in dots.items():
+      if not is_pow2(v) or v < MIN_DOT:
+        raise ValueError(f"Config.{name}={v}: must be a power of two >= {MIN_DOT}")
+    for name in ("combine_block_t", "combine_block_d"):
+      v = getattr(self, name)
+      if not is_pow2(v):
+        raise ValueError(f"Config.{name}={v}: must be a power of two")
+    if self.tile_order not in ("item", "n"):
+      raise ValueError(f"Config.tile_order={self.tile_order!r}: expected 'item' or 'n'")
+    if not is_pow2(self.num_warps):
+      raise ValueError(f"Config.num_warps={self.num_warps}: must be a power of two")
+    if self.num_stages < 0 or self.programs_per_core < 1:
+      raise ValueError(f"Config: num_stages={self.num_stages} must be >= 0, "
+                       f"programs_per_core={self.programs_per_core} >= 1")
+    for name in ("compute_dtype", "h_dtype"):
+      v = getattr(self, name)
+      if v is not None and jnp.dtype(v) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                                                jnp.dtype(jnp.float16)):
+        raise ValueError(f"Config.{name}={v!r}: expected float32, bfloat16 or float16")
+
+  @classmethod
+  def default(cls, *, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
+              dtype=jnp.bfloat16, platform: str = "cuda", **overrides) -> "Config":
+    """Heuristic starting point, checked on one H200 (jax 0.11.2, bf16, V4-Flash D 4096 / I 2048 / E 256 / top-6,
+    uniform routing; see bench.py): 8192 tokens 6.8 ms (≈360 useful TFLOP/s), 2048 tokens 3.9 ms. Of the
+    variants tried there, block_m 64, block_n 64, block_k 128 or 32 and 4 stages were slower or no better.
+
+    Row tile: adaptive, capped at 128 (V4-Flash at 8K tokens has ~192 rows per expert). f32 dots get smaller
+    K tiles (register pressure; the f32 path is the exact-parity path, not the fast one). ROCm gets one pipeline
+    stage (Pallas' ROCm default), CUDA three; gfx1151 numbers do not exist yet.
+    """
+    f32 = jnp.dtype(dtype) == jnp.dtype(jnp.float32)
+    bk_cap = 32 if f32 else 64
+    block_n = max(MIN_DOT, pow2_divisor(intermediate, 128))
+    block_k = max(MIN_DOT, pow2_divisor(hidden, bk_cap))
+    down_n = max(MIN_DOT, pow2_divisor(hidden, 128))
+    down_k = max(MIN_DOT, pow2_divisor(intermediate, bk_cap))
+    rows = -(-num_tokens * top_k // max(num_experts, 1))
+    block_m = 128 if rows > 64 else 64
+    cfg = cls(block_m=block_m, block_n=block_n, block_k=block_k, down_block_n=down_n, down_block_k=down_k,
+              combine_block_t=16, combine_block_d=max(1, pow2_divisor(hidden, 256)),
+              num_warps=8 if block_m * block_n >= 128 * 128 else 4,
+              num_stages=1 if platform == "rocm" else 3)
+    return dataclasses.replace(cfg, **overrides)

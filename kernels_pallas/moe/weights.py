@@ -1,0 +1,108 @@
+"""Expert weight formats as seen by the grouped kernels: a stack [E, N, K] read one [block_n, block_k] tile at a time.
+
+The kernels never index a weight array directly. They call the format's *tile loader*
+
+    load_tile(refs, expert, n_start, k_start, *, block_n, block_k, dtype) -> [block_n, block_k] array of `dtype`
+
+where `refs` are the Pallas refs of the format's `operands` (in order), `expert` is a traced int32 scalar and
+`n_start`/`k_start` are traced multiples of block_n/block_k. A loader must only use `plt.load` on those refs and
+elementwise math, so that it lowers to Triton; the dequantization it applies must be the format's ONE canonical
+dequantization (the same function `dequantize` uses for the reference). `DenseWeights` (bf16/f16/f32) is the
+first such format; a quantized format (codes + per-block scales per expert, e.g. ds4jax.quant.fp4_e2m1) plugs in
+by providing `operands`, `k_multiple` (block_k must be a multiple of its scale block), `compute_dtype`,
+`loader()` and `dequantize()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+F32 = jnp.float32
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+TileLoader = Callable[..., jax.Array]
+
+
+@runtime_checkable
+class ExpertWeights(Protocol):
+  """A stack of E expert matrices [N, K] (PyTorch [out, in] layout) in some storage format."""
+
+  @property
+  def shape(self) -> tuple[int, int, int]: ...          # (E, N, K), logical
+
+  @property
+  def operands(self) -> tuple[jax.Array, ...]: ...      # the arrays handed to pallas_call, in loader order
+
+  @property
+  def compute_dtype(self) -> Any: ...                   # dtype the loader naturally produces (bf16 for codes)
+
+  @property
+  def k_multiple(self) -> int: ...                      # block_k must be a multiple of this
+
+  def loader(self) -> TileLoader: ...                   # static function, see the module docstring
+
+  def dequantize(self) -> jax.Array: ...                # f32 [E, N, K], the canonical dequantization
+
+
+def load_dense_tile(refs: Sequence[Any], expert, n_start, k_start, *, block_n: int, block_k: int, dtype):
+  """Tile loader of `DenseWeights`: a plain [block_n, block_k] load of w[expert] cast to `dtype`."""
+  (w_ref,) = refs
+  tile = plt.load(w_ref.at[expert, pl.ds(n_start, block_n), pl.ds(k_start, block_k)])
+  return tile.astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseWeights:
+  """Unquantized expert stack w [E, N, K] in float32, bfloat16 or float16."""
+
+  w: jax.Array
+
+  @property
+  def shape(self):
+    return tuple(self.w.shape)
+
+  @property
+  def operands(self):
+    return (self.w,)
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.w.dtype)
+
+  @property
+  def k_multiple(self) -> int:
+    return 1
+
+  def loader(self) -> TileLoader:
+    return load_dense_tile
+
+  def dequantize(self) -> jax.Array:
+    return jnp.asarray(self.w).astype(F32)
+
+  def reshape_single(self) -> "DenseWeights":
+    """[N, K] → [1, N, K] (a one-expert stack, for the shared expert)."""
+    return DenseWeights(self.w[None])
+
+
+def as_expert_weights(w, name: str, *, ndim: int = 3) -> ExpertWeights:
+  """Wraps a float array as `DenseWeights`; passes an `ExpertWeights` format through; rejects anything else."""
+  if isinstance(w, ExpertWeights) and not isinstance(w, (jax.Array, np.ndarray)):
+    if len(w.shape) != 3:
+      raise ValueError(f"{name}: expert weight format must have logical shape [E, N, K], got {w.shape}")
+    return w
+  if not hasattr(w, "dtype") or not hasattr(w, "shape"):
+    raise ValueError(f"{name}: expected an array or an ExpertWeights format, got {type(w).__name__}")
+  if jnp.dtype(w.dtype) not in FLOAT_DTYPES:
+    raise ValueError(f"{name}: unknown weight dtype {w.dtype}; expected float32, bfloat16 or float16 "
+                     f"(quantized weights must be wrapped in an ExpertWeights format)")
+  if w.ndim != ndim:
+    raise ValueError(f"{name}: expected a {ndim}-D weight, got shape {tuple(w.shape)}")
+  return DenseWeights(jnp.asarray(w) if ndim == 3 else jnp.asarray(w)[None])
