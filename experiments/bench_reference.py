@@ -7,6 +7,7 @@ preset's schedule (V4-Flash's first 4 are window, window, CSA, HCA). This is the
 measured against, and tells the qualification how long a prefix the exact path can check.
 """
 
+import dataclasses
 import statistics
 import time
 
@@ -16,6 +17,7 @@ import numpy as np
 from absl import app, flags
 
 from ds4jax import config, model
+from ds4jax.quant import policy as quant_policy
 from experiments import run_record
 
 _PRESET = flags.DEFINE_string("preset", "v4_flash", "Model preset.")
@@ -23,6 +25,7 @@ _LAYERS = flags.DEFINE_integer("layers", 4, "Keep the first N layers of the pres
 _TOKENS = flags.DEFINE_list("tokens", ["512", "2048", "4096"], "Prompt lengths.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per length after the compile run.")
 _OUT = flags.DEFINE_string("out", None, "Results JSON (rewritten after every length).")
+quant_policy.define_flag()
 
 
 def main(argv):
@@ -30,12 +33,13 @@ def main(argv):
   full = config.preset(_PRESET.value)
   n = _LAYERS.value
   cfg = full.replace(attention=full.attention[:n], routing=full.routing[:n], name=f"{full.name}[:{n}]")
+  pol = quant_policy.get(flags.FLAGS.quant_policy)
   record = dict(benchmark="reference_prefill", env=run_record.environment(), config=cfg.to_dict(),
-                params=cfg.param_counts()["total"], weights_dtype="bfloat16", math="float32 (precision=highest)",
-                runs=[])
+                params=cfg.param_counts()["total"], weights_dtype="bfloat16", quant_policy=dataclasses.asdict(pol),
+                math="float32 (precision=highest)", runs=[])
   print(f"{cfg.name}: {record['params'] / 1e9:.2f}B params on {record['env']['device_kind']}", flush=True)
   t0 = time.perf_counter()
-  m = model.init_random(cfg, seed=0, dtype=jnp.bfloat16)
+  m = model.init_random(cfg, seed=0, dtype=jnp.bfloat16, policy=pol)
   jax.block_until_ready(m.embed[...])
   record["init_seconds"] = time.perf_counter() - t0
   record["weights_bytes_on_device"] = run_record.peak_device_bytes()

@@ -60,6 +60,19 @@ def main(argv):
   for p in _POLICIES.value:
     pol = quant_policy.get(p)
     print(f"  {p}: dense={pol.dense} gate_up={pol.gate_up} down={pol.down}")
+  if cfg.name == "v4_flash" and "lucebox_mix" in table:
+    print(UPSTREAM_NOTE.format(total=sum(table["lucebox_mix"].values()) / 1e9))
+
+
+UPSTREAM_NOTE = """
+lucebox_mix vs upstream's 98.3 GB "ROCmFPX MIX" GGUF: {total:.1f} GB here. The routed experts match the formats
+(gate/up ROCmFP2-MIX 2.5 bpw, down ROCmFP3-MIX 3.5 bpw, plus two bf16 codebooks per expert). The gap comes from
+  * dense weights: upstream's ROCmFP4_FAST layout is undocumented; the official FP4 E2M1 (4.25 bpw) stands in;
+  * embedding and LM head: bf16 here (2.1 GB); a GGUF usually stores them quantized;
+  * upstream's experts are "adaptive qtype-105/106": some tensors take the 2.5-bit format where this policy uses
+    3.5 bits (all down projections); which ones is not published.
+It fits one 141 GB H200 with room for a 128K-token cache (compressed rows + indexer keys + windows: ~0.9 GB
+in bf16 across the 41 compressed layers) and the prefill activations."""
 
 
 if __name__ == "__main__":

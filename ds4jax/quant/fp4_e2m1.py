@@ -45,7 +45,9 @@ def decode_nibbles(nibbles) -> jnp.ndarray:
   m = n & 1
   twice = jnp.where(e == 0, m, (2 + m) << jnp.maximum(e - 1, 0))  # 2 · |value|, an integer
   magnitude = twice.astype(jnp.float32) * 0.5
-  return jnp.where((n & 8) != 0, -magnitude, magnitude)  # -0.0 for nibble 8, like the table
+  # Apply the sign by a multiply, not a negation: Pallas-Triton lowers `-x` as `0 - x`, which turns -0.0
+  # into +0.0, while a multiply by -1 keeps -0.0 (nibble 8) in XLA and in kernels alike.
+  return magnitude * (1.0 - 2.0 * ((n & 8) != 0).astype(jnp.float32))
 
 
 def unpack(packed) -> jnp.ndarray:

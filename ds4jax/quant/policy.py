@@ -45,10 +45,31 @@ POLICIES = {
 }
 
 
-def get(name: str) -> QuantPolicy:
-  if name not in POLICIES:
-    raise ValueError(f"unknown quantization policy {name!r}; choose one of {sorted(POLICIES)}")
-  return POLICIES[name]
+def get(spec: str) -> QuantPolicy:
+  """A named policy, or a custom one written `dense=FMT,gate_up=FMT,down=FMT` (unnamed roles stay bf16)."""
+  if spec in POLICIES:
+    return POLICIES[spec]
+  if "=" not in spec:
+    raise ValueError(f"unknown quantization policy {spec!r}; choose one of {sorted(POLICIES)} "
+                     "or write dense=FMT,gate_up=FMT,down=FMT")
+  roles = {"dense": "bf16", "gate_up": "bf16", "down": "bf16"}
+  for item in spec.split(","):
+    role, _, fmt = item.partition("=")
+    if role.strip() not in roles:
+      raise ValueError(f"quantization policy {spec!r}: unknown role {role.strip()!r}; roles are {list(roles)}")
+    roles[role.strip()] = formats.get(fmt.strip()).name  # raises with the valid format names
+  return QuantPolicy(spec, **roles)
+
+
+def define_flag(flag_values=None) -> None:
+  """The `--quant_policy` absl flag (entry points only; library code takes a QuantPolicy)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+
+  flags.DEFINE_string(
+      "quant_policy", "bf16",
+      f"Weight format per tensor role: one of {sorted(POLICIES)}, or dense=FMT,gate_up=FMT,down=FMT with FMT in "
+      f"{list(formats.FORMATS)}. lucebox_mix = upstream's artifact (FP2/FP3 MIX experts, 4-bit dense).",
+      flag_values=flags.FLAGS if flag_values is None else flag_values)
 
 
 def check_shape(fmt: formats.Format, shape: tuple[int, ...], what: str) -> None:

@@ -59,7 +59,9 @@ def levels(code) -> jnp.ndarray:
   """float32 level of int codes 0..7: ±{0, 1, 2, 4}[code & 3], negative when bit 2 is set (code 4 → -0.0). Exact."""
   m = code & 3
   magnitude = (m + (m == 3)).astype(jnp.float32)  # 0, 1, 2, 3 → 0, 1, 2, 4 without a table
-  return jnp.where((code & SIGN_BIT) != 0, -magnitude, magnitude)
+  # Sign by a multiply, not a negation: Pallas-Triton lowers `-x` as `0 - x` (+0.0 for code 4 on the H200),
+  # while x * -1 gives -0.0 in XLA and in kernels alike.
+  return magnitude * (1.0 - 2.0 * ((code & SIGN_BIT) != 0).astype(jnp.float32))
 
 
 def dequantize(codes_lo, codes_hi, scales) -> jnp.ndarray:

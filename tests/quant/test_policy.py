@@ -107,3 +107,20 @@ def test_v4_flash_lucebox_mix_fits_one_h200():
   assert 560e9 < total["bf16"] < 575e9
   assert 100e9 < total["lucebox_mix"] < 110e9 < total["official"]
   assert total["lucebox_mix"] + 20e9 < 141e9  # room for a 128K cache and prefill activations
+
+
+def test_custom_policy_spec():
+  pol = quant_policy.get("dense=fp8_e4m3, down=rocmfp3")
+  assert (pol.dense, pol.gate_up, pol.down) == ("fp8_e4m3", "bf16", "rocmfp3")
+  with pytest.raises(ValueError, match="unknown role 'experts'"):
+    quant_policy.get("experts=fp8_e4m3")
+  with pytest.raises(ValueError, match="unknown weight format 'fp1'"):
+    quant_policy.get("dense=fp1")
+
+
+def test_quant_policy_flag():
+  from absl import flags
+  fv = flags.FlagValues()
+  quant_policy.define_flag(fv)
+  fv(["prog", "--quant_policy=lucebox_mix"])
+  assert quant_policy.get(fv.quant_policy) is quant_policy.POLICIES["lucebox_mix"]
