@@ -25,6 +25,7 @@ import dataclasses
 from typing import Any, Mapping
 
 import jax
+import jax.extend
 
 # Boolean switches: name -> (upstream name, help, switches it requires).
 SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -76,6 +77,11 @@ class Features:
     """Pallas kernels run in interpret mode on the CPU."""
     return self.device_class == "cpu_interpret"
 
+  @property
+  def moe_kernels(self) -> bool:
+    """Any MoE switch on: the MoE runs through the Pallas grouped kernels instead of the dense reference."""
+    return any(getattr(self, s) for s in SWITCHES if s.startswith("moe_"))
+
   def on(self) -> list[str]:
     return [s for s in SWITCHES if getattr(self, s)]
 
@@ -104,12 +110,14 @@ def _row(supported: set[str], default_on: set[str]) -> dict[str, Capability]:
 # Only what works is advertised: every switch marked supported here is exercised by a test on that
 # device class (interpret mode for the CPU, a GPU run for sm_90, the offline lowering check for gfx1151).
 # A gfx1151-only default is keyed to "gfx1151", never to all RDNA3.5 (upstream review item 6).
+_MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent", "moe_fused_combine"}
+_MOE_RAN_ON_H200 = _MOE - {"moe_sparse_gate_up"}  # bf16 kernels ran compiled; quantized tiles not yet
 CAPABILITIES: dict[str, dict[str, Capability]] = {
-    "gfx1151": _row(set(), set()),
+    "gfx1151": _row(set(), set()),  # until the offline gfx1151 lowering check passes
     "rdna35_other": _row(set(), set()),
     "rocm_other": _row(set(), set()),
-    "sm_90": _row(set(), set()),
-    "cpu_interpret": _row(set(), set()),
+    "sm_90": _row(_MOE_RAN_ON_H200, _MOE_RAN_ON_H200 - {"moe_persistent"}),  # persistent: experimental, as upstream
+    "cpu_interpret": _row(_MOE, set()),  # interpret mode: parity, not speed, so the exact path is the default
 }
 
 
@@ -179,6 +187,25 @@ def define_flags(flag_values=None) -> None:
                          flag_values=fv)
   for k, (upstream, text, default) in KNOBS.items():
     flags.DEFINE_integer(k, None, f"{text} Upstream: {upstream}. Default: {default}.", flag_values=fv)
+
+
+def pallas_calls(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
+  """(name, grid) of every pallas_call that `fn(*args)` would run, in order: how tests see which path ran."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append((eqn.params["name"], tuple(eqn.params["grid_mapping"].grid)))
+      for v in eqn.params.values():
+        for sub in v if isinstance(v, (tuple, list)) else [v]:
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
 
 
 def from_flags(flag_values, device_cls: str | None = None) -> Features:

@@ -13,6 +13,7 @@ from flax import nnx
 
 from ds4jax.attention import Attention
 from ds4jax.config import DeepseekV4Config
+from ds4jax.features import REFERENCE, Features
 from ds4jax.hyper_connection import HyperConnection, HyperHead
 from ds4jax.layers import F32, Linear, RMSNorm, normal
 from ds4jax.moe import MoE
@@ -32,11 +33,12 @@ class Block(nnx.Module):
     self.ffn_norm = RMSNorm(D, eps)
     self.ffn = MoE(cfg, layer, rngs=rngs, dtype=dtype, policy=policy)
 
-  def __call__(self, X: jnp.ndarray, tokens: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+  def __call__(self, X: jnp.ndarray, tokens: jnp.ndarray, positions: jnp.ndarray,
+               features: Features = REFERENCE) -> jnp.ndarray:
     h, post, comb = self.hc_attn(X)
     X = HyperConnection.merge(X, self.attn(self.attn_norm(h), positions), post, comb)
     h, post, comb = self.hc_ffn(X)
-    return HyperConnection.merge(X, self.ffn(self.ffn_norm(h), tokens), post, comb)
+    return HyperConnection.merge(X, self.ffn(self.ffn_norm(h), tokens, features), post, comb)
 
 
 class DeepseekV4(nnx.Module):
@@ -53,14 +55,17 @@ class DeepseekV4(nnx.Module):
     self.norm = RMSNorm(D, cfg.rms_norm_eps)
     self.head = Linear(D, cfg.vocab_size, rngs=rngs, dtype=dtype)
 
-  def __call__(self, tokens: jnp.ndarray, *, return_streams: bool = False):
-    """With `return_streams`, also returns the [L+1, S, n, D] streams: the embedding, then each layer's output."""
+  def __call__(self, tokens: jnp.ndarray, *, return_streams: bool = False, features: Features = REFERENCE):
+    """With `return_streams`, also returns the [L+1, S, n, D] streams: the embedding, then each layer's output.
+
+    `features` selects the fast paths (Pallas kernels); the default, all off, is the exact reference.
+    """
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     X = jnp.broadcast_to(self.embed[...][tokens].astype(F32)[:, None, :],
                          (tokens.shape[0], self.cfg.hc_mult, self.cfg.hidden_size))
     streams = [X]
     for block in self.layers:
-      X = block(X, tokens, positions)
+      X = block(X, tokens, positions, features)
       streams.append(X)
     logits = self.head(self.norm(self.hc_head(X)))
     return (logits, jnp.stack(streams)) if return_streams else logits
@@ -83,14 +88,16 @@ def check_tokens(tokens, cfg: DeepseekV4Config) -> np.ndarray:
   return t.astype(np.int32)
 
 
-@nnx.jit(static_argnames="return_streams")
-def _forward(model: DeepseekV4, tokens: jnp.ndarray, return_streams: bool = False):
-  return model(tokens, return_streams=return_streams)
+@nnx.jit(static_argnames=("return_streams", "features"))
+def _forward(model: DeepseekV4, tokens: jnp.ndarray, return_streams: bool = False, features: Features = REFERENCE):
+  return model(tokens, return_streams=return_streams, features=features)
 
 
-def forward(model: DeepseekV4, tokens, *, return_streams: bool = False):
-  """Validated, jitted reference prefill: logits [S, vocab] (and the streams if asked)."""
-  return _forward(model, jnp.asarray(check_tokens(tokens, model.cfg)), return_streams=return_streams)
+def forward(model: DeepseekV4, tokens, *, return_streams: bool = False, features: Features = REFERENCE):
+  """Validated, jitted prefill: logits [S, vocab] (and the streams if asked). `features` picks the fast
+  paths; the default is the exact reference."""
+  return _forward(model, jnp.asarray(check_tokens(tokens, model.cfg)), return_streams=return_streams,
+                  features=features)
 
 
 def init_random(cfg: DeepseekV4Config, seed: int = 0, dtype=jnp.bfloat16,

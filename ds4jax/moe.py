@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ds4jax.config import DeepseekV4Config, Routing
+from ds4jax.features import REFERENCE, Features
 from ds4jax.layers import F32, Linear, QuantizedWeight, make_weight, matmul_t, normal
 from ds4jax.quant import formats
 from ds4jax.quant.policy import POLICIES, QuantPolicy
@@ -55,7 +56,7 @@ class Experts(nnx.Module):
 
   def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"]):
     E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    self.limit, self.n_experts = cfg.swiglu_limit, E
+    self.limit, self.n_experts, self.intermediate, self.hidden = cfg.swiglu_limit, E, I, D
     self.w1 = make_weight(rngs, (E, I, D), 0.02, dtype, policy.gate_up)
     self.w2 = make_weight(rngs, (E, D, I), 0.02, dtype, policy.down)
     self.w3 = make_weight(rngs, (E, I, D), 0.02, dtype, policy.gate_up)
@@ -105,6 +106,45 @@ class MoE(nnx.Module):
     self.experts = Experts(cfg, rngs=rngs, dtype=dtype, policy=policy)
     self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype, policy=policy)
 
-  def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray) -> jnp.ndarray:
+  def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray, features: Features = REFERENCE) -> jnp.ndarray:
     weights, idx = self.gate(x, tokens)
-    return self.experts(x, weights, idx) + self.shared_experts(x)
+    if not features.moe_kernels:
+      return self.experts(x, weights, idx) + self.shared_experts(x)
+    return routed_with_kernels(self.experts, x, weights, idx, self.shared_experts(x), features)
+
+
+def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: int):
+  """The grouped-MoE kernel knobs that the feature switches select."""
+  from kernels_pallas import moe as moe_kernels  # pylint: disable=import-outside-toplevel (cycle)
+
+  E, I, D = experts.n_experts, experts.intermediate, experts.hidden
+  forced = dict(block_m=features.moe_tile_rows, adaptive_tile=False) if features.moe_tile_rows else {}
+  return moe_kernels.Config.default(
+      num_tokens=x.shape[0], top_k=top_k, num_experts=E, hidden=D, intermediate=I, dtype=x.dtype,
+      platform="rocm" if features.device_class in ("gfx1151", "rdna35_other", "rocm_other") else "cuda",
+      **(dict(adaptive_tile=features.moe_adaptive_tile, compact_queue=features.moe_compact_queue,
+              persistent=features.moe_persistent, programs_per_core=features.moe_programs_per_core,
+              fused_combine=features.moe_fused_combine) | forced))
+
+
+def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Features) -> jnp.ndarray:
+  """Routed experts + `shared` through the Pallas grouped-MoE kernels (kernels_pallas/moe).
+
+  `moe_sparse_gate_up` feeds the quantized storage to the kernels, which dequantize each tile in-kernel;
+  without it the stacked weights are dequantized first (in XLA, by the same canonical decode) and the
+  kernels read bf16/f32 ("dequantize-then-matmul").
+  """
+  from kernels_pallas import moe as moe_kernels  # pylint: disable=import-outside-toplevel (cycle)
+
+  def kernel_weight(w):
+    if not isinstance(w, QuantizedWeight):
+      return moe_kernels.DenseWeights(w[...])
+    if features.moe_sparse_gate_up:
+      return moe_kernels.QuantizedExpertWeights.from_storage(w.format, w.storage(), w.logical_shape)
+    return moe_kernels.DenseWeights(w.dequantize())
+
+  x = x.astype(F32)
+  return moe_kernels.moe(x, weights, idx, *(kernel_weight(w) for w in (experts.w1, experts.w2, experts.w3)),
+                         swiglu_limit=experts.limit, shared=shared,
+                         config=kernel_config(features, x, experts, idx.shape[1]),
+                         interpret=features.interpret, validate_routes=False)
