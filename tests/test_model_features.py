@@ -65,3 +65,18 @@ def test_all_supported_switches_together(tiny):
   m, ref = tiny
   f = features.resolve(DEVICE, {s: s in SUPPORTED for s in SWITCHES})
   assert nmse(np.asarray(model.forward(m, TOKENS, features=f)), ref) < 1e-10
+
+
+@pytest.mark.parametrize("policy", ["lucebox_mix"])  # MIX experts + FP4 dense; official is covered in kernels tests
+def test_quantized_model_fused_and_dequantize_first_paths(policy):
+  """moe_sparse_gate_up feeds quantized tiles to the kernels (dequantized in-kernel); without it the
+  stacked weights are dequantized first. Both must match the exact reference of the same quantized model."""
+  if not CAPABILITIES[DEVICE]["moe_sparse_gate_up"].supported:
+    pytest.skip(f"moe_sparse_gate_up is not advertised on {DEVICE}")
+  m = model.init_random(config.tiny(hidden_size=128), seed=int(np.random.SeedSequence().entropy % 2**31),
+                        dtype=jnp.float32, policy=policy)
+  ref = np.asarray(model.forward(m, TOKENS))
+  fused = features.resolve(DEVICE, {s: s in ("moe_sparse_gate_up", "moe_compact_queue") for s in SWITCHES})
+  first = features.resolve(DEVICE, {s: s == "moe_compact_queue" for s in SWITCHES})
+  for f in (fused, first):
+    assert nmse(np.asarray(model.forward(m, TOKENS, features=f)), ref) < 1e-10

@@ -38,7 +38,8 @@ F32 = jnp.float32
 
 
 class SharedExpert(NamedTuple):
-  """Shared-expert weights, [out, in] layout: w1/w3 [I_s, D] (gate/up), w2 [D, I_s] (down)."""
+  """Shared-expert weights, [out, in] layout: w1/w3 [I_s, D] (gate/up), w2 [D, I_s] (down); each a float array or
+  a one-expert `ExpertWeights` stack [1, out, in] (e.g. a quantized dense-role weight, `QuantizedExpertWeights`)."""
   w1: jax.Array
   w2: jax.Array
   w3: jax.Array
@@ -83,6 +84,17 @@ def plan(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermed
               kernels=tuple(kernels))
 
 
+def _is_format(w) -> bool:
+  return isinstance(w, ExpertWeights) and not isinstance(w, (jax.Array, np.ndarray))
+
+
+def _shared_shape(w) -> tuple[int, ...]:
+  """[out, in] of a shared-expert weight: an array's shape, or a one-expert format's [1, out, in] without the 1."""
+  if _is_format(w):
+    return tuple(w.shape[1:]) if w.shape[0] == 1 else tuple(w.shape)
+  return tuple(jnp.shape(w))
+
+
 def _check(x, route_weights, route_ids, w1: ExpertWeights, w2: ExpertWeights, w3: ExpertWeights, shared,
            config: Config):
   config.validate()
@@ -117,7 +129,7 @@ def _check(x, route_weights, route_ids, w1: ExpertWeights, w2: ExpertWeights, w3
   if config.fused_combine and D % config.combine_block_d:
     raise ValueError(f"hidden size D={D} is not a multiple of combine_block_d={config.combine_block_d}")
   if isinstance(shared, SharedExpert):
-    s1, s2, s3 = (jnp.shape(a) for a in shared)
+    s1, s2, s3 = (_shared_shape(a) for a in shared)
     Is = s1[0] if len(s1) == 2 else -1
     if len(s1) != 2 or s1 != s3 or s1[1] != D or tuple(s2) != (D, Is):
       raise ValueError(f"shared expert shapes w1 {s1}, w2 {s2}, w3 {s3} must be [I_s, D], [D, I_s], [I_s, D] "
@@ -210,7 +222,7 @@ def moe_reference(x, route_weights, route_ids, w1, w2, w3, *, swiglu_limit: floa
 
   y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, F32), (w1, w2, w3, combine.T))
   if isinstance(shared, (tuple, list)):
-    s1, s2, s3 = shared
+    s1, s2, s3 = (w.dequantize()[0] if _is_format(w) else w for w in shared)
     y = y + matmul_t(clamped_swiglu(matmul_t(x, s1), matmul_t(x, s3), swiglu_limit), s2)
   elif shared is not None:
     y = y + jnp.asarray(shared, F32)

@@ -76,6 +76,8 @@ def check_shapes(h, w2: ExpertWeights, r: Routing, block_n: int, block_k: int) -
                      f"block_k={block_k}")
   if block_k % w2.k_multiple:
     raise ValueError(f"w2: down block_k={block_k} must be a multiple of the format's {w2.k_multiple}-value block")
+  if hasattr(w2, "check_blocks"):  # format-specific tiling rules (quantized_weights.py)
+    w2.check_blocks(block_n, block_k, "down w2")
 
 
 def down(h: jax.Array, w2, r: Routing, *, config: Config, compute_dtype=None, interpret: bool = False,

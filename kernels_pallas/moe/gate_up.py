@@ -119,6 +119,8 @@ def check_shapes(x, w1: ExpertWeights, w3: ExpertWeights, r: Routing, block_n: i
   for name, w in (("w1", w1), ("w3", w3)):
     if block_k % w.k_multiple:
       raise ValueError(f"{name}: block_k={block_k} must be a multiple of the format's {w.k_multiple}-value block")
+    if hasattr(w, "check_blocks"):  # format-specific tiling rules (quantized_weights.py)
+      w.check_blocks(block_n, block_k, f"gate/up {name}")
 
 
 def gate_up(x: jax.Array, w1, w3, r: Routing, *, swiglu_limit: float, config: Config,

@@ -8,9 +8,10 @@ where `refs` are the Pallas refs of the format's `operands` (in order), `expert`
 `n_start`/`k_start` are traced multiples of block_n/block_k. A loader must only use `plt.load` on those refs and
 elementwise math, so that it lowers to Triton; the dequantization it applies must be the format's ONE canonical
 dequantization (the same function `dequantize` uses for the reference). `DenseWeights` (bf16/f16/f32) is the
-first such format; a quantized format (codes + per-block scales per expert, e.g. ds4jax.quant.fp4_e2m1) plugs in
-by providing `operands`, `k_multiple` (block_k must be a multiple of its scale block), `compute_dtype`,
-`loader()` and `dequantize()`.
+first such format; the ds4jax.quant formats are `QuantizedExpertWeights` (quantized_weights.py). A format provides
+`operands`, `k_multiple` (block_k must be a multiple of its scale block), `compute_dtype`, `loader()` and
+`dequantize()`, and optionally `check_blocks(block_n, block_k, what)`, which the kernels call to reject tilings the
+format cannot take (ValueError naming format, dims and blocks).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ds4jax.features import pallas_calls
 from kernels_pallas.moe import (Config, SharedExpert, api, down, gate_up, moe, moe_reference, nmse,
                                 plan, routing)
 
@@ -241,23 +242,6 @@ def test_hypothesis_random_shapes(S, K, E_, D_, I_, flags, p_mask, seed):
 
 # ---- the knobs change what runs ----------------------------------------------------------------------------------
 
-def pallas_calls(fn, *args):
-  """(name, grid) of every pallas_call in fn's jaxpr, in order."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found.append((eqn.params["name"], tuple(eqn.params["grid_mapping"].grid)))
-      for v in eqn.params.values():
-        for sub in (v if isinstance(v, (tuple, list)) else [v]):
-          if isinstance(sub, jax.extend.core.ClosedJaxpr):
-            walk(sub.jaxpr)
-          elif isinstance(sub, jax.extend.core.Jaxpr):
-            walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
 
 
 @pytest.mark.parametrize("knob", ["baseline", "adaptive_tile", "compact_queue", "persistent", "fused_combine",

@@ -1,0 +1,155 @@
+"""The MoE issue's benchmark: grouped gate/up and down at V4-Flash shapes against the baselines, in one run.
+
+    python -m experiments.bench_moe --out=experiments/results/moe_h200.json [--tokens=512,2048,8192,32768]
+
+Per (tokens, routing): our bf16 gate/up and whole MoE, our rocmfp2_mix gate/up and rocmfp3_mix down
+(quantized tiles dequantized in-kernel), `jax.lax.ragged_dot` gate/up (where memory allows),
+`torch._grouped_mm` gate/up (when torch with CUDA is importable), and a dense bf16 GEMM with the same FLOPs
+as the gate/up, measured in the same run. Every number is also given as a fraction of that dense GEMM.
+`--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
+Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.
+"""
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from ds4jax.quant import formats
+from ds4jax.quant import policy as quant_policy
+from experiments import run_record
+from kernels_pallas import moe as moe_kernels
+from kernels_pallas.moe import api, gate_up, routing
+
+_TOKENS = flags.DEFINE_list("tokens", ["512", "2048", "8192", "32768"], "Token counts.")
+_ROUTINGS = flags.DEFINE_list("routings", ["uniform", "zipf"], "Routing distributions.")
+_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (median).")
+_OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes, interpret mode (CPU check of the script).")
+
+FLASH = dict(D=4096, I=2048, E=256, K=6)
+SMOKE = dict(D=128, I=64, E=8, K=2)
+
+
+def route_ids(key, S, E, K, kind):
+  """[S, K] distinct expert ids per token: uniform, or Zipf(1) popularity over experts (skewed load)."""
+  logits = jnp.zeros((E,)) if kind == "uniform" else -jnp.log(jnp.arange(1, E + 1, dtype=jnp.float32))
+  gumbel = jax.random.gumbel(key, (S, E))
+  return jax.lax.top_k(logits[None, :] + gumbel, K)[1].astype(jnp.int32)
+
+
+def timeit(f, *args, n):
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(n):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t)
+  return statistics.median(ts)
+
+
+def torch_grouped_mm_seconds(x_sorted, w13, group_sizes, n):
+  """torch._grouped_mm on the same sorted rows; None where torch/CUDA is missing."""
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+    if not torch.cuda.is_available():
+      return None
+  except ImportError:
+    return None
+  a = torch.from_dlpack(x_sorted)
+  b = torch.from_dlpack(w13)  # [E, D, 2I]
+  offs = torch.from_dlpack(jnp.cumsum(group_sizes).astype(jnp.int32))
+  f = lambda: torch._grouped_mm(a, b, offs=offs)  # noqa: E731
+  f()
+  torch.cuda.synchronize()
+  ts = []
+  for _ in range(n):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    f()
+    end.record()
+    torch.cuda.synchronize()
+    ts.append(start.elapsed_time(end) / 1e3)
+  return statistics.median(ts)
+
+
+def main(argv):
+  del argv
+  dims = SMOKE if _SMOKE.value else FLASH
+  D, I, E, K = dims["D"], dims["I"], dims["E"], dims["K"]
+  interpret = _SMOKE.value
+  n = 2 if _SMOKE.value else _REPEATS.value
+  tokens = [16, 64] if _SMOKE.value else [int(t) for t in _TOKENS.value]
+  record = dict(benchmark="moe", env=run_record.environment(), dims=dims, smoke=_SMOKE.value, runs=[])
+
+  def save(run):
+    record["runs"].append(run)
+    print(run, flush=True)
+    if _OUT.value:
+      run_record.write_json(_OUT.value, record)
+
+  keys = jax.random.split(jax.random.key(0), 8)
+  w1 = (jax.random.normal(keys[0], (E, I, D)) * D**-0.5).astype(jnp.bfloat16)
+  w3 = (jax.random.normal(keys[1], (E, I, D)) * D**-0.5).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[2], (E, D, I)) * I**-0.5).astype(jnp.bfloat16)
+  mix2, mix3 = formats.get("rocmfp2_mix"), formats.get("rocmfp3_mix")
+  q1 = moe_kernels.QuantizedExpertWeights.from_storage(
+      "rocmfp2_mix", quant_policy.random_storage(mix2, (E, I, D), keys[3], D**-0.5), (E, I, D))
+  q3 = moe_kernels.QuantizedExpertWeights.from_storage(
+      "rocmfp2_mix", quant_policy.random_storage(mix2, (E, I, D), keys[4], D**-0.5), (E, I, D))
+  q2 = moe_kernels.QuantizedExpertWeights.from_storage(
+      "rocmfp3_mix", quant_policy.random_storage(mix3, (E, D, I), keys[5], I**-0.5), (E, D, I))
+
+  for S in tokens:
+    for kind in _ROUTINGS.value:
+      x = jax.random.normal(keys[6], (S, D)).astype(jnp.bfloat16)
+      ids = route_ids(keys[7], S, E, K, kind)
+      rw = jnp.full((S, K), 1.0 / K, jnp.float32)
+      gate_up_flops = 2 * S * K * D * 2 * I
+      base = dict(tokens=S, routing=kind, gate_up_flops=gate_up_flops)
+      cfg = moe_kernels.Config.default(num_tokens=S, top_k=K, num_experts=E, hidden=D, intermediate=I)
+      kcfg = api._kernel_config(cfg)  # pylint: disable=protected-access
+      r = jax.jit(lambda i, bm=cfg.row_tile(S * K, E): routing.route(i, E, bm))(ids)
+
+      def measure(name, f, *args, flops=gate_up_flops):
+        try:
+          sec = timeit(jax.jit(f), *args, n=n)
+          save(base | dict(contender=name, seconds=sec, tflops=flops / sec / 1e12))
+        except Exception as e:  # noqa: BLE001 -- an OOM in one contender must not stop the others
+          save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+
+      dense_a = jnp.ones((S * K, D), jnp.bfloat16)
+      dense_b = jnp.ones((D, 2 * I), jnp.bfloat16)
+      measure("dense_bf16_gemm", lambda a, b: a @ b, dense_a, dense_b)
+      measure("ours_bf16_gate_up",
+              lambda x, r: gate_up.gate_up(x, w1, w3, r, swiglu_limit=10.0, config=kcfg, interpret=interpret), x, r)
+      measure("ours_rocmfp2_mix_gate_up",
+              lambda x, r: gate_up.gate_up(x, q1, q3, r, swiglu_limit=10.0, config=kcfg, interpret=interpret), x, r)
+      measure("ours_bf16_moe", lambda x, w, i: moe_kernels.moe(x, w, i, w1, w2, w3, swiglu_limit=10.0, config=cfg,
+                                                              interpret=interpret, validate_routes=False),
+              x, rw, ids, flops=gate_up_flops * 3 // 2)
+      measure("ours_mix_moe (rocmfp2_mix gate/up, rocmfp3_mix down)",
+              lambda x, w, i: moe_kernels.moe(x, w, i, q1, q2, q3, swiglu_limit=10.0, config=cfg,
+                                              interpret=interpret, validate_routes=False),
+              x, rw, ids, flops=gate_up_flops * 3 // 2)
+      x_sorted = x[r.token_of_row]
+      sizes = jnp.bincount(jnp.where(ids >= 0, ids, E).reshape(-1), length=E + 1)[:E].astype(jnp.int32)
+      w13 = jnp.concatenate([w1, w3], axis=1).transpose(0, 2, 1)  # [E, D, 2I]
+      measure("jax_ragged_dot_gate_up", lambda a, b, g: jax.lax.ragged_dot(a, b, g), x_sorted, w13, sizes)
+      if not _SMOKE.value:
+        sec = torch_grouped_mm_seconds(x_sorted, w13, sizes, n)
+        save(base | dict(contender="torch_grouped_mm_gate_up",
+                         **(dict(seconds=sec, tflops=gate_up_flops / sec / 1e12) if sec else dict(error="no torch"))))
+      dense = next((x["tflops"] for x in record["runs"] if x.get("contender") == "dense_bf16_gemm"
+                    and x["tokens"] == S and x["routing"] == kind and "tflops" in x), None)
+      for x_ in record["runs"]:
+        if x_["tokens"] == S and x_["routing"] == kind and "tflops" in x_ and dense:
+          x_["fraction_of_dense_gemm"] = x_["tflops"] / dense
+      if _OUT.value:
+        run_record.write_json(_OUT.value, record)
+
+
+if __name__ == "__main__":
+  app.run(main)
