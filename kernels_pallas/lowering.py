@@ -1,0 +1,368 @@
+"""Offline lowering check of Pallas-Triton kernels for AMD gfx1151 (and NVIDIA sm_90): no GPU needed.
+
+    kernels = lower_kernels(fn, args, "rocm")                # one TritonKernel per pallas_call in fn
+    for k in kernels:
+      stats = compile_hip(k.ttir, "gfx1151", num_warps=k.num_warps, num_stages=k.num_stages)
+      print(k.name, stats["lds_bytes"], stats["vgpr"], check(stats))   # check → [] when within limits
+
+The recipe (/work/shared/reference/pallas-notes.md §8):
+  1. Lower `jax.jit(fn)` for an abstract GPU (`AbstractDevice(device_kind="gfx1151", platform="rocm")`); `args` are
+     `jax.ShapeDtypeStruct`s, nothing is allocated.
+  2. Every Pallas-Triton kernel is a `stablehlo.custom_call @__gpu$xla.gpu.triton` whose `mhlo.backend_config`
+     holds `name`, `num_warps`, `num_stages`, `grid_x/y/z` and `ir`, the `tt`-dialect module as MLIR bytecode.
+  3. The bytecode is re-printed as text with jaxlib's own MLIR (PyPI triton cannot read jaxlib's bytecode).
+  4. triton 3.9.0 (the `lowering` extra) parses the text and runs ALL its stages from `make_ttir` (ttir → ttgir →
+     llir → amdgcn → hsaco, or → ptx for CUDA). Starting after make_ttir, as `triton.compile("k.ttir")` does,
+     skips the inliner/combine/CSE/LICM passes that XLA's pipeline runs and overstates spills.
+  5. Numbers: LDS = `metadata["shared"]` (Triton's LDS is dynamic, so the code object's group segment is 0);
+     VGPR/SGPR, spills, scratch (`.private_segment_fixed_size`), `; Occupancy:` (waves per SIMD) and the number of
+     `v_wmma` instructions come from the amdgcn text. CUDA: registers, spill bytes and stack from `ptxas -v`
+     (the wheel's ptxas), shared memory from `metadata["shared"]`, MMA count from the PTX.
+  6. `check` applies the limits Triton does not enforce at compile time: LDS ≤ 64 KiB per workgroup on gfx11, no
+     VGPR spills, no scratch.
+
+This is a close proxy, not XLA's exact compiler: on the device XLA runs its vendored Triton with its own pipeline;
+LDS should match closely, VGPR and spill counts may drift. Relies on JAX internals of jax/jaxlib 0.11.2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+import time
+import warnings
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+
+TRITON_VERSION = "3.9.0"
+INSTALL_HINT = "pip install -e '.[lowering]'  (installs triton==3.9.0)"
+CUSTOM_CALL = "__gpu$xla.gpu.triton"
+LDS_LIMIT = 65536          # bytes of LDS per workgroup on gfx11 (RDNA3/3.5)
+SMEM_LIMIT_SM90 = 232448   # 227 KiB: the opt-in dynamic shared memory per block on H100/H200
+DEFAULT_DEVICE_KIND = {"rocm": "gfx1151", "cuda": "NVIDIA H200"}
+
+
+class TritonKernel(NamedTuple):
+  """One Pallas-Triton kernel as XLA would receive it."""
+  name: str
+  num_warps: int
+  num_stages: int
+  grid: tuple[int, int, int]
+  ttir: str                # the tt-dialect module as text (parseable by triton 3.9.0)
+
+
+# ---- triton import ----------------------------------------------------------------------------------------------
+
+def _triton():
+  """Imports triton, with a clear error when the `lowering` extra is missing."""
+  os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default; silences a warning
+  try:
+    import triton  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(f"the offline lowering check needs triton=={TRITON_VERSION}, which is not installed: "
+                      f"{INSTALL_HINT}") from e
+  if triton.__version__ != TRITON_VERSION:
+    warnings.warn(f"the lowering check was validated with triton=={TRITON_VERSION}, found {triton.__version__}; "
+                  f"numbers may differ ({INSTALL_HINT})", stacklevel=3)
+  return triton
+
+
+def triton_available() -> bool:
+  try:
+    _triton()
+  except ImportError:
+    return False
+  return True
+
+
+# ---- step 1-3: lower and extract ---------------------------------------------------------------------------------
+
+def lower_kernels(fn: Callable, args: Sequence[Any], platform: str, *, device_kind: str | None = None,
+                  kwargs: dict | None = None) -> list[TritonKernel]:
+  """Lowers `jax.jit(fn)(*args)` for an abstract `platform` GPU ("rocm" or "cuda") and returns its Pallas-Triton
+  kernels in program order. `args` may be ShapeDtypeStructs. `device_kind` defaults to "gfx1151" (ROCm: the
+  gfx name, a marketing name fails) or "NVIDIA H200" (CUDA). The ROCm lowering does not depend on the gfx arch;
+  compilation does (pass the arch to `compile_hip`)."""
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh  # pylint: disable=import-outside-toplevel
+
+  if platform not in DEFAULT_DEVICE_KIND:
+    raise ValueError(f"platform must be 'rocm' or 'cuda', got {platform!r}")
+  kind = device_kind or DEFAULT_DEVICE_KIND[platform]
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=kind, num_cores=None,
+                                                                   platform=platform))
+  jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+  with use_abstract_mesh(mesh):
+    lowered = jitted.trace(*args, **(kwargs or {})).lower(lowering_platforms=(platform,))
+  return kernels_of(lowered.compiler_ir("stablehlo"))
+
+
+def _walk(op, out: list) -> None:
+  for region in op.regions:
+    for block in region.blocks:
+      for child in block.operations:
+        o = child.operation
+        if o.name == "stablehlo.custom_call" and "call_target_name" in o.attributes:
+          if o.attributes["call_target_name"].value == CUSTOM_CALL:
+            out.append(o)
+        _walk(o, out)
+
+
+def _int(attr) -> int:
+  return int(attr.value)
+
+
+def kernels_of(module) -> list[TritonKernel]:
+  """The Triton kernels of a lowered StableHLO module (jaxlib `ir.Module`)."""
+  calls: list = []
+  _walk(module.operation, calls)
+  kernels = []
+  for op in calls:
+    cfg = op.attributes["mhlo.backend_config"]
+    kernels.append(TritonKernel(
+        name=cfg["name"].value, num_warps=_int(cfg["num_warps"]), num_stages=_int(cfg["num_stages"]),
+        grid=(_int(cfg["grid_x"]), _int(cfg["grid_y"]), _int(cfg["grid_z"])),
+        ttir=bytecode_to_text(cfg["ir"].value_bytes)))
+  return kernels
+
+
+def bytecode_to_text(data: bytes) -> str:
+  """jaxlib's tt-dialect MLIR bytecode → text (without debug locations), via jaxlib's MLIR."""
+  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  from jaxlib.triton import dialect  # pylint: disable=import-outside-toplevel
+
+  with ir.Context() as ctx:
+    dialect.register_dialect(ctx)
+    module = ir.Module.parse(data)
+    return module.operation.get_asm(enable_debug_info=False)
+
+
+# ---- step 4-5: compile ------------------------------------------------------------------------------------------
+
+def _run_stages(ttir: str, target, opts: dict, *, stop_after: str | None = None):
+  """Parses `ttir` with triton and runs every stage of the backend from make_ttir on. Returns (stage outputs,
+  metadata, seconds)."""
+  _triton()
+  # pylint: disable=import-outside-toplevel
+  from triton._C.libtriton import ir as tir
+  from triton.backends.compiler import Language
+  from triton.compiler.compiler import make_backend
+
+  backend = make_backend(target)
+  options = backend.parse_options(dict(opts))
+  ctx = tir.context()
+  tir.load_dialects(ctx)
+  backend.load_dialects(ctx)
+  t0 = time.perf_counter()
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "kernel.ttir")
+    with open(path, "w") as f:
+      f.write(ttir)
+    module = tir.parse_mlir_module(path, ctx)
+  module.context = ctx
+  stages: dict = {}
+  backend.add_stages(stages, options, Language.TRITON)
+  metadata = {"hash": "offline", "target": target, **options.__dict__}
+  out = {}
+  src = module
+  for ext, stage in stages.items():
+    src = stage(src, metadata)
+    out[ext] = src
+    if ext == stop_after:
+      break
+  return out, metadata, time.perf_counter() - t0
+
+
+def _field(text: str, key: str) -> int | None:
+  m = re.search(rf"^\s*{re.escape(key)}:\s*(\d+)", text, re.M)
+  return int(m.group(1)) if m else None
+
+
+def compile_hip(ttir: str, arch: str = "gfx1151", num_warps: int = 4, num_stages: int = 1, *,
+                keep_asm: bool = False) -> dict:
+  """Compiles tt-dialect text to an AMD code object with triton's HIP backend (wave32 on gfx ≥ 10) and returns
+  lds_bytes, vgpr, sgpr, vgpr_spills, sgpr_spills, scratch_bytes, occupancy (waves/SIMD), wmma (count of v_wmma
+  instructions), compile_s (+ "amdgcn" when keep_asm)."""
+  _triton()
+  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+
+  warp = 64 if arch.startswith("gfx9") else 32
+  out, md, secs = _run_stages(ttir, GPUTarget("hip", arch, warp), dict(num_warps=num_warps, num_stages=num_stages))
+  asm = out["amdgcn"]
+  occ = re.search(r";\s*Occupancy:\s*(\d+)", asm)
+  stats = dict(backend="hip", arch=arch, name=md.get("name"), num_warps=num_warps, num_stages=num_stages,
+               lds_bytes=int(md["shared"] or 0), vgpr=_field(asm, ".vgpr_count"), sgpr=_field(asm, ".sgpr_count"),
+               vgpr_spills=_field(asm, ".vgpr_spill_count") or 0, sgpr_spills=_field(asm, ".sgpr_spill_count") or 0,
+               scratch_bytes=_field(asm, ".private_segment_fixed_size") or 0,
+               occupancy=int(occ.group(1)) if occ else None,
+               wmma=len(re.findall(r"^\s*v_wmma_", asm, re.M)), hsaco_bytes=len(out["hsaco"]),
+               compile_s=round(secs, 3))
+  if keep_asm:
+    stats["amdgcn"] = asm
+  return stats
+
+
+def compile_cuda(ttir: str, capability: int = 90, num_warps: int = 4, num_stages: int = 3, *,
+                 keep_asm: bool = False) -> dict:
+  """Compiles tt-dialect text to PTX with triton's CUDA backend and runs the wheel's `ptxas -v` for sm_<cap>(a).
+  Returns smem_bytes, registers, spill_stores/spill_loads (bytes), stack_bytes, mma (count of mma/wgmma
+  instructions in the PTX), compile_s (+ "ptx" when keep_asm)."""
+  _triton()
+  # pylint: disable=import-outside-toplevel
+  from triton.backends.compiler import GPUTarget
+  from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+  out, md, secs = _run_stages(ttir, GPUTarget("cuda", capability, 32),
+                              dict(num_warps=num_warps, num_stages=num_stages), stop_after="ptx")
+  ptx = out["ptx"]
+  t0 = time.perf_counter()
+  with tempfile.TemporaryDirectory() as tmp:
+    src = os.path.join(tmp, "kernel.ptx")
+    with open(src, "w") as f:
+      f.write(ptx)
+    cmd = [get_ptxas(capability).path, "-v", f"--gpu-name={sm_arch_from_capability(capability)}", src,
+           "-o", os.path.join(tmp, "kernel.cubin")]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if res.returncode:
+    raise RuntimeError(f"ptxas failed ({res.returncode}) on kernel {md.get('name')}:\n{res.stderr[-4000:]}")
+  log = res.stderr + res.stdout
+  grab = lambda pat: int(m.group(1)) if (m := re.search(pat, log)) else 0
+  stats = dict(backend="cuda", arch=f"sm_{capability}", name=md.get("name"), num_warps=num_warps,
+               num_stages=num_stages, smem_bytes=int(md["shared"] or 0),
+               registers=grab(r"Used (\d+) registers"), spill_stores=grab(r"(\d+) bytes spill stores"),
+               spill_loads=grab(r"(\d+) bytes spill loads"), stack_bytes=grab(r"(\d+) bytes stack frame"),
+               mma=len(re.findall(r"^\s*(?:wgmma\.mma_async|mma\.sync)", ptx, re.M)),
+               compile_s=round(secs + time.perf_counter() - t0, 3))
+  if keep_asm:
+    stats["ptx"] = ptx
+  return stats
+
+
+# ---- step 6: limits ---------------------------------------------------------------------------------------------
+
+def check(stats: dict, lds_limit: int = LDS_LIMIT, smem_limit: int = SMEM_LIMIT_SM90) -> list[str]:
+  """The limit violations of one compiled kernel ([] when within limits). HIP: LDS > lds_limit (Triton does not
+  reject it; the runtime refuses to launch), VGPR spills > 0, scratch > 0. CUDA: shared memory > smem_limit,
+  spill bytes > 0."""
+  v = []
+  if stats.get("backend") == "cuda":
+    if stats["smem_bytes"] > smem_limit:
+      v.append(f"shared memory {stats['smem_bytes']} B > {smem_limit} B")
+    if stats["spill_stores"] or stats["spill_loads"]:
+      v.append(f"register spills: {stats['spill_stores']} B stored / {stats['spill_loads']} B loaded")
+    return v
+  if stats["lds_bytes"] > lds_limit:
+    v.append(f"LDS {stats['lds_bytes']} B > {lds_limit} B")
+  if stats["vgpr_spills"]:
+    v.append(f"{stats['vgpr_spills']} VGPR spills")
+  if stats["scratch_bytes"]:
+    v.append(f"{stats['scratch_bytes']} B scratch")
+  return v
+
+
+# ---- batch compilation ------------------------------------------------------------------------------------------
+
+def compile_kernel(kernel: TritonKernel, target: str) -> dict:
+  """Compiles one kernel for `target` ("gfx1151", "gfx1150", …, or "sm_90") with its own warps/stages; an error
+  is returned as {"error": ...} rather than raised (one bad kernel must not hide the others)."""
+  try:
+    if target.startswith("sm_"):
+      return compile_cuda(kernel.ttir, int(target[3:]), num_warps=kernel.num_warps, num_stages=kernel.num_stages)
+    return compile_hip(kernel.ttir, target, num_warps=kernel.num_warps, num_stages=kernel.num_stages)
+  except Exception as e:  # pylint: disable=broad-except
+    return dict(backend="cuda" if target.startswith("sm_") else "hip", arch=target, name=kernel.name,
+                error=f"{type(e).__name__}: {e}"[:2000])
+
+
+def _compile_job(job):
+  kernel, target = job
+  return compile_kernel(kernel, target)
+
+
+def compile_many(jobs: Sequence[tuple[TritonKernel, str]], processes: int = 1) -> list[dict]:
+  """`compile_kernel` over (kernel, target) pairs, in `processes` spawned worker processes (triton compiles are
+  single-threaded; each takes ~0.1–20 s and ~300 MB). Identical (module, target, warps, stages) jobs are compiled
+  once. Workers are spawned, so a calling script needs the usual `if __name__ == "__main__":` guard."""
+  _triton()
+  key = lambda j: (j[0].ttir, j[0].num_warps, j[0].num_stages, j[1])
+  unique = list({key(j): j for j in jobs}.values())
+  if processes > 1 and len(unique) > 1:
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    import multiprocessing  # pylint: disable=import-outside-toplevel
+    with concurrent.futures.ProcessPoolExecutor(min(processes, len(unique)),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+      results = list(pool.map(_compile_job, unique))
+  else:
+    results = [_compile_job(j) for j in unique]
+  done = {key(j): r for j, r in zip(unique, results)}
+  return [dict(done[key(j)], name=j[0].name) for j in jobs]
+
+
+# ---- ds4jax's shipped kernels -----------------------------------------------------------------------------------
+
+# V4-Flash routed experts (ds4jax.config.v4_flash): hidden 4096, expert intermediate 2048, 256 experts, top-6.
+V4_FLASH_MOE = dict(hidden=4096, intermediate=2048, num_experts=256, top_k=6)
+
+
+class Case(NamedTuple):
+  """A jittable function whose Pallas kernels ds4jax would launch, with abstract arguments."""
+  label: str               # e.g. "moe bf16 8192 tok"
+  fmt: str                 # weight format
+  tokens: int
+  platform: str            # "rocm" | "cuda"
+  config: Any              # kernels_pallas.moe.Config
+  fn: Callable
+  args: tuple
+
+
+def moe_case(fmt: str = "bf16", tokens: int = 8192, platform: str = "rocm", *, config=None,
+             x_dtype=None, shapes: dict | None = None, **config_overrides) -> Case:
+  """The grouped MoE (kernels_pallas/moe `moe`: gate_up, down, combine) at V4-Flash shapes with `fmt` expert
+  weights ("bf16" or a quantized format of kernels_pallas.moe.quantized_weights), bf16 activations and the shared
+  expert's output precomputed (as ds4jax.moe passes it). `config=None` takes what ds4jax would ship for the
+  platform: `Config.default(..., platform=...)` (+ `config_overrides`)."""
+  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
+  from kernels_pallas.moe import Config, moe
+
+  s = dict(V4_FLASH_MOE, **(shapes or {}))
+  S, K, E, D, I = tokens, s["top_k"], s["num_experts"], s["hidden"], s["intermediate"]
+  x_dtype = jnp.dtype(x_dtype or jnp.bfloat16)
+  if config is None:
+    config = Config.default(num_tokens=S, top_k=K, num_experts=E, hidden=D, intermediate=I, dtype=x_dtype,
+                            platform=platform, **config_overrides)
+  sds = jax.ShapeDtypeStruct
+  if fmt == "bf16":
+    w13, w2 = sds((E, I, D), jnp.bfloat16), sds((E, D, I), jnp.bfloat16)
+    wrap = lambda w, shape: w
+  else:
+    from ds4jax.quant import formats
+    from kernels_pallas.moe.quantized_weights import QuantizedExpertWeights
+    storage = lambda shape: {n: sds(sh, dt) for n, (sh, dt) in formats.get(fmt).storage(shape).items()}
+    w13, w2 = storage((E, I, D)), storage((E, D, I))
+    wrap = lambda w, shape: QuantizedExpertWeights.from_storage(fmt, w, shape)
+
+  def fn(x, route_weights, route_ids, w1, w2_, w3, shared):
+    return moe(x, route_weights, route_ids, wrap(w1, (E, I, D)), wrap(w2_, (E, D, I)), wrap(w3, (E, I, D)),
+               swiglu_limit=10.0, shared=shared, config=config, validate_routes=False)
+
+  args = (sds((S, D), x_dtype), sds((S, K), jnp.float32), sds((S, K), jnp.int32), w13, w2, w13,
+          sds((S, D), jnp.float32))
+  return Case(f"moe {fmt} {S} tok", fmt, S, platform, config, fn, args)
+
+
+def moe_kernel_config(kernel_name: str, config, tokens: int, shapes: dict | None = None) -> str:
+  """The knobs one MoE kernel was built with, e.g. 'm128 n128 k64 w8 s1' (m = the row tile actually used,
+  the adaptive tile capped at block_m)."""
+  s = dict(V4_FLASH_MOE, **(shapes or {}))
+  bm = config.row_tile(tokens * s["top_k"], s["num_experts"])
+  cap = "" if bm == config.block_m else f"/{config.block_m}"
+  if "gate_up" in kernel_name:
+    return f"m{bm}{cap} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.num_stages}"
+  if "down" in kernel_name:
+    return f"m{bm}{cap} n{config.down_bn} k{config.down_bk} w{config.num_warps} s{config.num_stages}"
+  if "combine" in kernel_name:
+    return f"t{config.combine_block_t} d{config.combine_block_d} w{config.num_warps} s1"
+  return f"w{config.num_warps} s{config.num_stages}"
