@@ -143,8 +143,12 @@ class Config:
     down_k = max(MIN_DOT, pow2_divisor(intermediate, bk_cap))
     rows = -(-num_tokens * top_k // max(num_experts, 1))
     block_m = 128 if rows > 64 else 64
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    if platform == "rocm":
+      # gfx1151 (offline lowering check, experiments/results/lowering_gfx1151.md): twice the warps and K tiles
+      # of 32 remove every VGPR spill for all formats (the 8/4-warp, k64 configs spill up to 378 VGPRs).
+      num_warps, block_k, down_k = 2 * num_warps, min(block_k, 32), min(down_k, 32)
     cfg = cls(block_m=block_m, block_n=block_n, block_k=block_k, down_block_n=down_n, down_block_k=down_k,
               combine_block_t=16, combine_block_d=max(1, pow2_divisor(hidden, 256)),
-              num_warps=8 if block_m * block_n >= 128 * 128 else 4,
-              num_stages=1 if platform == "rocm" else 3)
+              num_warps=num_warps, num_stages=1 if platform == "rocm" else 3)
     return dataclasses.replace(cfg, **overrides)
