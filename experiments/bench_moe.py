@@ -11,7 +11,6 @@ Results are rewritten after every measurement, so a crash or OOM loses nothing a
 """
 
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from ds4jax.quant import policy as quant_policy
 from experiments import run_record
 from kernels_pallas import moe as moe_kernels
 from kernels_pallas.moe import api, gate_up, routing
+from kernels_pallas.moe import bench as kernel_bench
 
 _TOKENS = flags.DEFINE_list("tokens", ["512", "2048", "8192", "32768"], "Token counts.")
 _ROUTINGS = flags.DEFINE_list("routings", ["uniform", "zipf"], "Routing distributions.")
@@ -41,13 +41,8 @@ def route_ids(key, S, E, K, kind):
 
 
 def timeit(f, *args, n):
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(n):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t)
-  return statistics.median(ts)
+  """Median seconds of n warm calls (the kernels' own tuning sweep's timer, which returns ms)."""
+  return kernel_bench.timeit(f, *args, n=n) / 1e3
 
 
 def torch_grouped_mm_seconds(x_sorted, w13, group_sizes, n):
