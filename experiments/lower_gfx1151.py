@@ -187,13 +187,14 @@ def sweep(tokens: int, fmts, arch: str, jobs: int, x_dtype="bfloat16") -> dict:
   per_kernel = [dict(format=f, kernel=kn, num_warps=w, num_stages=st, block_n=n, block_k=k, **brief(s),
                      passes=ok(s)) for (f, kn, w, st, n, k), s in res.items()]
   shipped = {k: getattr(base, k) for k in KNOBS}
-  return dict(tokens=tokens, arch=arch, row_tile=bm, shipped=shipped, passing=candidates, per_kernel=per_kernel)
+  return dict(tokens=tokens, arch=arch, row_tile=bm, shipped=shipped, passing_count=len(candidates),
+              passing=candidates[:10], per_kernel=per_kernel)
 
 
 def sweep_markdown(sw: dict, top: int = 6) -> str:
-  head = (f"Shipped knobs: {sw['shipped']} (row tile {sw['row_tile']}). {len(sw['passing'])} configurations pass "
+  head = (f"Shipped knobs: {sw['shipped']} (row tile {sw['row_tile']}). {sw['passing_count']} configurations pass "
           f"{sw['arch']} for every format; fewest changes first, then highest worst-case occupancy "
-          "(no hardware timing: pick on the device):")
+          "(no hardware timing: pick on the device; the JSON keeps the first 10 and every kernel compiled):")
   if not sw["passing"]:
     return head + "\n\n**No configuration in the sweep passes.**"
   fmts = list(sw["passing"][0]["stats"])
