@@ -10,6 +10,7 @@ as the gate/up, measured in the same run. Every number is also given as a fracti
 Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.
 """
 
+import dataclasses
 import statistics
 
 import jax
@@ -29,6 +30,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (medi
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes, interpret mode (CPU check of the script).")
 
+# Each entry kills (or turns on, for the experimental persistent queue) one MoE switch of the default config.
+ABLATIONS = {"moe_adaptive_tile off": dict(adaptive_tile=False), "moe_compact_queue off": dict(compact_queue=False),
+             "moe_persistent on": dict(persistent=True), "moe_fused_combine off": dict(fused_combine=False)}
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
 
@@ -129,6 +133,17 @@ def main(argv):
               lambda x, w, i: moe_kernels.moe(x, w, i, q1, q2, q3, swiglu_limit=10.0, config=cfg,
                                               interpret=interpret, validate_routes=False),
               x, rw, ids, flops=gate_up_flops * 3 // 2)
+      # What the model runs with moe_sparse_gate_up off: the stacks are dequantized (XLA) inside every call.
+      measure("ours_mix_moe dequantize-then-matmul (moe_sparse_gate_up off)",
+              lambda x, w, i: moe_kernels.moe(x, w, i, *(moe_kernels.dequantize_to_dense(q) for q in (q1, q2, q3)),
+                                              swiglu_limit=10.0, config=cfg, interpret=interpret,
+                                              validate_routes=False),
+              x, rw, ids, flops=gate_up_flops * 3 // 2)
+      # One switch killed at a time (features.py names), whole bf16 MoE, same inputs.
+      for switch, change in ABLATIONS.items():
+        measure(f"ours_bf16_moe {switch}", lambda x, w, i, c=dataclasses.replace(cfg, **change): moe_kernels.moe(
+            x, w, i, w1, w2, w3, swiglu_limit=10.0, config=c, interpret=interpret, validate_routes=False),
+                x, rw, ids, flops=gate_up_flops * 3 // 2)
       x_sorted = x[r.token_of_row]
       sizes = jnp.bincount(jnp.where(ids >= 0, ids, E).reshape(-1), length=E + 1)[:E].astype(jnp.int32)
       w13 = jnp.concatenate([w1, w3], axis=1).transpose(0, 2, 1)  # [E, D, 2I]
