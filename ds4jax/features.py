@@ -111,7 +111,7 @@ def _row(supported: set[str], default_on: set[str]) -> dict[str, Capability]:
 # device class (interpret mode for the CPU, a GPU run for sm_90, the offline lowering check for gfx1151).
 # A gfx1151-only default is keyed to "gfx1151", never to all RDNA3.5 (upstream review item 6).
 _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent", "moe_fused_combine"}
-_MOE_RAN_ON_H200 = _MOE - {"moe_sparse_gate_up"}  # bf16 kernels ran compiled; quantized tiles not yet
+_MOE_RAN_ON_H200 = _MOE  # bf16 and quantized (in-kernel dequantization) kernels ran compiled with parity
 CAPABILITIES: dict[str, dict[str, Capability]] = {
     # gfx1151: the ROCm MoE configs pass the offline lowering check with bf16 activations, but the model
     # feeds the kernels f32 activations (f32 dots: no WMMA, spills), so nothing is advertised yet.

@@ -122,28 +122,28 @@ def main(argv):
       dense_a = jnp.ones((S * K, D), jnp.bfloat16)
       dense_b = jnp.ones((D, 2 * I), jnp.bfloat16)
       measure("dense_bf16_gemm", lambda a, b: a @ b, dense_a, dense_b)
-      measure("ours_bf16_gate_up",
-              lambda x, r: gate_up.gate_up(x, w1, w3, r, swiglu_limit=10.0, config=kcfg, interpret=interpret), x, r)
-      measure("ours_rocmfp2_mix_gate_up",
-              lambda x, r: gate_up.gate_up(x, q1, q3, r, swiglu_limit=10.0, config=kcfg, interpret=interpret), x, r)
-      measure("ours_bf16_moe", lambda x, w, i: moe_kernels.moe(x, w, i, w1, w2, w3, swiglu_limit=10.0, config=cfg,
-                                                              interpret=interpret, validate_routes=False),
-              x, rw, ids, flops=gate_up_flops * 3 // 2)
-      measure("ours_mix_moe (rocmfp2_mix gate/up, rocmfp3_mix down)",
-              lambda x, w, i: moe_kernels.moe(x, w, i, q1, q2, q3, swiglu_limit=10.0, config=cfg,
-                                              interpret=interpret, validate_routes=False),
-              x, rw, ids, flops=gate_up_flops * 3 // 2)
-      # What the model runs with moe_sparse_gate_up off: the stacks are dequantized (XLA) inside every call.
-      measure("ours_mix_moe dequantize-then-matmul (moe_sparse_gate_up off)",
-              lambda x, w, i: moe_kernels.moe(x, w, i, *(moe_kernels.dequantize_to_dense(q) for q in (q1, q2, q3)),
-                                              swiglu_limit=10.0, config=cfg, interpret=interpret,
-                                              validate_routes=False),
-              x, rw, ids, flops=gate_up_flops * 3 // 2)
-      # One switch killed at a time (features.py names), whole bf16 MoE, same inputs.
-      for switch, change in ABLATIONS.items():
-        measure(f"ours_bf16_moe {switch}", lambda x, w, i, c=dataclasses.replace(cfg, **change): moe_kernels.moe(
-            x, w, i, w1, w2, w3, swiglu_limit=10.0, config=c, interpret=interpret, validate_routes=False),
-                x, rw, ids, flops=gate_up_flops * 3 // 2)
+      # Weights are jit arguments, never closed-over constants (a 4 GB constant crashes XLA's compile).
+      gu = lambda x, a, b, r: gate_up.gate_up(x, a, b, r, swiglu_limit=10.0, config=kcfg, interpret=interpret)
+      measure("ours_bf16_gate_up", gu, x, w1, w3, r)
+      measure("ours_rocmfp2_mix_gate_up", gu, x, q1, q3, r)
+
+      def full_moe(c=cfg, dequantize_first=False):
+        def f(x, w, i, a, b, d):
+          if dequantize_first:  # what the model runs with moe_sparse_gate_up off: XLA dequantizes every call
+            a, b, d = (moe_kernels.dequantize_to_dense(q) for q in (a, b, d))
+          return moe_kernels.moe(x, w, i, a, b, d, swiglu_limit=10.0, config=c, interpret=interpret,
+                                 validate_routes=False)
+        return f
+
+      moe_flops = gate_up_flops * 3 // 2
+      measure("ours_bf16_moe", full_moe(), x, rw, ids, w1, w2, w3, flops=moe_flops)
+      measure("ours_mix_moe (rocmfp2_mix gate/up, rocmfp3_mix down)", full_moe(), x, rw, ids, q1, q2, q3,
+              flops=moe_flops)
+      measure("ours_mix_moe dequantize-then-matmul (moe_sparse_gate_up off)", full_moe(dequantize_first=True),
+              x, rw, ids, q1, q2, q3, flops=moe_flops)
+      for switch, change in ABLATIONS.items():  # one switch changed at a time, whole bf16 MoE, same inputs
+        measure(f"ours_bf16_moe {switch}", full_moe(dataclasses.replace(cfg, **change)), x, rw, ids, w1, w2, w3,
+                flops=moe_flops)
       x_sorted = x[r.token_of_row]
       sizes = jnp.bincount(jnp.where(ids >= 0, ids, E).reshape(-1), length=E + 1)[:E].astype(jnp.int32)
       w13 = jnp.concatenate([w1, w3], axis=1).transpose(0, 2, 1)  # [E, D, 2I]
