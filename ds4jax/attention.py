@@ -1,29 +1,39 @@
-"""DeepSeek-V4 attention, dense masked reference (deepseek-v4.md §4).
+"""DeepSeek-V4 attention (deepseek-v4.md §4): the dense masked reference and the Pallas fast paths.
 
-One shared K=V latent head; the key set of a query is its 128-token window plus compressed rows
-(all complete ones on HCA layers, the indexer's top-k on CSA layers). Every key is scored and the
-keys outside the set are masked with -inf: slow, exact, and the yardstick for the Pallas kernels.
+One shared K=V latent head; the key set of a query is its 128-token window plus compressed rows (all complete ones
+on HCA layers, the indexer's top-k on CSA layers). The reference scores every key and masks the keys outside the
+set with -inf: slow, exact, and the yardstick for the kernels (kernels_pallas/indexer, kernels_pallas/mla), which
+the feature switches select.
+
+Prefill runs in bands (ds4jax/prefill.py): `band` takes the band's positions [s0, s0+B) and the layer's
+`LayerCache` from the previous band and returns the new one; a one-shot prompt is one band from an empty cache.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from ds4jax import rope
+from ds4jax import compressor as comp
+from ds4jax import layer_cache, rope
 from ds4jax.compressor import Compressor, visible_rows
 from ds4jax.config import Attention as Kind
 from ds4jax.config import DeepseekV4Config
+from ds4jax.features import REFERENCE, Features
 from ds4jax.indexer import Indexer
+from ds4jax.layer_cache import LayerCache
 from ds4jax.layers import F32, Linear, RMSNorm, dense, einsum, normal, rms_normalize
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 
+KERNEL_KIND = {Kind.WINDOW: "window", Kind.CSA: "csa", Kind.HCA: "hca"}
+
 
 def window_bias(q_pos: jnp.ndarray, k_pos: jnp.ndarray, window: int) -> jnp.ndarray:
-  """[Sq, Sk] additive mask: key j is in query t's window iff t - window < j <= t."""
+  """[Sq, Sk] additive mask: key j is in query t's window iff t - window < j <= t (and j >= 0: a real position)."""
   d = q_pos[:, None] - k_pos[None, :]
-  return jnp.where((d >= 0) & (d < window), 0.0, -jnp.inf).astype(F32)
+  return jnp.where((d >= 0) & (d < window) & (k_pos[None, :] >= 0), 0.0, -jnp.inf).astype(F32)
 
 
 def selected_bias(topk: jnp.ndarray, n_rows: int) -> jnp.ndarray:
@@ -46,6 +56,15 @@ def sink_attention(q: jnp.ndarray, keys: jnp.ndarray, bias: jnp.ndarray, sink: j
   return einsum("thn,nd->thd", p / denom[..., None], keys.astype(F32))
 
 
+def query_chunks(n: int, chunk: int) -> int:
+  """How many query chunks a band of n tokens is attended in (`long_context_chunk`; 0 = one)."""
+  if not chunk or chunk >= n:
+    return 1
+  if n % chunk:
+    raise ValueError(f"the band of {n} tokens is not a multiple of long_context_chunk={chunk}")
+  return n // chunk
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32,
@@ -65,31 +84,76 @@ class Attention(nnx.Module):
         D, d, cfg.compress_ratio(layer), self.kind is Kind.CSA, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
     self.indexer = Indexer(cfg, rngs=rngs, dtype=dtype, policy=policy) if self.kind is Kind.CSA else None
 
-  def key_set(self, x, qr, positions, freqs):
-    """The keys and their [S, N] mask: the raw rows (window) followed by the compressed rows."""
-    kv = rope.apply(self.kv_norm(self.wkv(x)), positions, freqs)  # [S, d]
-    bias = window_bias(positions, positions, self.cfg.sliding_window)
-    if self.compressor is None:
-      return kv, bias
-    rows = self.compressor(x, freqs)  # [R, d]
-    if self.indexer is None:  # HCA: every complete row
-      row_bias = jnp.where(visible_rows(positions, rows.shape[0], self.compressor.ratio), 0.0, -jnp.inf)
-    else:  # CSA: the indexer's picks (already restricted to visible rows)
-      row_bias = selected_bias(self.indexer(x, qr, positions, freqs), rows.shape[0])
-    return jnp.concatenate([kv, rows]), jnp.concatenate([bias, row_bias.astype(F32)], axis=1)
+  def empty_cache(self, capacity: int, band: int) -> LayerCache:
+    layer = self.cfg.attention.index(self.kind)  # any layer of this kind: the cache depends on the kind only
+    return layer_cache.empty(self.cfg, layer, capacity, band)
 
-  def __call__(self, x: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
-    """x: [S, D] normed input of a prompt starting at position 0; positions: [S]. Returns [S, D]."""
+  def __call__(self, x: jnp.ndarray, positions: jnp.ndarray, features: Features = REFERENCE) -> jnp.ndarray:
+    """x: [S, D] normed input of a prompt starting at position 0 (positions = arange(S)). Returns [S, D]."""
+    del positions  # a one-shot prompt starts at 0
+    return self.band(x, 0, self.empty_cache(x.shape[0], x.shape[0]), features)[0]
+
+  def band(self, x: jnp.ndarray, s0, cache: LayerCache, features: Features = REFERENCE):
+    """x: [B, D] normed input at positions [s0, s0+B) (s0 may be traced). Returns ([B, D], the new cache)."""
     cfg = self.cfg
-    S, H, d, G = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.o_groups
+    B, H, d, G, W = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.o_groups, cfg.sliding_window
+    positions = s0 + jnp.arange(B, dtype=jnp.int32)
     freqs = rope.layer_inv_freq(cfg, self.kind)
-    qr = self.q_norm(self.wq_a(x))  # [S, q_lora]; the indexer reuses it
-    q = rms_normalize(self.wq_b(qr).reshape(S, H, d), cfg.rms_norm_eps)  # per-head norm, no weight
+    qr = self.q_norm(self.wq_a(x))  # [B, q_lora]; the indexer reuses it
+    q = rms_normalize(self.wq_b(qr).reshape(B, H, d), cfg.rms_norm_eps)  # per-head norm, no weight
     q = rope.apply(q, positions, freqs)
-    keys, bias = self.key_set(x, qr, positions, freqs)
-    o = sink_attention(q, keys, bias, self.attn_sink[...], d ** -0.5)
-    o = rope.apply(o, positions, freqs, inverse=True)  # V carries rotated dims: rotate back by -t
+    kv = rope.apply(self.kv_norm(self.wkv(x)), positions, freqs)  # [B, d]
+    raw = jnp.concatenate([cache.kv_tail, kv])  # positions [s0 - W + 1, s0 + B)
+    new = dict(kv_tail=raw[B:])
+    rows = indices = None
+    if self.compressor is not None:
+      m = self.compressor.ratio
+      ext, a = comp.extend(cache.x_tail, x, s0, m)
+      rows = comp.write_rows(cache.rows, self.compressor.pool(ext, a // m, freqs), a // m)
+      new.update(x_tail=comp.next_tail(ext, a, s0 + B, m), rows=rows)
+      if self.indexer is not None:
+        keys = comp.write_rows(cache.index_rows, self.indexer.compressor.pool(ext, a // m, freqs), a // m)
+        new["index_rows"] = keys
+        indices = self.indexer.select(x, qr, positions, freqs, keys, features)
+    o = self.attend(q, raw, rows, indices, s0, positions, freqs, features)  # [B, H, d], de-rotated
     # Grouped low-rank output: heads are grouped contiguously, each group has its own wo_a slice.
     wo_a = dense(self.wo_a.weight).reshape(G, cfg.o_lora_rank, H * d // G)
-    z = einsum("sgi,gri->sgr", o.reshape(S, G, H * d // G), wo_a).reshape(S, G * cfg.o_lora_rank)
-    return self.wo_b(z)
+    z = einsum("sgi,gri->sgr", o.reshape(B, G, H * d // G), wo_a).reshape(B, G * cfg.o_lora_rank)
+    return self.wo_b(z), LayerCache(**new)
+
+  def attend(self, q, raw, rows, indices, s0, positions, freqs, features: Features):
+    """The joint sink softmax over each query's key set, then the output de-rotation: [B, H, d] f32.
+
+    Queries go in `long_context_chunk` chunks, which bounds the [chunk, keys] masks and scores at long context.
+    """
+    cfg, W = self.cfg, self.cfg.sliding_window
+    B, d = q.shape[0], cfg.head_dim
+    n = query_chunks(B, features.long_context_chunk)
+    raw_start = s0 - (W - 1)
+    ratio = self.compressor.ratio if self.compressor is not None else 1
+    if indices is not None and features.mla_stream_topk:  # the mask path rebuilds the same ascending row list
+      from kernels_pallas.indexer import handoff  # pylint: disable=import-outside-toplevel
+      indices = handoff.selected_rows(indices, rows.shape[0], direct_indexer_topk=features.direct_indexer_topk)
+
+    def one_chunk(args):
+      qc, pc, ic = args
+      if features.mla_stream_topk:
+        from kernels_pallas.mla import sparse_mla  # pylint: disable=import-outside-toplevel
+        return sparse_mla(qc, raw, rows, self.attn_sink[...], q_start=pc[0], raw_start=raw_start,
+                          kind=KERNEL_KIND[self.kind], ratio=ratio, window=W, inv_freq=freqs, indices=ic,
+                          f32_stage=features.mla_stream_f32_stage, fast_exp=features.mla_stream_fast_exp,
+                          interpret=features.interpret)
+      keys = raw if rows is None else jnp.concatenate([raw, rows])
+      bias = window_bias(pc, raw_start + jnp.arange(raw.shape[0]), W)
+      if rows is not None:
+        row_bias = (jnp.where(visible_rows(pc, rows.shape[0], ratio), 0.0, -jnp.inf) if ic is None
+                    else selected_bias(ic, rows.shape[0]))
+        bias = jnp.concatenate([bias, row_bias.astype(F32)], axis=1)
+      o = sink_attention(qc, keys, bias, self.attn_sink[...], d ** -0.5)
+      return rope.apply(o, pc, freqs, inverse=True)  # V carries rotated dims: rotate back by -t
+
+    if n == 1:
+      return one_chunk((q, positions, indices))
+    split = lambda a: None if a is None else a.reshape(n, B // n, *a.shape[1:])
+    out = jax.lax.map(one_chunk, (split(q), split(positions), split(indices)))
+    return out.reshape(B, *out.shape[2:])

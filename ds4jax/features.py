@@ -11,6 +11,7 @@ one field of the frozen `Features` that the model receives. Library code and tes
     moe_persistent         GGML_CUDA_MMQ_MOE_PERSISTENT                   fixed programs loop over the work queue
     moe_programs_per_core  GGML_CUDA_MMQ_MOE_PERSISTENT_BLOCKS_PER_CU     persistent programs per core
     moe_fused_combine      DFLASH_MOE_FUSED_COMBINE                       weight + sum the top-k outputs + shared expert in one pass
+    indexer_score_kernel   GGML_DS4_INDEXER_M32 / GGML_DS4_TOPK_BLOCK_RADIX  tiled Pallas indexer scoring + query-blocked top-k
     direct_indexer_topk    DFLASH_DS4_DIRECT_INDEXER_TOPK                 top-k indices go straight into attention (no dense mask)
     mla_stream_topk        GGML_CUDA_MLA_STREAM_TOPK                      streaming sparse MLA attention kernel
     mla_stream_f32_stage   GGML_CUDA_MLA_STREAM_F32_STAGE                 stage each KV row in f32 once for all heads
@@ -36,8 +37,11 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                        ("moe_compact_queue",)),
     "moe_fused_combine": ("DFLASH_MOE_FUSED_COMBINE", "Down projection + weighted top-k combine + shared add in one pass.",
                           ()),
+    "indexer_score_kernel": ("GGML_DS4_INDEXER_M32 + GGML_DS4_TOPK_BLOCK_RADIX",
+                             "Tiled Pallas indexer scoring kernel with query-blocked top-k.", ()),
+    # Only the streaming kernel consumes an index list; the dense reference always masks.
     "direct_indexer_topk": ("DFLASH_DS4_DIRECT_INDEXER_TOPK", "Top-k indices straight into attention, no dense mask.",
-                            ()),
+                            ("mla_stream_topk",)),
     "mla_stream_topk": ("GGML_CUDA_MLA_STREAM_TOPK", "Streaming sparse MLA attention kernel.", ()),
     "mla_stream_f32_stage": ("GGML_CUDA_MLA_STREAM_F32_STAGE", "Stage KV rows in f32 once for all heads.",
                              ("mla_stream_topk",)),
@@ -62,6 +66,7 @@ class Features:
   moe_compact_queue: bool = False
   moe_persistent: bool = False
   moe_fused_combine: bool = False
+  indexer_score_kernel: bool = False
   direct_indexer_topk: bool = False
   mla_stream_topk: bool = False
   mla_stream_f32_stage: bool = False
@@ -173,6 +178,10 @@ def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None) -> Feat
       errors.append(f"--{k} must be a non-negative integer, got {values[k]!r}")
   if values["moe_tile_rows"] and values["moe_tile_rows"] & (values["moe_tile_rows"] - 1):
     errors.append(f"--moe_tile_rows must be a power of two (Pallas-Triton tiles), got {values['moe_tile_rows']}")
+  band, chunk = values["prefill_band_tokens"], values["long_context_chunk"]
+  if band and chunk and chunk < band and band % chunk:
+    errors.append(f"--prefill_band_tokens={band} must be a multiple of --long_context_chunk={chunk} "
+                  "(attention takes each band's queries in whole chunks)")
   if errors:
     raise FeatureError("invalid feature set: " + "; ".join(errors))
   return Features(device_class=device_cls, **values)

@@ -10,6 +10,7 @@ from flax import nnx
 from ds4jax import rope
 from ds4jax.compressor import Compressor, visible_rows
 from ds4jax.config import DeepseekV4Config
+from ds4jax.features import REFERENCE, Features
 from ds4jax.layers import F32, Linear, einsum
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 
@@ -24,18 +25,35 @@ class Indexer(nnx.Module):
     self.compressor = Compressor(cfg.hidden_size, self.head_dim, cfg.csa_ratio, True, cfg.rms_norm_eps,
                                  rngs=rngs, dtype=dtype)
 
-  def scores(self, x: jnp.ndarray, qr: jnp.ndarray, positions: jnp.ndarray, freqs: np.ndarray) -> jnp.ndarray:
-    """score[t, s] = sum_h w[t,h] * relu(q[t,h] . k[s]) in f32; -inf where row s is not yet visible."""
-    keys = self.compressor(x, freqs)  # [R, ci]
-    q = self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim)
-    q = rope.apply(q, positions, freqs)
-    w = self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+  def queries(self, x, qr, positions, freqs) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(q [S, Hi, ci] rotated, per-head weights w [S, Hi] with the ci^-0.5 · Hi^-0.5 scale folded in)."""
+    q = rope.apply(self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim), positions, freqs)
+    return q, self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+
+  def scores(self, x, qr, positions, freqs: np.ndarray, keys: jnp.ndarray | None = None) -> jnp.ndarray:
+    """score[t, s] = sum_h w[t,h] * relu(q[t,h] . k[s]) in f32; -inf where row s is not yet visible.
+    `keys` [R, ci] default to the compressor's rows of x (a prompt from position 0)."""
+    keys = self.compressor(x, freqs) if keys is None else keys
+    q, w = self.queries(x, qr, positions, freqs)
     s = einsum("th,thr->tr", w, jax.nn.relu(einsum("thc,rc->thr", q, keys)))
     return jnp.where(visible_rows(positions, keys.shape[0], self.ratio), s, -jnp.inf)
 
   def __call__(self, x, qr, positions, freqs) -> jnp.ndarray:
-    """[S, min(topk, R)] int32 row ids, best first; -1 marks a slot with no visible row."""
-    s = self.scores(x, qr, positions, freqs)
+    """[S, min(topk, R)] int32 row ids, best first; -1 marks a slot with no visible row (a prompt from 0)."""
+    return self.select(x, qr, positions, freqs, self.compressor(x, freqs), REFERENCE)
+
+  def select(self, x, qr, positions, freqs, keys, features: Features) -> jnp.ndarray:
+    """Row ids [S, k] of each query's best visible rows among `keys` [R, ci], -1 for empty slots.
+
+    Reference: XLA scores + top_k, best first, k = min(topk, R). `indexer_score_kernel`: the Pallas scoring
+    kernel with query-blocked top-k (kernels_pallas/indexer), ascending ids, k = topk (a power of two).
+    """
+    if features.indexer_score_kernel:
+      from kernels_pallas import indexer as indexer_kernels  # pylint: disable=import-outside-toplevel
+      q, w = self.queries(x, qr, positions, freqs)
+      return indexer_kernels.topk(q, w, keys, q_start=positions[0], k=self.topk, ratio=self.ratio,
+                                  interpret=features.interpret)
+    s = self.scores(x, qr, positions, freqs, keys)
     k = min(self.topk, s.shape[1])
     if k == 0:
       return jnp.zeros((x.shape[0], 0), jnp.int32)

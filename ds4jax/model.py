@@ -15,6 +15,7 @@ from ds4jax.attention import Attention
 from ds4jax.config import DeepseekV4Config
 from ds4jax.features import REFERENCE, Features
 from ds4jax.hyper_connection import HyperConnection, HyperHead
+from ds4jax.layer_cache import LayerCache
 from ds4jax.layers import F32, Linear, RMSNorm, normal
 from ds4jax.moe import MoE
 from ds4jax.quant import policy as quant_policy
@@ -35,10 +36,17 @@ class Block(nnx.Module):
 
   def __call__(self, X: jnp.ndarray, tokens: jnp.ndarray, positions: jnp.ndarray,
                features: Features = REFERENCE) -> jnp.ndarray:
+    """A one-shot prompt from position 0: one band from an empty cache."""
+    del positions
+    return self.band(X, tokens, 0, self.attn.empty_cache(X.shape[0], X.shape[0]), features)[0]
+
+  def band(self, X: jnp.ndarray, tokens: jnp.ndarray, s0, cache: LayerCache, features: Features = REFERENCE):
+    """X [B, n, D] streams of positions [s0, s0+B) -> (new streams, the attention layer's new cache)."""
     h, post, comb = self.hc_attn(X)
-    X = HyperConnection.merge(X, self.attn(self.attn_norm(h), positions), post, comb)
+    y, cache = self.attn.band(self.attn_norm(h), s0, cache, features)
+    X = HyperConnection.merge(X, y, post, comb)
     h, post, comb = self.hc_ffn(X)
-    return HyperConnection.merge(X, self.ffn(self.ffn_norm(h), tokens, features), post, comb)
+    return HyperConnection.merge(X, self.ffn(self.ffn_norm(h), tokens, features), post, comb), cache
 
 
 class DeepseekV4(nnx.Module):
@@ -61,14 +69,22 @@ class DeepseekV4(nnx.Module):
     `features` selects the fast paths (Pallas kernels); the default, all off, is the exact reference.
     """
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    X = jnp.broadcast_to(self.embed[...][tokens].astype(F32)[:, None, :],
-                         (tokens.shape[0], self.cfg.hc_mult, self.cfg.hidden_size))
+    X = self.embed_streams(tokens)
     streams = [X]
     for block in self.layers:
       X = block(X, tokens, positions, features)
       streams.append(X)
-    logits = self.head(self.norm(self.hc_head(X)))
+    logits = self.logits(X)
     return (logits, jnp.stack(streams)) if return_streams else logits
+
+  def embed_streams(self, tokens: jnp.ndarray) -> jnp.ndarray:
+    """[S] ids -> [S, n, D]: the embedding copied into the n residual streams."""
+    e = self.embed[...][tokens].astype(F32)
+    return jnp.broadcast_to(e[:, None, :], (tokens.shape[0], self.cfg.hc_mult, self.cfg.hidden_size))
+
+  def logits(self, X: jnp.ndarray) -> jnp.ndarray:
+    """[S, n, D] final streams -> [S, vocab] f32."""
+    return self.head(self.norm(self.hc_head(X)))
 
 
 def check_tokens(tokens, cfg: DeepseekV4Config) -> np.ndarray:

@@ -1,0 +1,107 @@
+"""Tuning knobs of the lightning-indexer kernels: one frozen `Config` plus a heuristic default.
+
+Block sizes must be powers of two (Pallas-Triton tensors need power-of-two sizes) and at least 16 (Triton's
+smallest dot dimension): `block_q` and `block_r` are the M and N of the per-head [block_q, c] · [c, block_r] dot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+MIN_DOT = 16  # Triton's smallest dot dimension
+PLATFORMS = ("cuda", "rocm", "cpu")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def is_pow2(n) -> bool:
+  return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def default_platform() -> str:
+  """"cuda", "rocm" or "cpu" for the default JAX backend."""
+  backend = jax.default_backend()
+  if backend == "gpu":
+    version = getattr(getattr(jax.devices()[0], "client", None), "platform_version", "") or ""
+    return "rocm" if "rocm" in version.lower() or "hip" in version.lower() else "cuda"
+  return backend if backend in PLATFORMS else "cpu"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+  """Static knobs of `scoring.scores` / `topk.topk`. Hashable, so it can be a static jit argument.
+
+  block_q       query tile of the scoring grid (dot M).
+  block_r       compressed-row tile of the scoring grid (dot N).
+  num_warps, num_stages   Triton launch knobs (num_stages pipelines the per-head q loads).
+  query_block   `topk` scores this many queries at a time (lax.map), so only a [query_block, R] score array is
+                ever live; a multiple of block_q keeps every scoring tile full.
+  compute_dtype dot operand dtype: "float32" (IEEE f32 dots, Precision.HIGHEST: the exact path the tests use) or
+                "bfloat16"/"float16" (tensor-core dots, q and keys rounded once in XLA). Accumulation (the dot,
+                the relu and the weighted head sum) is f32 in every case. bf16 rounds q·k to ~3 significant
+                digits, which can swap rows whose scores are that close around the k-th place (Lucebox feeds F16
+                queries: its QAT indexer values are exact in f16).
+  """
+
+  block_q: int = 64
+  block_r: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  query_block: int = 1024
+  compute_dtype: str = "float32"
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.compute_dtype)
+
+  def validate(self) -> None:
+    """Raises ValueError for knobs the Triton lowering cannot take."""
+    for name in ("block_q", "block_r"):
+      v = getattr(self, name)
+      if not is_pow2(v) or v < MIN_DOT:
+        raise ValueError(f"Config.{name}={v}: must be a power of two >= {MIN_DOT}")
+    if not is_pow2(self.num_warps):
+      raise ValueError(f"Config.num_warps={self.num_warps}: must be a power of two")
+    if not isinstance(self.num_stages, int) or self.num_stages < 0:
+      raise ValueError(f"Config.num_stages={self.num_stages}: must be an int >= 0")
+    if not isinstance(self.query_block, int) or self.query_block < 1:
+      raise ValueError(f"Config.query_block={self.query_block}: must be an int >= 1")
+    if self.compute_dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"Config.compute_dtype={self.compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
+
+  @classmethod
+  def default(cls, num_queries: int, num_rows: int, n_heads: int, head_dim: int, platform: str = "cuda",
+              **overrides) -> "Config":
+    """Heuristic starting point (not yet timed on hardware).
+
+    cuda: 128×128 output tiles, 8 warps, 3 stages, bf16 dots: per program 64 (heads) [128, 128]·[128, 128] bf16
+          dots on one resident key tile; row tiles vary fastest in launch order, so the programs in flight share
+          one query tile in L2. query_block 1024 → a 128 MiB score block at R = 32K.
+    rocm: gfx1151 (64 KiB LDS, 256 VGPRs, WMMA for bf16/f16 only): 128×64 tiles, 8 warps, 1 stage, bf16 —
+          LDS 32 KiB, 240 VGPRs, no spills in the offline lowering check (README has the sweep: 64×128 and
+          128×128 tiles or 2 stages spill). query_block 512 (unified memory on the APU).
+    cpu:  interpret mode: f32 dots (exact), 32×32 tiles, whole problem in a few query blocks.
+    Tiles shrink (to powers of two >= 16) for small problems so tests and short prefills waste less.
+    """
+    if platform not in PLATFORMS:
+      raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    del n_heads, head_dim  # the tiles do not depend on them at V4-Flash sizes; kept for the tuning signature
+    if platform == "cuda":
+      bq, br, warps, stages, qb, cdt = 128, 128, 8, 3, 1024, "bfloat16"
+    elif platform == "rocm":
+      bq, br, warps, stages, qb, cdt = 128, 64, 8, 1, 512, "bfloat16"
+    else:
+      bq, br, warps, stages, qb, cdt = 32, 32, 4, 1, 1024, "float32"
+    bq = max(MIN_DOT, min(bq, next_pow2(max(num_queries, 1))))
+    br = max(MIN_DOT, min(br, next_pow2(max(num_rows, 1))))
+    qb = max(bq, min(qb, -(-max(num_queries, 1) // bq) * bq))
+    cfg = cls(block_q=bq, block_r=br, num_warps=warps, num_stages=stages, query_block=qb, compute_dtype=cdt)
+    cfg = dataclasses.replace(cfg, **overrides)
+    cfg.validate()
+    return cfg
