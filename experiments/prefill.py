@@ -1,0 +1,32 @@
+"""The qualification command (issue #6): the matched prefill matrix, timed and checked against the exact path.
+
+    python -m experiments.prefill --flagfile=qual.cfg                      # V4-Flash, lucebox_mix, 8K/32K/122879
+    python -m experiments.prefill --flagfile=experiments/qual_smoke.cfg    # CPU smoke (tiny preset, interpret mode)
+    python -m experiments.prefill --flagfile=qual.cfg --configs=all_on,all_off --lengths=8192   # a bounded call
+
+Configurations: all_on (the flags' resolved features), kill_<switch> per switch on, kill_<knob> for the chunk/band
+knobs, all_off (the exact path). Every configuration uses the same prompt ids and weights. Each one is written to
+--out (JSON, plus a .md table) as soon as it finishes; with --append, pairs already OK are skipped and failed ones
+retried, so a full matrix can be run in several bounded calls. The logic lives in experiments/qualification.py.
+"""
+
+import sys
+
+from absl import app, flags
+
+from experiments import qualification
+
+qualification.define_flags(flags.FLAGS)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    qualification.run(qualification.options_from_flags(flags.FLAGS))
+  except qualification.STARTUP_ERRORS as e:
+    sys.exit(f"prefill: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)

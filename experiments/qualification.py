@@ -1,0 +1,765 @@
+"""The prefill qualification matrix: every switch killable, each configuration timed and checked against the exact path.
+
+Upstream (Lucebox #685) qualifies with matched runs: the same prompt ids and weights for every configuration, the
+deployed settings plus each new switch, each switch independently killable, 2 warm-ups + 3 runs (median), and a
+next-token KL gate of 0.006 against the control. This module is that protocol for ds4jax:
+
+  configurations  all_on (the flags' resolved features), kill_<switch> for every switch on (a switch others require
+                  takes them down too: `also_off`), kill_<knob> for the chunk/band knobs (0 = one chunk / one band),
+                  all_off (REFERENCE on the same device class: the exact path)
+  timing          cold run (incl. compile), >= 2 warm-ups, >= 1 timed runs, median tokens/s
+  parity          final-position logits vs the exact path on the same prompt (a prefix where it does not fit):
+                  NMSE, max abs error, top-1 agreement, KL(exact || config) against --kl_gate
+
+Library code: the absl entry point is experiments/prefill.py; tests and notebooks call `run(Options(...))` and
+`load_results(path)`. Results are one JSON document {"records": [...], "invocations": [...]}, rewritten after every
+configuration, plus a markdown table next to it (.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import gc
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax import config as config_lib
+from ds4jax import features as features_lib
+from ds4jax import model as model_lib
+from ds4jax import prefill as prefill_lib
+from ds4jax.features import KNOBS, SWITCHES, FeatureError, Features
+from ds4jax.quant import policy as quant_policy
+from experiments import run_record
+
+# ds4jax.moe imports the MoE kernels lazily, inside the traced function (an import cycle); a first import during a
+# trace makes the next call of that configuration compile again (9 s on the tiny preset here), which would land in
+# a warm-up. Importing here keeps every compile in the cold run.
+import kernels_pallas.moe  # noqa: E402,F401  pylint: disable=unused-import,wrong-import-position
+
+SCHEMA = "ds4jax.prefill_qualification/1"
+KL_GATE = 0.006  # upstream's preregistered teacher-forced mean-KL gate (lucebox-stack.md §3.5)
+KILLABLE_KNOBS = ("long_context_chunk", "prefill_band_tokens")  # killed = set to 0 (one chunk / one band)
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
+class StartupError(ValueError):
+  """A bad input found before any work (flags, files, prompt, results file)."""
+
+
+STARTUP_ERRORS = (StartupError, FeatureError)
+
+
+# ---- options ----
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Options:
+  """Everything a qualification run needs; the flags map onto it one to one (see `define_flags`)."""
+
+  preset: str | None = None            # random weights at a config preset, or
+  checkpoint: str | None = None        # a checkpoint directory (config.json + safetensors)
+  quant_policy: str = "bf16"
+  dtype: str = "bf16"
+  seed: int = 0                        # random weights and synthetic prompt ids
+  prompt_file: str | None = None       # text, tokenised with `tokenizer`; else synthetic ids
+  tokenizer: str | None = None         # default <checkpoint>/tokenizer.json
+  lengths: tuple[int, ...] = (8192,)
+  configs: tuple[str, ...] = ()        # empty = the whole matrix
+  warmups: int = 2
+  repeats: int = 3
+  min_warmups: int = 2                 # protocol floor; tests lower it
+  exact_max_tokens: int = 0            # exact path at full length only up to this (0 = no limit)
+  parity_prefix_tokens: int = 4096     # prefix checked where the exact path does not fit
+  kl_gate: float = KL_GATE
+  out: str = "/tmp/ds4jax_prefill_qual.json"
+  append: bool = False
+  features: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # switch/knob -> value (None = table)
+  device_class: str | None = None      # default: the capability-table class of jax.devices()[0]
+
+
+def define_flags(flag_values=None) -> None:
+  """The command's flags, plus one flag per feature switch/knob and --quant_policy, on `flag_values`."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+
+  fv = flags.FLAGS if flag_values is None else flag_values
+  d = Options()
+  flags.DEFINE_string("preset", None, f"Random weights at this config preset, one of {sorted(config_lib.PRESETS)}.",
+                      flag_values=fv)
+  flags.DEFINE_string("checkpoint", None, "Checkpoint directory (config.json + safetensors) instead of --preset.",
+                      flag_values=fv)
+  flags.DEFINE_enum("dtype", d.dtype, list(DTYPES), "Storage dtype of the unquantized weights.", flag_values=fv)
+  flags.DEFINE_integer("seed", d.seed, "Seed of the random weights and of the synthetic prompt ids.", flag_values=fv)
+  flags.DEFINE_string("prompt_file", None, "Prompt text, tokenised with --tokenizer; default: seeded synthetic ids.",
+                      flag_values=fv)
+  flags.DEFINE_string("tokenizer", None, "tokenizer.json for --prompt_file (default <checkpoint>/tokenizer.json).",
+                      flag_values=fv)
+  flags.DEFINE_list("lengths", [str(n) for n in d.lengths], "Exact prompt lengths in tokens.", flag_values=fv)
+  flags.DEFINE_list("configs", [], "Configurations to run (default: the whole matrix), e.g. all_on,all_off.",
+                    flag_values=fv)
+  flags.DEFINE_integer("warmups", d.warmups, f"Warm-up runs after the cold run (>= {d.min_warmups}).", flag_values=fv)
+  flags.DEFINE_integer("repeats", d.repeats, "Timed runs (median tokens/s reported).", flag_values=fv)
+  flags.DEFINE_integer("exact_max_tokens", d.exact_max_tokens,
+                       "Longest prompt the exact path runs at full length (0 = no limit); beyond it parity is "
+                       "checked on a prefix.", flag_values=fv)
+  flags.DEFINE_integer("parity_prefix_tokens", d.parity_prefix_tokens,
+                       "Prefix length compared where the exact path exceeds --exact_max_tokens or runs out of memory.",
+                       flag_values=fv)
+  flags.DEFINE_float("kl_gate", d.kl_gate, "Parity passes when KL(exact || config) <= this (upstream: 0.006).",
+                     flag_values=fv)
+  flags.DEFINE_string("out", d.out, "Results JSON (the markdown table goes next to it as .md).", flag_values=fv)
+  flags.DEFINE_boolean("append", d.append, "Keep the records in --out; skip (length, config) pairs already OK with "
+                       "the same weights and prompt; retry failed ones.", flag_values=fv)
+  quant_policy.define_flag(fv)
+  features_lib.define_flags(fv)
+
+
+def options_from_flags(fv) -> Options:
+  """Options from parsed flags; malformed values raise StartupError."""
+  try:
+    lengths = tuple(int(x) for x in fv.lengths)
+  except ValueError as e:
+    raise StartupError(f"--lengths must be integers, got {fv.lengths}") from e
+  return Options(preset=fv.preset, checkpoint=fv.checkpoint, quant_policy=fv.quant_policy, dtype=fv.dtype,
+                 seed=fv.seed, prompt_file=fv.prompt_file, tokenizer=fv.tokenizer, lengths=lengths,
+                 configs=tuple(fv.configs), warmups=fv.warmups, repeats=fv.repeats,
+                 exact_max_tokens=fv.exact_max_tokens, parity_prefix_tokens=fv.parity_prefix_tokens,
+                 kl_gate=fv.kl_gate, out=fv.out, append=fv.append,
+                 features={k: getattr(fv, k) for k in list(SWITCHES) + list(KNOBS)})
+
+
+# ---- the matrix ----
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Configuration:
+  name: str
+  features: Features
+  killed: tuple[str, ...] = ()
+  also_off: tuple[str, ...] = ()  # switches that require the killed one, turned off with it
+
+
+def _dependents(switch: str) -> list[str]:
+  """Switches that require `switch`, directly or through another switch (SWITCHES order)."""
+  out: set[str] = set()
+  frontier = {switch}
+  while frontier:
+    frontier = {s for s, (_, _, req) in SWITCHES.items() if set(req) & frontier and s not in out}
+    out |= frontier
+  return [s for s in SWITCHES if s in out]
+
+
+def _checked(f: Features) -> Features:
+  """Re-resolves a derived feature set, so a kill can never produce a combination the table rejects."""
+  return features_lib.resolve(f.device_class, {k: getattr(f, k) for k in list(SWITCHES) + list(KNOBS)})
+
+
+def matrix(base: Features) -> list[Configuration]:
+  """all_on, kill_<switch> per switch on, kill_<knob> per non-zero chunk/band knob, all_off (in that order)."""
+  configs = [Configuration(name="all_on", features=base)]
+  for s in base.on():
+    also = [d for d in _dependents(s) if getattr(base, d)]
+    f = dataclasses.replace(base, **{x: False for x in [s, *also]})
+    configs.append(Configuration(name=f"kill_{s}", features=_checked(f), killed=(s,), also_off=tuple(also)))
+  for k in KILLABLE_KNOBS:
+    if getattr(base, k):
+      configs.append(Configuration(name=f"kill_{k}", features=_checked(dataclasses.replace(base, **{k: 0})),
+                                   killed=(k,)))
+  configs.append(Configuration(name="all_off", features=exact_features(base.device_class)))
+  return configs
+
+
+def exact_features(device_cls: str) -> Features:
+  """The exact path: every switch off (ds4jax.features.REFERENCE) on the given device class."""
+  return dataclasses.replace(features_lib.REFERENCE, device_class=device_cls)
+
+
+# ---- parity metrics (float64) ----
+def nmse(a, b) -> float:
+  """sum((a - b)^2) / sum(b^2), b the reference."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  num, den = float(np.sum((a - b) ** 2)), float(np.sum(b ** 2))
+  if den == 0.0:
+    return 0.0 if num == 0.0 else math.inf
+  return num / den
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+  x = np.asarray(x, np.float64)
+  z = x - x.max()
+  return z - np.log(np.sum(np.exp(z)))
+
+
+def kl_divergence(p_logits, q_logits) -> float:
+  """KL(softmax(p) || softmax(q)) in float64: p the exact path, q the configuration."""
+  lp, lq = _log_softmax(p_logits), _log_softmax(q_logits)
+  return float(np.sum(np.exp(lp) * (lp - lq)))
+
+
+def parity_metrics(logits, exact, kl_gate: float = KL_GATE) -> dict[str, Any]:
+  """Final-position logits of a configuration against the exact path's."""
+  a, b = np.asarray(logits, np.float64), np.asarray(exact, np.float64)
+  if a.shape != b.shape:
+    raise ValueError(f"logits shape {a.shape} != exact logits shape {b.shape}")
+  finite = bool(np.isfinite(a).all())
+  if not np.isfinite(b).all():
+    raise ValueError("the exact path's logits are not finite")
+  out = dict(nmse=nmse(a, b), max_abs=float(np.max(np.abs(a - b))), top1_agree=bool(a.argmax() == b.argmax()),
+             top1=int(a.argmax()), top1_exact=int(b.argmax()), kl=kl_divergence(b, a) if finite else math.inf,
+             finite=finite, kl_gate=kl_gate)
+  out["pass"] = finite and out["kl"] <= kl_gate
+  return out
+
+
+# ---- fingerprints ----
+def sha256_array(x: np.ndarray) -> str:
+  return hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
+
+
+def _unsigned(x: jnp.ndarray) -> jnp.ndarray:
+  """The bits of an array as an unsigned integer array of the same width (order-independent checksums)."""
+  width = jnp.dtype(x.dtype).itemsize
+  kind = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[width]
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint8)
+  if width == 8:
+    x = x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.int32)
+  return x if x.dtype == kind else jax.lax.bitcast_convert_type(x, kind)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _leaf_digests(arrays, samples_per_leaf: int):
+  """Per array: a strided sample of its bits plus the last element, and a wrap-around uint32 sum of all its bits."""
+  out = []
+  for x in arrays:
+    flat = _unsigned(x).reshape(-1)
+    n = flat.shape[0]
+    sample = jax.lax.slice(flat, (0,), (n,), (max(1, n // samples_per_leaf),))[:samples_per_leaf]
+    out.append((jnp.concatenate([sample, flat[-1:]]), flat.astype(jnp.uint32).sum(dtype=jnp.uint32)))
+  return out
+
+
+def weights_fingerprint(m, samples_per_leaf: int = 1024) -> str:
+  """sha256 over every weight's path, shape and dtype, a strided sample of its bits, and an integer sum of all its
+  bits (every byte counts; an integer sum does not depend on the reduction order, so the fingerprint is
+  reproducible across runs and bounded calls). Computed on the device; only the samples reach the host."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  leaves = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(m))]
+  arrays = [x for _, x in leaves if hasattr(x, "dtype") and x.size]
+  digests = iter(jax.device_get(_leaf_digests(arrays, samples_per_leaf)))
+  h = hashlib.sha256()
+  for name, x in leaves:
+    h.update(f"{name}|{getattr(x, 'shape', None)}|{getattr(x, 'dtype', type(x).__name__)}|".encode())
+    if hasattr(x, "dtype") and x.size:
+      sample, total = next(digests)
+      h.update(np.asarray(sample).tobytes() + np.asarray(total).tobytes())
+    elif not hasattr(x, "dtype"):
+      h.update(repr(x).encode())
+  return h.hexdigest()
+
+
+def _file_sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+# ---- inputs ----
+def _model_config(opts: Options) -> config_lib.DeepseekV4Config:
+  if (opts.preset is None) == (opts.checkpoint is None):
+    raise StartupError("give exactly one of --preset (random weights) or --checkpoint (a checkpoint directory)")
+  if opts.checkpoint is not None:
+    if not os.path.isfile(os.path.join(opts.checkpoint, "config.json")):
+      raise StartupError(f"--checkpoint={opts.checkpoint}: no config.json there")
+    return config_lib.DeepseekV4Config.from_hf_config(opts.checkpoint)
+  try:
+    return config_lib.preset(opts.preset)
+  except ValueError as e:
+    raise StartupError(f"--preset: {e}") from e
+
+
+def _tokenizer_path(opts: Options) -> str:
+  path = opts.tokenizer or (os.path.join(opts.checkpoint, "tokenizer.json") if opts.checkpoint else None)
+  if path is None:
+    raise StartupError("--prompt_file needs --tokenizer (a tokenizer.json) when no --checkpoint is given")
+  if not os.path.isfile(path):
+    raise StartupError(f"tokenizer file {path} does not exist")
+  return path
+
+
+def prompt_ids(opts: Options, cfg: config_lib.DeepseekV4Config) -> tuple[np.ndarray, dict[str, Any]]:
+  """int32 ids of at least max(lengths) tokens, and where they came from. Every length uses a prefix of them."""
+  need = max(opts.lengths)
+  if opts.prompt_file is None:
+    ids = np.random.default_rng(opts.seed).integers(0, cfg.vocab_size, need).astype(np.int32)
+    source = dict(kind="synthetic", seed=opts.seed, vocab_size=cfg.vocab_size)
+  else:
+    if not os.path.isfile(opts.prompt_file):
+      raise StartupError(f"--prompt_file={opts.prompt_file} does not exist")
+    tok_path = _tokenizer_path(opts)
+    try:
+      import tokenizers  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise StartupError("--prompt_file needs the `tokenizers` package (pip install tokenizers)") from e
+    with open(opts.prompt_file, encoding="utf-8") as f:
+      text = f.read()
+    ids = np.asarray(tokenizers.Tokenizer.from_file(tok_path).encode(text).ids, np.int64)
+    if ids.shape[0] < need:
+      raise StartupError(f"--prompt_file={opts.prompt_file} gives {ids.shape[0]} tokens with {tok_path}; the "
+                         f"longest requested length is {need}")
+    source = dict(kind="file", path=opts.prompt_file, sha256=_file_sha256(opts.prompt_file), tokenizer=tok_path,
+                  tokenizer_sha256=_file_sha256(tok_path), tokens_available=int(ids.shape[0]))
+  try:
+    ids = model_lib.check_tokens(ids[:need], cfg)
+  except ValueError as e:
+    raise StartupError(f"prompt: {e}") from e
+  return ids, source
+
+
+def build_model(opts: Options, cfg: config_lib.DeepseekV4Config, log: Callable[[str], None] = print):
+  dtype = DTYPES[opts.dtype]
+  if opts.checkpoint is not None:
+    from ds4jax.checkpoint import mapping  # pylint: disable=import-outside-toplevel
+
+    return mapping.load_checkpoint(opts.checkpoint, cfg, dtype=dtype, policy=opts.quant_policy, log=log)
+  return model_lib.init_random(cfg, opts.seed, dtype=dtype, policy=opts.quant_policy)
+
+
+def _validate(opts: Options) -> None:
+  if not opts.lengths or any(not isinstance(n, int) or n <= 0 for n in opts.lengths):
+    raise StartupError(f"--lengths must be positive integers, got {list(opts.lengths)}")
+  for what, values in (("--lengths", opts.lengths), ("--configs", opts.configs)):
+    dup = sorted({v for v in values if list(values).count(v) > 1})
+    if dup:
+      raise StartupError(f"{what} lists {dup} more than once")
+  if opts.warmups < opts.min_warmups:
+    raise StartupError(f"--warmups must be >= {opts.min_warmups} (the first warm calls can still compile), "
+                       f"got {opts.warmups}")
+  if opts.repeats < 1:
+    raise StartupError(f"--repeats must be >= 1, got {opts.repeats}")
+  if opts.exact_max_tokens < 0 or opts.parity_prefix_tokens < 1:
+    raise StartupError(f"--exact_max_tokens must be >= 0 and --parity_prefix_tokens >= 1, got "
+                       f"{opts.exact_max_tokens} and {opts.parity_prefix_tokens}")
+  if opts.exact_max_tokens and any(n > opts.exact_max_tokens for n in opts.lengths):
+    if opts.parity_prefix_tokens > opts.exact_max_tokens:
+      raise StartupError(f"--parity_prefix_tokens={opts.parity_prefix_tokens} exceeds --exact_max_tokens="
+                         f"{opts.exact_max_tokens}: the prefix check would not fit either")
+  if not opts.kl_gate > 0:
+    raise StartupError(f"--kl_gate must be > 0, got {opts.kl_gate}")
+  if opts.dtype not in DTYPES:
+    raise StartupError(f"--dtype must be one of {list(DTYPES)}, got {opts.dtype!r}")
+  if not opts.out or not opts.out.endswith(".json"):
+    raise StartupError(f"--out must name a .json file, got {opts.out!r}")
+
+
+# ---- results file ----
+def load_results(path: str) -> dict[str, Any]:
+  """A results document: {"schema", "records": [...], "invocations": [...]} (for notebooks: pandas.DataFrame(
+  summary_rows(load_results(path))) gives one flat row per (length, config))."""
+  with open(path) as f:
+    doc = json.load(f)
+  if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("records"), list):
+    raise StartupError(f"{path} is not a prefill qualification results file (schema {SCHEMA})")
+  seen = set()
+  for r in doc["records"]:
+    key = (r["length"], r["config"])
+    if key in seen:
+      raise StartupError(f"{path} holds {key} twice; fix the file by hand")
+    seen.add(key)
+  return doc
+
+
+def _order(name: str) -> tuple[int, int]:
+  if name == "all_on":
+    return (0, 0)
+  if name == "all_off":
+    return (3, 0)
+  names = [f"kill_{s}" for s in SWITCHES] + [f"kill_{k}" for k in KNOBS]
+  return (1 if name in names else 2, names.index(name) if name in names else 0)
+
+
+def summary_rows(doc_or_records) -> list[dict[str, Any]]:
+  """One flat dict per record, sorted by length then matrix order, with the speedup over all_off."""
+  records = doc_or_records["records"] if isinstance(doc_or_records, dict) else list(doc_or_records)
+  base = {r["length"]: r["timing"]["tokens_per_s"] for r in records
+          if r["config"] == "all_off" and r["status"] == "ok"}
+  rows = []
+  for r in sorted(records, key=lambda r: (r["length"], _order(r["config"]), r["config"])):
+    t, p = r.get("timing") or {}, r.get("parity") or {}
+    tps = t.get("tokens_per_s")
+    rows.append(dict(length=r["length"], config=r["config"], killed=r.get("killed", []),
+                     also_off=r.get("also_off", []), status=r["status"], tokens_per_s=tps,
+                     speedup_vs_all_off=tps / base[r["length"]] if tps and r["length"] in base else None,
+                     cold_s=t.get("cold_s"), median_s=t.get("median_s"), nmse=p.get("nmse"), max_abs=p.get("max_abs"),
+                     top1_agree=p.get("top1_agree"), kl=p.get("kl"), parity_pass=p.get("pass"),
+                     prefix_tokens=p.get("prefix_tokens"), error=r.get("error")))
+  return rows
+
+
+def _fmt(x, spec: str) -> str:
+  return "-" if x is None else format(x, spec)
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+  """The results as a markdown table (with the run's device, versions, model and prompt above it)."""
+  records = doc["records"]
+  lines = []
+  if records:
+    r0 = records[-1]
+    env, mdl = r0["env"], r0["model"]
+    lines += [f"Prefill qualification: {mdl['name']} ({mdl['policy']}, {mdl['dtype']}"
+              f"{', ' + mdl['checkpoint'] if mdl.get('checkpoint') else ', random weights seed ' + str(mdl['seed'])}), "
+              f"weights {r0['weights_fingerprint'][:12]}, prompt {r0['prompt']['source']['kind']}; "
+              f"{env['device_kind']} ({r0['features']['device_class']}), jax {env['jax']}, "
+              f"commit {env['git_commit'][:10]}{' (dirty)' if env.get('git_dirty') else ''}.", ""]
+  lines += ["| length | config | tok/s | speedup vs all_off | cold s | NMSE | max abs | top-1 | KL | result |",
+            "|---:|---|---:|---:|---:|---:|---:|---|---:|---|"]
+  for row in summary_rows(records):
+    name = row["config"] + (f" (also off: {', '.join(row['also_off'])})" if row["also_off"] else "")
+    if row["status"] != "ok":
+      err = (row["error"] or "").splitlines()[0][:80] if row["error"] else "failed"
+      result = f"error: {err}".replace("|", "/")
+    else:
+      result = "pass" if row["parity_pass"] else "FAIL"
+    if row["prefix_tokens"]:
+      result += f" (prefix {row['prefix_tokens']})"
+    top1 = "-" if row["top1_agree"] is None else ("yes" if row["top1_agree"] else "no")
+    lines.append(f"| {row['length']} | {name} | {_fmt(row['tokens_per_s'], '.1f')} | "
+                 f"{_fmt(row['speedup_vs_all_off'], '.2f')} | {_fmt(row['cold_s'], '.1f')} | "
+                 f"{_fmt(row['nmse'], '.2e')} | {_fmt(row['max_abs'], '.2e')} | {top1} | {_fmt(row['kl'], '.2e')} | "
+                 f"{result} |")
+  return "\n".join(lines) + "\n"
+
+
+def markdown_path(out: str) -> str:
+  return os.path.splitext(out)[0] + ".md"
+
+
+# ---- running ----
+def is_oom(e: BaseException) -> bool:
+  text = str(e)
+  return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def _error_text(e: BaseException) -> str:
+  return f"{type(e).__name__}: {str(e)[:2000]}"
+
+
+class _Clock:
+  """Elapsed time and a token-weighted ETA (a configuration costs about its length in tokens)."""
+
+  def __init__(self, total_tokens: int, log: Callable[[str], None]):
+    self.t0, self.total, self.done, self.log = time.perf_counter(), total_tokens, 0, log
+
+  def say(self, text: str) -> None:
+    self.log(f"[{self.elapsed():7.1f}s] {text}")
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.t0
+
+  def eta(self) -> str:
+    if not self.done:
+      return "ETA unknown"
+    left = self.elapsed() / self.done * (self.total - self.done)
+    return f"ETA ~{left / 60:.1f} min" if left >= 60 else f"ETA ~{left:.0f}s"
+
+
+class _Exact:
+  """The exact path's final logits for one length: full length once, or a prefix where it does not fit."""
+
+  def __init__(self, m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clock):
+    self.m, self.ids, self.feats, self.clock = m, ids, feats, clock
+    self.length, self.prefix = len(ids), min(opts.parity_prefix_tokens, len(ids))
+    self.full: np.ndarray | None = None
+    self.why_prefix: str | None = None
+    self.error: str | None = None
+    self._prefix_logits: np.ndarray | None = None
+    if opts.exact_max_tokens and self.length > opts.exact_max_tokens:
+      self.fall_back(f"{self.length} tokens exceed --exact_max_tokens={opts.exact_max_tokens}")
+
+  def fall_back(self, why: str) -> None:
+    self.why_prefix = why
+    self.clock.say(f"!!! EXACT PATH AT {self.length} TOKENS: {why}. Parity at this length is checked on the first "
+                   f"{self.prefix} tokens instead (config and exact path both run on that prefix). !!!")
+
+  def offer(self, logits: np.ndarray) -> None:
+    """The all_off configuration's own full-length logits are the exact path's."""
+    if self.full is None and self.why_prefix is None:
+      self.full = logits
+
+  def offer_failure(self, e: BaseException) -> None:
+    if self.full is None and self.why_prefix is None:
+      if is_oom(e):
+        self.fall_back("out of memory (RESOURCE_EXHAUSTED)")
+      else:
+        self.error = _error_text(e)
+
+  def reference(self) -> np.ndarray | None:
+    """Full-length exact logits, or None when the prefix is what gets compared. Raises if the exact path failed."""
+    if self.error:
+      raise RuntimeError(f"exact path failed at {self.length} tokens: {self.error}")
+    if self.full is None and self.why_prefix is None:
+      self.clock.say(f"  exact path at {self.length} tokens (once, reused by every configuration)")
+      try:
+        self.full = _final_logits(self.m, self.ids, self.feats)
+      except Exception as e:  # noqa: BLE001 -- OOM falls back to the prefix; anything else fails the parity
+        self.offer_failure(e)
+        return self.reference()
+    return self.full
+
+  def prefix_reference(self) -> np.ndarray:
+    if self.prefix >= self.length:
+      raise RuntimeError(f"exact path does not fit at {self.length} tokens and --parity_prefix_tokens="
+                         f"{self.prefix} is not shorter")
+    if self._prefix_logits is None:
+      self.clock.say(f"  exact path on the {self.prefix}-token prefix (once per length)")
+      self._prefix_logits = _final_logits(self.m, self.ids[:self.prefix], self.feats)
+    return self._prefix_logits
+
+
+def _final_logits(m, ids: np.ndarray, feats: Features, progress=None) -> np.ndarray:
+  out = jax.block_until_ready(prefill_lib.prefill_logits(m, ids, feats, progress=progress))
+  return np.asarray(out, np.float32)
+
+
+def _time_config(m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clock) -> tuple[np.ndarray, dict]:
+  """Cold run, warm-ups, timed runs. Progress is passed only to the cold run, so timed runs are undisturbed."""
+  L = len(ids)
+  t0 = time.perf_counter()
+  logits = _final_logits(m, ids, feats, progress=lambda s: clock.say(f"    {s}"))
+  cold = time.perf_counter() - t0
+  clock.say(f"    cold run (incl. compile): {cold:.2f}s")
+  hashes, warm, runs = {sha256_array(logits)}, [], []
+  for i in range(opts.warmups + opts.repeats):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(prefill_lib.prefill_logits(m, ids, feats))
+    dt = time.perf_counter() - t0
+    hashes.add(sha256_array(np.asarray(out, np.float32)))
+    del out
+    (warm if i < opts.warmups else runs).append(dt)
+    kind, j, n = ("warm-up", i + 1, opts.warmups) if i < opts.warmups else ("run", i + 1 - opts.warmups, opts.repeats)
+    clock.say(f"    {kind} {j}/{n}: {dt:.3f}s ({L / dt:.1f} tok/s)")
+  median = statistics.median(runs)
+  return logits, dict(cold_s=cold, warmup_s=warm, run_s=runs, median_s=median, tokens_per_s=L / median,
+                      deterministic=len(hashes) == 1, peak_device_bytes_process=run_record.peak_device_bytes())
+
+
+def _run_one(m, ids, conf: Configuration, exact: _Exact, opts: Options, clock: _Clock) -> dict[str, Any]:
+  """Times one configuration and checks its parity. Run-time failures are returned in the record, not raised."""
+  rec: dict[str, Any] = dict(status="failed", error=None, error_kind=None, timing=None, parity=None, logits_sha256=None)
+  is_exact = conf.features == exact.feats
+  try:
+    logits, rec["timing"] = _time_config(m, ids, conf.features, opts, clock)
+  except Exception as e:  # noqa: BLE001 -- an OOM or unsupported shape in one configuration must not stop the rest
+    rec.update(error=_error_text(e), error_kind="oom" if is_oom(e) else type(e).__name__)
+    if is_exact:
+      exact.offer_failure(e)
+    return rec
+  rec["logits_sha256"] = sha256_array(logits)
+  if is_exact:
+    exact.offer(logits)
+  try:
+    ref = exact.reference()
+    if ref is not None:
+      rec["parity"] = dict(parity_metrics(logits, ref, opts.kl_gate), prefix_tokens=None, prefix_reason=None)
+    else:
+      ref_p = exact.prefix_reference()
+      t0 = time.perf_counter()
+      out_p = ref_p if is_exact else _final_logits(m, ids[:exact.prefix], conf.features)
+      rec["parity"] = dict(parity_metrics(out_p, ref_p, opts.kl_gate), prefix_tokens=exact.prefix,
+                           prefix_reason=exact.why_prefix, prefix_run_s=time.perf_counter() - t0,
+                           prefix_logits_sha256=sha256_array(out_p))
+  except Exception as e:  # noqa: BLE001 -- same: record and continue
+    rec.update(error=f"parity: {_error_text(e)}", error_kind="parity_oom" if is_oom(e) else "parity")
+    return rec
+  rec["status"] = "ok"
+  return rec
+
+
+def _same_run(r: dict, fingerprint: str, prompt_sha: Mapping[int, str], conf: Configuration | None) -> list[str]:
+  """Why an existing record does not belong to this run's matched matrix (empty list: it does)."""
+  why = []
+  if r.get("weights_fingerprint") != fingerprint:
+    why.append("weights fingerprint")
+  if r["length"] in prompt_sha and r.get("prompt", {}).get("sha256") != prompt_sha[r["length"]]:
+    why.append("prompt ids")
+  if conf is not None and r.get("features") != conf.features.to_dict():
+    why.append("features")
+  return why
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Setup:
+  """What start-up resolved from the options, before the weights exist."""
+
+  cfg: config_lib.DeepseekV4Config
+  policy: quant_policy.QuantPolicy
+  device_class: str
+  base: Features
+  configs: list[Configuration]   # the whole matrix
+  selected: list[Configuration]  # --configs
+  ids: np.ndarray
+  source: dict[str, Any]
+  prompt_sha: dict[int, str]
+  existing: dict[str, Any] | None
+
+
+def _start_up(opts: Options) -> _Setup:
+  """Every check that needs no weights; raises StartupError/FeatureError."""
+  _validate(opts)
+  cfg = _model_config(opts)
+  try:
+    pol = quant_policy.get(opts.quant_policy)
+    quant_policy.check_config(pol, cfg)
+  except ValueError as e:
+    raise StartupError(f"--quant_policy: {e}") from e
+  too_long = [n for n in opts.lengths if n > cfg.max_position_embeddings]
+  if too_long:
+    raise StartupError(f"--lengths {too_long} exceed {cfg.name}'s max_position_embeddings="
+                       f"{cfg.max_position_embeddings}")
+  try:
+    dev_cls = opts.device_class or features_lib.device_class()
+  except ValueError as e:
+    raise StartupError(str(e)) from e
+  base = features_lib.resolve(dev_cls, opts.features)  # FeatureError: an impossible combination
+  configs = matrix(base)
+  names = [c.name for c in configs]
+  unknown = [c for c in opts.configs if c not in names]
+  if unknown:
+    raise StartupError(f"--configs: unknown configuration(s) {unknown}; valid here: {names}")
+  ids, source = prompt_ids(opts, cfg)
+  existing = None
+  if opts.append and os.path.exists(opts.out):
+    try:
+      existing = load_results(opts.out)
+    except (OSError, ValueError) as e:
+      raise StartupError(f"--append: cannot read {opts.out}: {e}") from e
+  return _Setup(cfg=cfg, policy=pol, device_class=dev_cls, base=base, configs=configs,
+                selected=[c for c in configs if not opts.configs or c.name in opts.configs], ids=ids, source=source,
+                prompt_sha={n: sha256_array(ids[:n]) for n in opts.lengths}, existing=existing)
+
+
+def _done_pairs(opts: Options, setup: _Setup, fingerprint: str) -> set[tuple[int, str]]:
+  """(length, config) pairs the results file already holds OK for this matched matrix; refuses a mixed file."""
+  done = set()
+  by_name = {c.name: c for c in setup.configs}
+  for r in setup.existing["records"] if setup.existing else []:
+    conf = by_name.get(r["config"]) if r["length"] in opts.lengths else None
+    why = _same_run(r, fingerprint, setup.prompt_sha, conf)
+    if why and (r["status"] == "ok" or "weights fingerprint" in why or "prompt ids" in why):
+      raise StartupError(
+          f"{opts.out} holds a record for length {r['length']} / {r['config']} made with different "
+          f"{', '.join(why)}: a matched matrix needs the same weights, prompt and features; use another --out")
+    if r["status"] == "ok":
+      done.add((r["length"], r["config"]))
+  return done
+
+
+def _log_plan(opts: Options, setup: _Setup, plan, todo, log) -> None:
+  log(f"plan: lengths {list(opts.lengths)} x {len(setup.selected)} configurations = {len(plan)} runs; "
+      f"{len(plan) - len(todo)} already OK in {opts.out} (skipped), {len(todo)} to run; "
+      f"cold + {opts.warmups} warm-ups + {opts.repeats} timed runs each")
+  for c in setup.selected:
+    extra = f" (also off: {', '.join(c.also_off)})" if c.also_off else ""
+    log(f"  {c.name}{extra}: on={c.features.on() or 'none'}")
+  todo_keys = {(n, c.name) for n, c in todo}
+  for n in opts.lengths:
+    skipped = [c.name for c in setup.selected if (n, c.name) not in todo_keys]
+    if skipped:
+      log(f"  length {n}: skipping {skipped} (already OK)")
+  prefix_lengths = [n for n in opts.lengths if opts.exact_max_tokens and n > opts.exact_max_tokens]
+  log(f"parity vs the exact path at full length for {[n for n in opts.lengths if n not in prefix_lengths]}"
+      + (f"; on a {opts.parity_prefix_tokens}-token prefix for {prefix_lengths} (> --exact_max_tokens="
+         f"{opts.exact_max_tokens})" if prefix_lengths else "")
+      + f"; a prefix also where the exact path runs out of memory; KL gate {opts.kl_gate}")
+
+
+def _outcome(rec: dict[str, Any]) -> str:
+  if rec["status"] != "ok":
+    return f"FAILED {rec['error'][:300]}"
+  p, t = rec["parity"], rec["timing"]
+  prefix = f" (prefix {p['prefix_tokens']})" if p["prefix_tokens"] else ""
+  return (f"ok {t['tokens_per_s']:.1f} tok/s (cold {t['cold_s']:.1f}s, median {t['median_s']:.3f}s); "
+          f"NMSE {p['nmse']:.2e} max abs {p['max_abs']:.2e} top-1 {'yes' if p['top1_agree'] else 'no'} "
+          f"KL {p['kl']:.2e} {'pass' if p['pass'] else 'FAIL'}{prefix}")
+
+
+def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+  """Runs the qualification matrix; returns the results document (also written to opts.out, plus the .md table).
+
+  `model` skips building the weights (tests, notebooks); it must match opts' preset/policy/dtype.
+  Raises StartupError/FeatureError before any prefill for a bad input; a configuration that fails at run time is
+  recorded with its error and the others continue.
+  """
+  log = log or (lambda s: print(s, flush=True))
+  setup = _start_up(opts)
+  cfg, dev_cls = setup.cfg, setup.device_class
+  env = run_record.environment()
+  env["jax_compilation_cache_dir"] = jax.config.jax_compilation_cache_dir
+  log(f"prefill qualification: {cfg.name} policy={setup.policy.name} dtype={opts.dtype} "
+      f"{'checkpoint=' + opts.checkpoint if opts.checkpoint else 'random weights seed=' + str(opts.seed)}; "
+      f"{env['device_kind']} ({dev_cls}), jax {env['jax']}, commit {env['git_commit'][:10]}")
+  log(f"all_on switches: {setup.base.on() or 'none'}; knobs: "
+      + ", ".join(f"{k}={getattr(setup.base, k)}" for k in KNOBS))
+  t0 = time.perf_counter()
+  m = model if model is not None else build_model(opts, cfg, log)
+  log(f"weights ready ({time.perf_counter() - t0:.1f}s); fingerprinting them")
+  fingerprint = weights_fingerprint(m)
+  done = _done_pairs(opts, setup, fingerprint)
+  if setup.existing is None and os.path.exists(opts.out):
+    log(f"note: overwriting {opts.out} (pass --append to keep its records)")
+  # all_off first at each length: its cold run is a real cold run and its logits are the exact path's.
+  plan = [(n, c) for n in opts.lengths for c in sorted(setup.selected, key=lambda c: c.name != "all_off")]
+  todo = [(n, c) for n, c in plan if (n, c.name) not in done]
+  _log_plan(opts, setup, plan, todo, log)
+
+  doc = setup.existing or dict(schema=SCHEMA, records=[], invocations=[])
+  options = dataclasses.asdict(opts) | dict(features=dict(opts.features))
+  doc["invocations"].append(dict(date=env["date"], env=env, options=options, plan=[[n, c.name] for n, c in todo]))
+  common = dict(model=dict(name=cfg.name, preset=opts.preset, checkpoint=opts.checkpoint, policy=setup.policy.name,
+                           dtype=opts.dtype, seed=opts.seed if opts.checkpoint is None else None),
+                weights_fingerprint=fingerprint, options=options, env=env)
+
+  def save():
+    run_record.write_json(opts.out, doc)
+    with open(markdown_path(opts.out), "w") as f:
+      f.write(markdown_table(doc))
+
+  save()
+  clock = _Clock(sum(n for n, _ in todo), log)
+  exact_by_len: dict[int, _Exact] = {}
+  called: set[tuple[Features, int]] = set()  # (features, length) already run in this process
+  for i, (n, conf) in enumerate(todo):
+    if n not in exact_by_len:
+      exact_by_len[n] = _Exact(m, setup.ids[:n], exact_features(dev_cls), opts, clock)
+    exact = exact_by_len[n]
+    clock.say(f"{i + 1}/{len(todo)} length {n} {conf.name}: start ({clock.eta()})")
+    t_start = time.perf_counter()
+    first_call = (conf.features, n) not in called and not (conf.features == exact.feats and exact.full is not None)
+    result = _run_one(m, setup.ids[:n], conf, exact, opts, clock)
+    called.add((conf.features, n))
+    if result["timing"]:
+      result["timing"]["cold_is_first_call"] = first_call  # False: the same program already ran in this process
+    clock.done += n
+    rec = dict(config=conf.name, length=n, killed=list(conf.killed), also_off=list(conf.also_off),
+               features=conf.features.to_dict(), switches_on=conf.features.on(),
+               prompt=dict(source=setup.source, length=n, sha256=setup.prompt_sha[n]), **common,
+               finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               wall_s=time.perf_counter() - t_start) | result
+    doc["records"] = [r for r in doc["records"] if (r["length"], r["config"]) != (n, conf.name)] + [rec]
+    save()
+    gc.collect()
+    clock.say(f"{i + 1}/{len(todo)} length {n} {conf.name}: {_outcome(rec)} ({clock.eta()})")
+  log("")
+  log(markdown_table(doc))
+  log(f"results: {opts.out} and {markdown_path(opts.out)}")
+  return doc

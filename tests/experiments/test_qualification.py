@@ -1,0 +1,351 @@
+"""The qualification command (experiments/prefill.py + experiments/qualification.py), run in-process.
+
+Most tests swap ds4jax.prefill.prefill_logits for a cheap deterministic stand-in (so the matrix, records, append
+and failure handling are tested without compiling the model per configuration); one test runs the real prefill
+on a small preset end to end. Options are built directly or from a fresh absl FlagValues, never from FLAGS.
+"""
+
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+
+from ds4jax import config, features, model
+from ds4jax import prefill as prefill_lib
+from ds4jax.features import FeatureError
+from experiments import qualification as q
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ON = {"moe_compact_queue": True, "moe_persistent": True, "moe_fused_combine": True}
+HEX64 = set("0123456789abcdef")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+  return model.init_random(config.tiny_window(), seed=0, dtype=jnp.float32)
+
+
+class FakePrefill:
+  """Deterministic final logits from the prompt ids; the switches perturb them by known amounts:
+  moe_compact_queue a little (passes the KL gate), moe_fused_combine a lot (fails it). Counts its calls."""
+
+  def __init__(self, fail=None):
+    self.calls = []
+    self.fail = fail  # (features, n_tokens) -> exception to raise, or None
+
+  def __call__(self, m, tokens, feats, progress=None):
+    tokens = np.asarray(tokens)
+    self.calls.append((feats, len(tokens)))
+    if progress:
+      progress(f"fake prefill of {len(tokens)} tokens")
+    if self.fail and (e := self.fail(feats, len(tokens))) is not None:
+      raise e
+    v = np.arange(256, dtype=np.float64)
+    logits = 3 * np.sin(0.37 * v + 0.01 * float(tokens.sum()) + len(tokens))
+    if feats.moe_compact_queue:
+      logits = logits + 1e-3 * np.cos(v)
+    if feats.moe_fused_combine:
+      logits = logits + 2.0 * np.cos(3 * v)
+    return jnp.asarray(logits, jnp.float32)
+
+
+def options(tmp_path, **kw) -> q.Options:
+  base = dict(preset="tiny_window", lengths=(32,), warmups=1, min_warmups=0, repeats=2, out=str(tmp_path / "r.json"),
+              features=ON, device_class="cpu_interpret", parity_prefix_tokens=16)
+  return q.Options(**(base | kw))
+
+
+def run(opts, m, fake, monkeypatch, log=None):
+  monkeypatch.setattr(prefill_lib, "prefill_logits", fake)
+  lines = []
+  doc = q.run(opts, model=m, log=lines.append if log is None else log)
+  return doc, lines
+
+
+def by_key(doc):
+  return {(r["length"], r["config"]): r for r in doc["records"]}
+
+
+# ---- metrics ----
+def test_metrics_on_hand_made_inputs():
+  assert q.nmse([1.0, 2.0], [1.0, 1.0]) == pytest.approx(0.5)  # (0 + 1) / (1 + 1)
+  assert q.nmse([3.0, 4.0], [3.0, 4.0]) == 0.0
+  x = np.array([0.3, -1.2, 2.5, 0.0])
+  assert q.kl_divergence(x, x) == 0.0
+  assert q.kl_divergence(x, x + 7.0) == pytest.approx(0.0, abs=1e-15)  # softmax is shift-invariant
+  # Two outcomes: p = (1/2, 1/2), q = (e/(1+e), 1/(1+e)); KL = log(1/2) - 1/2 log(e/(1+e)^2).
+  want = 0.5 * math.log(0.5 / (math.e / (1 + math.e))) + 0.5 * math.log(0.5 / (1 / (1 + math.e)))
+  assert q.kl_divergence([0.0, 0.0], [1.0, 0.0]) == pytest.approx(want, rel=1e-12)
+  m = q.parity_metrics([0.0, 1.0, 5.0], [0.0, 1.0, 4.0], kl_gate=1.0)
+  assert m["max_abs"] == 1.0 and m["top1_agree"] and m["top1"] == 2 and m["pass"]
+  assert m["nmse"] == pytest.approx(1 / 17)
+  m = q.parity_metrics([9.0, 1.0, 0.0], [0.0, 1.0, 4.0], kl_gate=0.006)
+  assert not m["top1_agree"] and m["kl"] > 1 and not m["pass"]
+  m = q.parity_metrics([np.nan, 1.0, 0.0], [0.0, 1.0, 4.0])
+  assert not m["finite"] and not m["pass"]
+
+
+# ---- the matrix ----
+def test_matrix_kills_dependents_and_knobs():
+  base = features.resolve("cpu_interpret", ON | {"long_context_chunk": 0})
+  confs = {c.name: c for c in q.matrix(base)}
+  assert list(confs) == ["all_on", "kill_moe_compact_queue", "kill_moe_persistent", "kill_moe_fused_combine",
+                         "kill_prefill_band_tokens", "all_off"]  # chunk already 0: nothing to kill
+  k = confs["kill_moe_compact_queue"]
+  assert k.killed == ("moe_compact_queue",) and k.also_off == ("moe_persistent",)
+  assert k.features.on() == ["moe_fused_combine"]
+  assert confs["kill_moe_persistent"].also_off == () and confs["kill_moe_persistent"].features.moe_compact_queue
+  assert confs["kill_prefill_band_tokens"].features.prefill_band_tokens == 0
+  assert confs["all_on"].features == base
+  assert confs["all_off"].features == features.Features(device_class="cpu_interpret")
+  assert q.exact_features("cpu_interpret") == confs["all_off"].features
+  assert q._dependents("mla_stream_topk") == ["direct_indexer_topk", "mla_stream_f32_stage", "mla_stream_fast_exp"]
+
+
+# ---- full runs (stand-in prefill) ----
+def test_full_matrix_writes_every_configuration(tmp_path, tiny_model, monkeypatch):
+  fake = FakePrefill()
+  opts = options(tmp_path, lengths=(24, 32))
+  doc, lines = run(opts, tiny_model, fake, monkeypatch)
+  names = [c.name for c in q.matrix(features.resolve("cpu_interpret", ON))]
+  on_disk = q.load_results(opts.out)
+  assert on_disk == json.loads(json.dumps(doc))
+  recs = by_key(on_disk)
+  assert sorted(recs) == sorted((n, c) for n in (24, 32) for c in names)
+  for (n, name), r in recs.items():
+    t = r["timing"]
+    assert r["status"] == "ok" and r["error"] is None
+    assert len(t["warmup_s"]) == 1 and len(t["run_s"]) == 2 and t["deterministic"]
+    assert all(math.isfinite(x) and x > 0 for x in [t["cold_s"], t["median_s"], t["tokens_per_s"], *t["run_s"]])
+    assert t["tokens_per_s"] == pytest.approx(n / t["median_s"])
+    assert r["features"] == next(c for c in q.matrix(features.resolve("cpu_interpret", ON))
+                                 if c.name == name).features.to_dict()
+    for h in (r["logits_sha256"], r["weights_fingerprint"], r["prompt"]["sha256"]):
+      assert len(h) == 64 and set(h) <= HEX64
+    assert r["env"]["jax"] and r["env"]["git_commit"] and r["model"]["name"] == "tiny_window"
+    assert r["parity"]["prefix_tokens"] is None
+  for n in (24, 32):
+    off = recs[(n, "all_off")]["parity"]
+    assert off["nmse"] == 0.0 and off["kl"] == 0.0 and off["max_abs"] == 0.0 and off["pass"]
+    assert recs[(n, "kill_moe_fused_combine")]["parity"]["pass"]  # the big perturbation is off there
+    assert not recs[(n, "all_on")]["parity"]["pass"]              # ... and on here: KL above the gate
+    assert 0 < recs[(n, "kill_moe_fused_combine")]["parity"]["nmse"] < 1e-6
+    assert recs[(n, "kill_moe_compact_queue")]["also_off"] == ["moe_persistent"]
+  assert len({r["weights_fingerprint"] for r in doc["records"]}) == 1
+  assert recs[(24, "all_on")]["prompt"]["sha256"] != recs[(32, "all_on")]["prompt"]["sha256"]
+  # The exact path at full length is all_off's own cold run: no extra exact call.
+  assert sum(1 for f, n in fake.calls if f == q.exact_features("cpu_interpret")) == 2 * (1 + 1 + 2)
+  md = open(q.markdown_path(opts.out)).read()
+  assert md.count("| 24 |") == len(names) and md.count("| 32 |") == len(names)
+  assert "FAIL" in md and "also off: moe_persistent" in md
+  assert any("plan: lengths [24, 32] x 7 configurations" in s for s in lines)
+  rows = q.summary_rows(doc)
+  assert [r["speedup_vs_all_off"] for r in rows if r["config"] == "all_off"] == [1.0, 1.0]
+
+
+def test_bounded_runs_append_each_pair_exactly_once(tmp_path, tiny_model, monkeypatch):
+  fake = FakePrefill()
+  first, _ = run(options(tmp_path, configs=("all_on", "all_off")), tiny_model, fake, monkeypatch)
+  assert sorted(by_key(first)) == [(32, "all_off"), (32, "all_on")]
+  kept = by_key(first)[(32, "all_on")]["finished"], by_key(first)[(32, "all_on")]["timing"]
+  second, _ = run(options(tmp_path, configs=("all_on", "kill_moe_persistent", "all_off"), append=True),
+                  tiny_model, fake, monkeypatch)
+  assert sorted(by_key(second)) == [(32, "all_off"), (32, "all_on"), (32, "kill_moe_persistent")]
+  assert second["invocations"][-1]["plan"] == [[32, "kill_moe_persistent"]]
+  assert (by_key(second)[(32, "all_on")]["finished"], by_key(second)[(32, "all_on")]["timing"]) == kept
+  third, _ = run(options(tmp_path, append=True), tiny_model, fake, monkeypatch)
+  keys = [(r["length"], r["config"]) for r in third["records"]]
+  assert len(keys) == len(set(keys)) == 7
+  fake.calls.clear()
+  fourth, lines = run(options(tmp_path, append=True), tiny_model, fake, monkeypatch)
+  assert fake.calls == [] and len(fourth["records"]) == 7 and fourth["invocations"][-1]["plan"] == []
+  assert any("7 already OK" in s for s in lines)
+  assert len(q.load_results(options(tmp_path).out)["invocations"]) == 4
+
+
+def test_append_refuses_a_different_matrix(tmp_path, tiny_model, monkeypatch):
+  run(options(tmp_path, configs=("all_off",)), tiny_model, FakePrefill(), monkeypatch)
+  with pytest.raises(q.StartupError, match="different prompt ids"):
+    run(options(tmp_path, configs=("all_off",), seed=1, append=True), tiny_model, FakePrefill(), monkeypatch)
+  run(options(tmp_path, configs=("all_on",), append=True), tiny_model, FakePrefill(), monkeypatch)  # same matrix
+  with pytest.raises(q.StartupError, match="different features"):
+    run(options(tmp_path, configs=("all_on",), features={"moe_compact_queue": True}, append=True), tiny_model,
+        FakePrefill(), monkeypatch)
+
+
+def test_failing_configuration_is_recorded_then_retried(tmp_path, tiny_model, monkeypatch):
+  def oom_without_fused_combine(f, n):  # only kill_moe_fused_combine has persistent on and fused combine off
+    if f.moe_persistent and not f.moe_fused_combine:
+      return RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123 bytes")
+    return None
+
+  doc, lines = run(options(tmp_path), tiny_model, FakePrefill(oom_without_fused_combine), monkeypatch)
+  recs = by_key(doc)
+  bad = recs[(32, "kill_moe_fused_combine")]
+  assert bad["status"] == "failed" and bad["error_kind"] == "oom" and "RESOURCE_EXHAUSTED" in bad["error"]
+  assert bad["timing"] is None and bad["parity"] is None
+  assert all(r["status"] == "ok" for k, r in recs.items() if k[1] != "kill_moe_fused_combine") and len(recs) == 7
+  assert "error: RuntimeError: RESOURCE_EXHAUSTED" in open(q.markdown_path(options(tmp_path).out)).read()
+  fake = FakePrefill()
+  again, _ = run(options(tmp_path, append=True), tiny_model, fake, monkeypatch)
+  assert again["invocations"][-1]["plan"] == [[32, "kill_moe_fused_combine"]]
+  keys = [(r["length"], r["config"]) for r in again["records"]]
+  assert len(keys) == len(set(keys)) == 7 and by_key(again)[(32, "kill_moe_fused_combine")]["status"] == "ok"
+
+
+def test_prefix_parity_beyond_exact_max_tokens(tmp_path, tiny_model, monkeypatch):
+  fake = FakePrefill()
+  doc, lines = run(options(tmp_path, exact_max_tokens=20, parity_prefix_tokens=16, configs=("all_on", "all_off",
+                                                                                             "kill_moe_fused_combine")),
+                   tiny_model, fake, monkeypatch)
+  for r in doc["records"]:
+    p = r["parity"]
+    assert r["status"] == "ok" and p["prefix_tokens"] == 16 and "exact_max_tokens=20" in p["prefix_reason"]
+  assert by_key(doc)[(32, "all_off")]["parity"]["nmse"] == 0.0
+  assert by_key(doc)[(32, "kill_moe_fused_combine")]["parity"]["pass"]
+  assert not by_key(doc)[(32, "all_on")]["parity"]["pass"]
+  exact = q.exact_features("cpu_interpret")
+  assert [n for f, n in fake.calls if f == exact and n == 16] == [16]  # the exact prefix runs once per length
+  assert any("EXACT PATH AT 32 TOKENS" in s for s in lines)
+  assert "(prefix 16)" in open(q.markdown_path(options(tmp_path).out)).read()
+
+
+def test_prefix_parity_when_the_exact_path_runs_out_of_memory(tmp_path, tiny_model, monkeypatch):
+  exact = q.exact_features("cpu_interpret")
+  fake = FakePrefill(lambda f, n: RuntimeError("RESOURCE_EXHAUSTED: oom") if f == exact and n > 16 else None)
+  doc, lines = run(options(tmp_path, configs=("all_on", "all_off")), tiny_model, fake, monkeypatch)
+  recs = by_key(doc)
+  assert recs[(32, "all_off")]["status"] == "failed" and recs[(32, "all_off")]["error_kind"] == "oom"
+  on = recs[(32, "all_on")]
+  assert on["status"] == "ok" and on["parity"]["prefix_tokens"] == 16
+  assert "out of memory" in on["parity"]["prefix_reason"]
+  assert any("EXACT PATH AT 32 TOKENS: out of memory" in s for s in lines)
+
+
+# ---- start-up errors ----
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(configs=("all_on", "kill_everything")), q.StartupError, r"unknown configuration\(s\) \['kill_everything'\]"),
+    (dict(features={"moe_persistent": True}), FeatureError, "--moe_persistent requires --moe_compact_queue"),
+    (dict(features={"mla_stream_topk": True}), FeatureError, "not supported on cpu_interpret"),
+    (dict(warmups=1, min_warmups=2), q.StartupError, "--warmups must be >= 2"),
+    (dict(lengths=(32, 32)), q.StartupError, "more than once"),
+    (dict(lengths=(129,)), q.StartupError, "max_position_embeddings=128"),
+    (dict(preset=None), q.StartupError, "exactly one of --preset"),
+    (dict(preset="tiny_huge"), q.StartupError, "unknown preset"),
+    (dict(quant_policy="lucebox_mix"), q.StartupError, "not a multiple of 128"),
+    (dict(exact_max_tokens=8, parity_prefix_tokens=16), q.StartupError, "exceeds --exact_max_tokens"),
+    (dict(prompt_file="/nonexistent/prompt.txt"), q.StartupError, "does not exist"),
+])
+def test_startup_errors_come_before_any_work(tmp_path, tiny_model, monkeypatch, kw, error, match):
+  fake = FakePrefill()
+  with pytest.raises(error, match=match):
+    run(options(tmp_path, **kw), tiny_model, fake, monkeypatch)
+  assert fake.calls == [] and not os.path.exists(options(tmp_path).out)
+
+
+# ---- inputs ----
+def test_prompt_file_through_tokenizers(tmp_path, tiny_model, monkeypatch):
+  tokenizers = pytest.importorskip("tokenizers")
+  from tokenizers import models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+
+  vocab = {f"w{i}": i for i in range(200)} | {"[UNK]": 200}
+  tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(tmp_path / "tokenizer.json"))
+  words = [f"w{(7 * i) % 200}" for i in range(40)]
+  (tmp_path / "prompt.txt").write_text(" ".join(words))
+  doc, _ = run(options(tmp_path, prompt_file=str(tmp_path / "prompt.txt"), tokenizer=str(tmp_path / "tokenizer.json"),
+                       configs=("all_off",)), tiny_model, FakePrefill(), monkeypatch)
+  r = doc["records"][0]
+  ids = np.array([(7 * i) % 200 for i in range(32)], np.int32)
+  assert r["prompt"]["sha256"] == q.sha256_array(ids) and r["prompt"]["source"]["kind"] == "file"
+  assert r["prompt"]["source"]["tokens_available"] == 40
+  with pytest.raises(q.StartupError, match="gives 40 tokens"):
+    run(options(tmp_path, prompt_file=str(tmp_path / "prompt.txt"), tokenizer=str(tmp_path / "tokenizer.json"),
+                lengths=(41,)), tiny_model, FakePrefill(), monkeypatch)
+  with pytest.raises(q.StartupError, match="needs --tokenizer"):
+    run(options(tmp_path, prompt_file=str(tmp_path / "prompt.txt")), tiny_model, FakePrefill(), monkeypatch)
+
+
+def test_synthetic_prompt_is_seeded_and_shared_by_lengths():
+  cfg = config.tiny_window()
+  a, src = q.prompt_ids(q.Options(preset="tiny_window", lengths=(16, 40), seed=3), cfg)
+  b, _ = q.prompt_ids(q.Options(preset="tiny_window", lengths=(40,), seed=3), cfg)
+  np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(a, np.random.default_rng(3).integers(0, cfg.vocab_size, 40))
+  assert a.dtype == np.int32 and src == dict(kind="synthetic", seed=3, vocab_size=cfg.vocab_size)
+
+
+def test_weights_fingerprint_sees_every_byte(tiny_model):
+  before = q.weights_fingerprint(tiny_model)
+  assert before == q.weights_fingerprint(tiny_model)
+  w = tiny_model.embed[...]
+  try:
+    tiny_model.embed.set_value(w.at[5, 7].add(0.5))  # not in the strided sample: the bit sum catches it
+    assert q.weights_fingerprint(tiny_model) != before
+  finally:
+    tiny_model.embed.set_value(w)
+  assert q.weights_fingerprint(tiny_model) == before
+  other = model.init_random(config.tiny_window(), seed=1, dtype=jnp.float32)
+  assert q.weights_fingerprint(other) != before
+
+
+# ---- flags and the shipped flagfiles ----
+def parse(argv):
+  fv = flags.FlagValues()
+  q.define_flags(fv)
+  fv(["prefill", *argv])
+  return q.options_from_flags(fv)
+
+
+def test_flags_map_onto_options():
+  o = parse(["--preset=tiny", "--lengths=8,16", "--configs=all_on,all_off", "--moe_compact_queue",
+             "--long_context_chunk=0", "--append", "--kl_gate=0.01"])
+  assert o.lengths == (8, 16) and o.configs == ("all_on", "all_off") and o.append and o.kl_gate == 0.01
+  assert o.features["moe_compact_queue"] is True and o.features["long_context_chunk"] == 0
+  assert o.features["moe_fused_combine"] is None  # None = the capability table's default
+  assert o.warmups == 2 and o.repeats == 3 and o.min_warmups == 2 and o.out.startswith("/tmp/")
+  with pytest.raises(q.StartupError, match="--lengths must be integers"):
+    parse(["--lengths=8k"])
+
+
+def test_qual_cfg():
+  o = parse([f"--flagfile={REPO}/qual.cfg"])
+  assert (o.preset, o.quant_policy, o.dtype) == ("v4_flash", "lucebox_mix", "bf16")
+  assert o.lengths == (8192, 32768, 122879) and o.warmups >= 2 and o.repeats >= 3 and o.append
+  assert o.out == "experiments/results/qual_v4flash_h200.json"
+  assert 0 < o.parity_prefix_tokens <= o.exact_max_tokens < 8192
+  q._validate(o)
+  cfg = q._model_config(o)
+  q.quant_policy.check_config(q.quant_policy.get(o.quant_policy), cfg)
+  assert max(o.lengths) <= cfg.max_position_embeddings
+
+
+def test_smoke_cfg():
+  o = parse([f"--flagfile={REPO}/experiments/qual_smoke.cfg"])
+  q._validate(o)
+  assert o.out.startswith("/tmp/") and not o.append and o.warmups == 2 and o.repeats == 3
+  cfg = q._model_config(o)
+  assert max(o.lengths) <= cfg.max_position_embeddings and min(o.lengths) > cfg.sliding_window
+  base = features.resolve("cpu_interpret", o.features)
+  assert base.on(), "the smoke must turn switches on (on the CPU they all default off)"
+  assert any(c.also_off for c in q.matrix(base))
+
+
+# ---- the real prefill, end to end ----
+def test_real_prefill_end_to_end(tmp_path):
+  """Builds the weights itself (no model injection) and runs the real ds4jax.prefill on the MoE kernels."""
+  opts = options(tmp_path, lengths=(20,), warmups=0, repeats=1,
+                 features={"moe_compact_queue": True, "long_context_chunk": 0, "prefill_band_tokens": 0})
+  doc = q.run(opts, log=lambda s: None)
+  recs = by_key(doc)
+  assert sorted(recs) == [(20, "all_off"), (20, "all_on"), (20, "kill_moe_compact_queue")]
+  assert all(r["status"] == "ok" and r["parity"]["pass"] for r in recs.values())
+  assert recs[(20, "all_off")]["parity"]["nmse"] == 0.0
+  assert 0 <= recs[(20, "all_on")]["parity"]["nmse"] < 1e-10
+  assert recs[(20, "all_on")]["model"] == dict(name="tiny_window", preset="tiny_window", checkpoint=None,
+                                                policy="bf16", dtype="bf16", seed=0)
