@@ -65,6 +65,27 @@ def query_chunks(n: int, chunk: int) -> int:
   return n // chunk
 
 
+def kernel_row_list(indices: jnp.ndarray, n_rows: int, features: Features) -> jnp.ndarray:
+  """The [S, k] row list the streaming kernel reads, k padded to a power of two with -1.
+
+  Both handoffs deliver the rows in ascending physical order, so the kernel reduces in the same order and the
+  output is byte-identical (lucebox-stack.md §1.3): the direct path sorts the indexer's ids (the Pallas indexer
+  already returns them sorted); the mask path builds the dense [S, n_rows] additive mask and scans it back.
+  """
+  from kernels_pallas.indexer import handoff  # pylint: disable=import-outside-toplevel
+
+  k = 1 << max(indices.shape[1] - 1, 0).bit_length()
+  if k != indices.shape[1]:
+    indices = jnp.pad(indices, ((0, 0), (0, k - indices.shape[1])), constant_values=-1)
+  if not features.direct_indexer_topk:
+    return handoff.rows_from_mask(handoff.mask_from_topk(indices, n_rows), k)
+  if features.indexer_score_kernel:
+    return indices
+  big = jnp.iinfo(jnp.int32).max
+  ordered = jnp.sort(jnp.where(indices < 0, big, indices), axis=1)
+  return jnp.where(ordered == big, -1, ordered)
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32,
@@ -131,9 +152,8 @@ class Attention(nnx.Module):
     n = query_chunks(B, features.long_context_chunk)
     raw_start = s0 - (W - 1)
     ratio = self.compressor.ratio if self.compressor is not None else 1
-    if indices is not None and features.mla_stream_topk:  # the mask path rebuilds the same ascending row list
-      from kernels_pallas.indexer import handoff  # pylint: disable=import-outside-toplevel
-      indices = handoff.selected_rows(indices, rows.shape[0], direct_indexer_topk=features.direct_indexer_topk)
+    if indices is not None and features.mla_stream_topk:
+      indices = kernel_row_list(indices, rows.shape[0], features)
 
     def one_chunk(args):
       qc, pc, ic = args

@@ -339,7 +339,13 @@ def tiny_hca(**overrides) -> DeepseekV4Config:
   return _tiny(overrides, name="tiny_hca", attention=(_H, _H, _W), routing=(Routing.HASH, Routing.HASH, Routing.TOPK))
 
 
-PRESETS = {f.__name__: f for f in (v4_flash, v4_pro, tiny, tiny_window, tiny_csa, tiny_hca)}
+def tiny_sparse(**overrides) -> DeepseekV4Config:
+  """`tiny` with the sizes the sparse-attention kernels take (power-of-two head_dim 128 and index_topk 4), so
+  every fast path runs on it: window, CSA and HCA layers, hash and top-k MoE."""
+  return tiny(**({"name": "tiny_sparse", "head_dim": 128, "index_topk": 4} | overrides))
+
+
+PRESETS = {f.__name__: f for f in (v4_flash, v4_pro, tiny, tiny_window, tiny_csa, tiny_hca, tiny_sparse)}
 
 
 def preset(name: str, **overrides) -> DeepseekV4Config:

@@ -116,6 +116,8 @@ def _row(supported: set[str], default_on: set[str]) -> dict[str, Capability]:
 # device class (interpret mode for the CPU, a GPU run for sm_90, the offline lowering check for gfx1151).
 # A gfx1151-only default is keyed to "gfx1151", never to all RDNA3.5 (upstream review item 6).
 _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent", "moe_fused_combine"}
+_ATTENTION = {"indexer_score_kernel", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
+              "mla_stream_fast_exp"}
 _MOE_RAN_ON_H200 = _MOE  # bf16 and quantized (in-kernel dequantization) kernels ran compiled with parity
 CAPABILITIES: dict[str, dict[str, Capability]] = {
     # gfx1151: the ROCm MoE configs pass the offline lowering check with bf16 activations, but the model
@@ -123,8 +125,11 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     "gfx1151": _row(set(), set()),
     "rdna35_other": _row(set(), set()),
     "rocm_other": _row(set(), set()),
-    "sm_90": _row(_MOE_RAN_ON_H200, _MOE_RAN_ON_H200 - {"moe_persistent"}),  # persistent: experimental, as upstream
-    "cpu_interpret": _row(_MOE, set()),  # interpret mode: parity, not speed, so the exact path is the default
+    # Defaults: persistent is experimental (as upstream); the fused quantized gate/up is slower than
+    # dequantize-then-matmul on the H200 (rocmfp2_mix MoE at 8192 tokens: 31.5 vs 17.5 ms, bench_moe), because
+    # the in-tile MIX decode is ALU-bound there while HBM is not the bottleneck it is on gfx1151.
+    "sm_90": _row(_MOE_RAN_ON_H200, _MOE_RAN_ON_H200 - {"moe_persistent", "moe_sparse_gate_up"}),
+    "cpu_interpret": _row(_MOE | _ATTENTION, set()),  # interpret mode: parity, not speed, so the exact path is the default
 }
 
 

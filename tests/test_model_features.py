@@ -14,7 +14,8 @@ TOKENS = np.arange(2, 42)
 
 @pytest.fixture(scope="module")
 def tiny():
-  m = model.init_random(config.tiny(), seed=int(np.random.SeedSequence().entropy % 2**31), dtype=jnp.float32)
+  m = model.init_random(config.tiny_sparse(), seed=int(np.random.SeedSequence().entropy % 2**31),
+                        dtype=jnp.float32)
   return m, np.asarray(model.forward(m, TOKENS))
 
 
@@ -80,3 +81,24 @@ def test_quantized_model_fused_and_dequantize_first_paths(policy):
   first = features.resolve(DEVICE, {s: s == "moe_compact_queue" for s in SWITCHES})
   for f in (fused, first):
     assert nmse(np.asarray(model.forward(m, TOKENS, features=f)), ref) < 1e-10
+
+
+def test_direct_and_mask_handoffs_are_byte_identical(tiny):
+  """direct_indexer_topk only changes how the picks reach the streaming kernel (sorted ids vs the dense mask
+  scanned back); the rows and their order are the same, so the logits are bit for bit the same."""
+  m, _ = tiny
+  on = lambda *s: features.resolve(DEVICE, {k: k in s for k in SWITCHES})
+  stream = ("mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp")
+  direct = np.asarray(model.forward(m, TOKENS, features=on(*stream, "direct_indexer_topk")))
+  masked = np.asarray(model.forward(m, TOKENS, features=on(*stream)))
+  assert np.array_equal(direct, masked)
+
+
+def test_attention_switches_change_the_kernels_that_run(tiny):
+  m, _ = tiny
+  on = lambda *s: features.resolve(DEVICE, {k: k in s for k in SWITCHES})
+  assert kernel_names(m, on("mla_stream_topk")).count("mla_stream_topk") == config.tiny_sparse().num_layers
+  assert "mla_stream_f32_stage" in kernel_names(m, on("mla_stream_topk", "mla_stream_f32_stage"))
+  names = kernel_names(m, on("mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp"))
+  assert "mla_stream_fast_exp" in names and "mla_stream_topk" not in names
+  assert kernel_names(m, on("indexer_score_kernel")).count("indexer_scores") >= 2  # the two CSA layers

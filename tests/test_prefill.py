@@ -70,3 +70,15 @@ def test_short_prompt_band_rounds_up_to_whole_chunks():
   assert prefill.band_size(45, f) == 48 and prefill.band_size(200, f) == 64
   assert prefill.band_size(45, features.resolve("cpu_interpret", dict(prefill_band_tokens=0,
                                                                         long_context_chunk=0))) == 45
+
+
+def test_banded_prefill_with_every_fast_path_matches_one_shot():
+  """The Pallas paths at traced band offsets: window tail before position 0, compressed rows of earlier bands."""
+  m = model.init_random(config.tiny_sparse(), seed=int(np.random.SeedSequence().entropy % 2**31), dtype=jnp.float32)
+  tokens = np.random.default_rng().integers(0, m.cfg.vocab_size, 37)
+  ref = np.asarray(model.forward(m, tokens))
+  all_on = {s: True for s in features.SWITCHES if features.CAPABILITIES["cpu_interpret"][s].supported}
+  got = run(m, tokens, prefill_band_tokens=12, long_context_chunk=0, **all_on)
+  err = np.abs(got - ref).max()
+  print(f"all fast paths, bands of 12: max abs error {err:.2e}")
+  assert np.isfinite(got).all() and err < 1e-5 * max(1.0, np.abs(ref).max())

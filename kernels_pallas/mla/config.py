@@ -1,0 +1,133 @@
+"""Tuning knobs of the sparse MLA attention kernels: one frozen `Config` plus a heuristic default.
+
+A program of either kernel owns `tokens_per_program` queries × `heads_per_program` heads; they form the M rows of
+its dots (row m = token m // heads_per_program, head m % heads_per_program), so M = tokens × heads must be a
+power of two and, compiled, at least 16 (Triton's smallest dot). Keys are staged `keys_per_stage` rows at a time.
+Which knob maps to which Lucebox switch (/work/shared/reference/lucebox-stack.md §1.4):
+
+* `heads_per_program` : HEADS_PER_BLOCK (16) of `ds4_flash_attn_d512_streaming_topk_kernel` (8 in the grouped one).
+* `keys_per_stage`    : KEYS_PER_STAGE (16).
+* f32 staging / fast exp are call arguments of `api.sparse_mla` (GGML_CUDA_MLA_STREAM_F32_STAGE / _FAST_EXP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+MIN_DOT = 16  # Triton's smallest dot dimension
+PLATFORMS = ("cuda", "rocm", "cpu")
+PRECISIONS = ("split", "bf16")
+
+
+def is_pow2(n) -> bool:
+  return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def default_platform() -> str:
+  """"cuda", "rocm" or "cpu" for the default JAX backend."""
+  backend = jax.default_backend()
+  if backend == "gpu":
+    version = getattr(getattr(jax.devices()[0], "client", None), "platform_version", "") or ""
+    return "rocm" if "rocm" in version.lower() or "hip" in version.lower() else "cuda"
+  return backend if backend in PLATFORMS else "cpu"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+  """Static knobs of `api.sparse_mla`. Hashable, so it can be a static jit argument.
+
+  heads_per_program   heads of one program (power of two; heads beyond H are masked, so H = 4 runs at 16).
+  tokens_per_program  queries of one program (power of two). The window rows of neighbouring queries overlap, so
+                      a tile of queries stages window + tokens − 1 raw rows once; HCA rows are a shared prefix.
+                      CSA rows differ per query: each query's selected rows are staged in turn with the other
+                      queries' rows masked, so > 1 only pays off to reach M >= 16 with few heads.
+  keys_per_stage      rows staged per step (the dot N of the scores, K of the values; power of two >= 16 compiled).
+  head_dim_chunk      D is processed in chunks of this many columns (power of two <= D): the score dot sums
+                      D / chunk partial dots and the f32 accumulator is D / chunk tiles [M, chunk]. The dot
+                      operands of one chunk are all a warp holds at a time (a [16, 512] bf16 q operand alone is
+                      128 VGPRs per lane when every warp needs it, which spills on gfx1151).
+  q_resident          keep q's operand parts in registers for the whole program (else each stage reloads them
+                      from L1/L2; cheap next to the staged rows, and it frees the registers).
+  num_warps, num_stages   Triton launch knobs.
+  precision           "split": every f32 dot operand (q and f32 K/V rows in XLA before the kernel, the softmax
+                      weights in-kernel) is split into bf16 hi + lo and multiplied in three bf16 passes with f32 accumulation (~2^-16 relative, the parity path;
+                      bf16 K/V rows are exact in one part, so bf16 KV costs 2 passes per dot instead of 3).
+                      "bf16": one bf16 pass per dot (operands rounded to bf16; fewer registers and dots; NMSE
+                      1.6e-6 with bf16 q/KV, 7.9e-6 with f32: outside the 5e-4 + 5e-4·|x| parity tolerance).
+  grouped_scratch_bytes  the grouped kernel stores every score in an HBM scratch [T·H, keys] f32; larger problems
+                      raise ValueError instead of allocating it.
+  """
+
+  heads_per_program: int = 16
+  tokens_per_program: int = 1
+  keys_per_stage: int = 16
+  head_dim_chunk: int = 128
+  q_resident: bool = False
+  num_warps: int = 4
+  num_stages: int = 2
+  precision: str = "split"
+  grouped_scratch_bytes: int = 16 << 30
+
+  @property
+  def rows(self) -> int:
+    """M: the rows of one program's dots."""
+    return self.heads_per_program * self.tokens_per_program
+
+  def validate(self, *, compiled: bool = False) -> None:
+    """Raises ValueError for knobs the Triton lowering cannot take (`compiled`: also the GPU dot minimums)."""
+    for name in ("heads_per_program", "tokens_per_program", "keys_per_stage", "head_dim_chunk", "num_warps"):
+      v = getattr(self, name)
+      if not is_pow2(v):
+        raise ValueError(f"Config.{name}={v!r}: must be a power of two")
+    if compiled and (self.rows < MIN_DOT or self.keys_per_stage < MIN_DOT):
+      raise ValueError(f"Config: heads_per_program × tokens_per_program = {self.rows} and keys_per_stage = "
+                       f"{self.keys_per_stage} must both be >= {MIN_DOT} on a GPU (Triton's smallest dot); "
+                       f"raise tokens_per_program for models with few heads")
+    if not isinstance(self.num_stages, int) or self.num_stages < 0:
+      raise ValueError(f"Config.num_stages={self.num_stages!r}: must be an int >= 0")
+    if self.precision not in PRECISIONS:
+      raise ValueError(f"Config.precision={self.precision!r}: expected one of {PRECISIONS}")
+
+  @classmethod
+  def default(cls, num_heads: int, head_dim: int, kind: str, platform: str = "cuda", **overrides) -> "Config":
+    """Heuristic starting point (not yet timed on hardware; the H200 numbers will come from
+    experiments/bench_attention.py).
+
+    GPU: 16 heads per program as upstream (M = 16, one mma row block), with as many queries per program as it
+    takes to reach M = 16 when the model has fewer heads; 16 keys per stage, head-dim chunks of 128. The f32
+    accumulator [16, 512] is 32 KiB: 8 warps keep it at 32 registers per lane. Offline compiles at V4-Flash
+    shapes (lowering_cases): sm_90 at 8 warps / 3 stages ≈ 100–130 registers with bf16 q/KV, 164–255 with f32,
+    no spills (4 warps: up to 188; 32 keys per stage: 156–168); gfx1151 at 8 warps / 1 stage and precision
+    "bf16": 184–255 VGPRs, no spills (README.md has the table).
+    CPU (interpret mode): one program holds every head and a few queries, since the interpreter's cost is per
+    grid step.
+    """
+    del kind  # the same tiling serves window, HCA and CSA (their key sets differ only in length)
+    if platform not in PLATFORMS:
+      raise ValueError(f"platform={platform!r}: expected one of {PLATFORMS}")
+    if not is_pow2(num_heads):
+      hp = min(next_pow2(num_heads), 16)
+    else:
+      hp = min(num_heads, 16)
+    if platform == "cpu":
+      hp = next_pow2(num_heads)
+      cfg = cls(heads_per_program=hp, tokens_per_program=max(1, 16 // hp), keys_per_stage=16, num_warps=4,
+                num_stages=1)
+    else:
+      tq = max(1, MIN_DOT // hp)
+      big = head_dim >= 256
+      if platform == "rocm":
+        # gfx1151 has no f32 matrix path; the hi/lo split doubles the dot operands and spills there in the
+        # f32-staged CSA kernel at D 512 (4 VGPRs with bf16 q/KV, 29-174 with f32), so ROCm rounds to bf16 once.
+        cfg = cls(heads_per_program=hp, tokens_per_program=tq, keys_per_stage=16, num_warps=8 if big else 4,
+                  num_stages=1, precision="bf16")
+      else:
+        cfg = cls(heads_per_program=hp, tokens_per_program=tq, keys_per_stage=16, num_warps=8 if big else 4,
+                  num_stages=3)
+    return dataclasses.replace(cfg, **overrides)
