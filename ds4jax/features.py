@@ -83,6 +83,13 @@ class Features:
     return self.device_class == "cpu_interpret"
 
   @property
+  def platform(self) -> str:
+    """The kernels' config heuristics key: "cpu" (interpret mode), "rocm" or "cuda"."""
+    if self.interpret:
+      return "cpu"
+    return "rocm" if self.device_class in ("gfx1151", "rdna35_other", "rocm_other") else "cuda"
+
+  @property
   def moe_kernels(self) -> bool:
     """Any MoE switch on: the MoE runs through the Pallas grouped kernels instead of the dense reference."""
     return any(getattr(self, s) for s in SWITCHES if s.startswith("moe_"))
@@ -118,7 +125,7 @@ def _row(supported: set[str], default_on: set[str]) -> dict[str, Capability]:
 _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent", "moe_fused_combine"}
 _ATTENTION = {"indexer_score_kernel", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
               "mla_stream_fast_exp"}
-_MOE_RAN_ON_H200 = _MOE  # bf16 and quantized (in-kernel dequantization) kernels ran compiled with parity
+_MOE_RAN_ON_H200 = _MOE | _ATTENTION  # bf16 and quantized (in-kernel dequantization) kernels ran compiled with parity
 CAPABILITIES: dict[str, dict[str, Capability]] = {
     # gfx1151: the ROCm MoE configs pass the offline lowering check with bf16 activations, but the model
     # feeds the kernels f32 activations (f32 dots: no WMMA, spills), so nothing is advertised yet.

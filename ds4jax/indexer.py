@@ -51,7 +51,11 @@ class Indexer(nnx.Module):
     if features.indexer_score_kernel:
       from kernels_pallas import indexer as indexer_kernels  # pylint: disable=import-outside-toplevel
       q, w = self.queries(x, qr, positions, freqs)
-      return indexer_kernels.topk(q, w, keys, q_start=positions[0], k=self.topk, ratio=self.ratio,
+      # Dots in the activations' dtype: the f32 model keeps the exact selection (bf16 dots could swap near-ties).
+      config = indexer_kernels.Config.default(
+          x.shape[0], keys.shape[0], self.n_heads, self.head_dim, platform=features.platform,
+          compute_dtype=jnp.dtype(q.dtype).name)
+      return indexer_kernels.topk(q, w, keys, q_start=positions[0], k=self.topk, ratio=self.ratio, config=config,
                                   interpret=features.interpret)
     s = self.scores(x, qr, positions, freqs, keys)
     k = min(self.topk, s.shape[1])

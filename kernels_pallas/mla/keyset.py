@@ -97,10 +97,12 @@ def parts(x, split: bool):
   if x.dtype == BF16 and not split:
     return (x,)
   xf = x.astype(F32)
-  hi = xf.astype(BF16)
   if not split:
-    return (hi,)
-  return hi, (xf - hi.astype(F32)).astype(BF16)
+    return (xf.astype(BF16),)
+  # hi = x with the low 16 mantissa bits cleared (exact in bf16), by bit masking: XLA GPU may drop an
+  # f32 -> bf16 -> f32 round trip (excess precision allowed), which would make x - hi zero.
+  hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(xf, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
+  return hi.astype(BF16), (xf - hi).astype(BF16)
 
 
 def dot(a_parts, b_parts, *, trans_b: bool):

@@ -105,7 +105,8 @@ def config_for(c: Case) -> Config:
   cfg = Config.default(c.H, c.D, c.kind, platform=PLATFORM, precision="split")
   over = dict(c.config or {})
   if not INTERPRET:  # GPU dots need M >= 16
-    over["tokens_per_program"] = max(over.get("tokens_per_program", 1), 16 // over.get("heads_per_program", 16))
+    hp = over.get("heads_per_program", cfg.heads_per_program)
+    over["tokens_per_program"] = max(over.get("tokens_per_program", cfg.tokens_per_program), 16 // hp)
   return dataclasses.replace(cfg, **over)
 
 
