@@ -16,8 +16,8 @@ one field of the frozen `Features` that the model receives. Library code and tes
     mla_stream_topk        GGML_CUDA_MLA_STREAM_TOPK                      streaming sparse MLA attention kernel
     mla_stream_f32_stage   GGML_CUDA_MLA_STREAM_F32_STAGE                 stage each KV row in f32 once for all heads
     mla_stream_fast_exp    GGML_CUDA_MLA_STREAM_FAST_EXP                  exp2 with log2(e) folded into the scale
-    long_context_chunk     DFLASH_DS4_LONG_CONTEXT_CHUNK                  prefill chunk cap for long prompts (tokens)
-    prefill_band_tokens    (#684 layer-major bands, cap 10240)            tokens per layer-major band
+    long_context_chunk     DFLASH_DS4_LONG_CONTEXT_CHUNK                  attention query chunk inside a band (bounds masks at 128K)
+    prefill_band_tokens    (#684 layer-major bands, cap 10240)            tokens per layer-major band (ds4jax/prefill.py)
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 KNOBS: dict[str, tuple[str, str, int]] = {
     "moe_tile_rows": ("GGML_CUDA_MMQ_X", "Force the MoE row tile (0 = heuristic).", 0),
     "moe_programs_per_core": ("GGML_CUDA_MMQ_MOE_PERSISTENT_BLOCKS_PER_CU", "Persistent MoE programs per core.", 32),
-    "long_context_chunk": ("DFLASH_DS4_LONG_CONTEXT_CHUNK", "Prefill chunk cap in tokens (0 = one chunk).", 8192),
-    "prefill_band_tokens": ("#684 layer-major band", "Tokens per layer-major prefill band.", 8192),
+    "long_context_chunk": ("DFLASH_DS4_LONG_CONTEXT_CHUNK",
+                           "Attention takes a band's queries in chunks of this many tokens (0 = the whole band).", 8192),
+    "prefill_band_tokens": ("#684 layer-major band",
+                            "Tokens per layer-major prefill band, state carried across bands (0 = one band).", 8192),
 }
 
 

@@ -78,3 +78,11 @@ def test_flags_map_to_features():
   f = features.from_flags(fv, "cpu_interpret")
   assert f.prefill_band_tokens == 4096 and not f.moe_fused_combine
   assert "GGML_CUDA_MLA_STREAM_FAST_EXP" in fv["mla_stream_fast_exp"].help
+
+
+def test_readme_maps_every_flag_to_its_upstream_name():
+  """The README's switch table lists each flag with its upstream name (the flag help says the same)."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  for name, (upstream, _, *_) in {**features.SWITCHES, **features.KNOBS}.items():
+    assert f"| `--{name}` | `{upstream}` |" in readme, name
