@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ds4jax import compressor as comp
@@ -117,7 +116,7 @@ class Attention(nnx.Module):
   def band(self, x: jnp.ndarray, s0, cache: LayerCache, features: Features = REFERENCE):
     """x: [B, D] normed input at positions [s0, s0+B) (s0 may be traced). Returns ([B, D], the new cache)."""
     cfg = self.cfg
-    B, H, d, G, W = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.o_groups, cfg.sliding_window
+    B, H, d, G = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.o_groups
     positions = s0 + jnp.arange(B, dtype=jnp.int32)
     freqs = rope.layer_inv_freq(cfg, self.kind)
     qr = self.q_norm(self.wq_a(x))  # [B, q_lora]; the indexer reuses it

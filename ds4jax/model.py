@@ -6,7 +6,6 @@ so that loading a checkpoint is a mechanical mapping (see ds4jax/checkpoint/mapp
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

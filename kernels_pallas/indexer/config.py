@@ -8,29 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
-MIN_DOT = 16  # Triton's smallest dot dimension
-PLATFORMS = ("cuda", "rocm", "cpu")
+from kernels_pallas.tiling import MIN_DOT, PLATFORMS, default_platform, is_pow2, next_pow2  # noqa: F401
+
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def is_pow2(n) -> bool:
-  return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
-
-
-def next_pow2(n: int) -> int:
-  return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def default_platform() -> str:
-  """"cuda", "rocm" or "cpu" for the default JAX backend."""
-  backend = jax.default_backend()
-  if backend == "gpu":
-    version = getattr(getattr(jax.devices()[0], "client", None), "platform_version", "") or ""
-    return "rocm" if "rocm" in version.lower() or "hip" in version.lower() else "cuda"
-  return backend if backend in PLATFORMS else "cpu"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

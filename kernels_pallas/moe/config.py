@@ -19,24 +19,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-MIN_DOT = 16  # Triton's smallest dot dimension
+from kernels_pallas.tiling import MIN_DOT, is_pow2, next_pow2, pow2_divisor  # noqa: F401 (re-exported)
+
 ADAPTIVE_TILES = (16, 32, 64, 128)
-
-
-def is_pow2(n: int) -> bool:
-  return isinstance(n, int) and n > 0 and n & (n - 1) == 0
-
-
-def next_pow2(n: int) -> int:
-  return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def pow2_divisor(n: int, cap: int) -> int:
-  """The largest power of two <= cap that divides n (1 if n is odd)."""
-  b = 1
-  while b * 2 <= cap and n % (b * 2) == 0:
-    b *= 2
-  return b
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
