@@ -21,12 +21,20 @@ The recipe (/work/shared/reference/pallas-notes.md §8):
   6. `check` applies the limits Triton does not enforce at compile time: LDS ≤ 64 KiB per workgroup on gfx11, no
      VGPR spills, no scratch.
 
+ds4jax's shipped kernels: `moe_case` (grouped MoE at V4-Flash shapes, any weight format) and `package_cases`
+(the indexer and sparse MLA kernels, from each package's `lowering_cases(platform)`: (label, fn, args) with the
+shipped `Config.default(..., platform=...)`); `lower_case` / `kernel_config` lower and describe the latter.
+experiments/lower_gfx1151.py and tests/kernels_pallas/test_lowering_gfx1151.py check all of them.
+
 This is a close proxy, not XLA's exact compiler: on the device XLA runs its vendored Triton with its own pipeline;
 LDS should match closely, VGPR and spill counts may drift. Relies on JAX internals of jax/jaxlib 0.11.2.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -129,14 +137,24 @@ def kernels_of(module) -> list[TritonKernel]:
 
 
 def bytecode_to_text(data: bytes) -> str:
-  """jaxlib's tt-dialect MLIR bytecode → text (without debug locations), via jaxlib's MLIR."""
+  """jaxlib's tt-dialect MLIR bytecode → text (without debug locations), via jaxlib's MLIR.
+
+  jaxlib's MLIR does not register the `gpu` dialect, yet `plt.debug_barrier()` lowers to `gpu.barrier` (the
+  grouped MLA kernel, between its score and value passes). It is parsed as an unregistered op, printed in generic
+  form (`"gpu.barrier"() : () -> ()`) and rewritten to the custom form, which triton 3.9.0 (it registers `gpu`)
+  parses."""
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
   from jaxlib.triton import dialect  # pylint: disable=import-outside-toplevel
 
   with ir.Context() as ctx:
     dialect.register_dialect(ctx)
+    ctx.allow_unregistered_dialects = True
     module = ir.Module.parse(data)
-    return module.operation.get_asm(enable_debug_info=False)
+    text = module.operation.get_asm(enable_debug_info=False)
+  return _GENERIC_BARRIER.sub("gpu.barrier", text)
+
+
+_GENERIC_BARRIER = re.compile(r'"gpu\.barrier"\(\)[^\n]*')
 
 
 # ---- step 4-5: compile ------------------------------------------------------------------------------------------
@@ -301,6 +319,66 @@ def compile_many(jobs: Sequence[tuple[TritonKernel, str]], processes: int = 1) -
 
 
 # ---- ds4jax's shipped kernels -----------------------------------------------------------------------------------
+
+# Kernel packages that list their shipped kernels themselves: `lowering_cases(platform)` → [(label, fn, args)] at
+# V4-Flash shapes with the config their `Config.default(..., platform=platform)` ships. The grouped MoE has its
+# own, plan-checked path below (`moe_case`).
+CASE_PACKAGES = ("indexer", "mla")
+
+
+class KernelCase(NamedTuple):
+  """One (label, fn, args) of a package's `lowering_cases(platform)`."""
+  package: str             # "indexer" | "mla"
+  label: str               # e.g. "mla csa grouped bf16 8192 q @ 114688" (without the platform)
+  platform: str            # "rocm" | "cuda"
+  fn: Callable
+  args: tuple
+
+  def configs(self) -> list[dict]:
+    """The package Configs `fn` closes over (as dicts; recorded, best effort): the knobs behind its kernels."""
+    return [dict(dataclasses.asdict(v), type=f"{type(v).__module__}.{type(v).__qualname__}")
+            for v in _bound_values(self.fn) if dataclasses.is_dataclass(v) and type(v).__name__ == "Config"]
+
+
+def _bound_values(fn) -> list:
+  seen = [*(fn.__defaults__ or ()), *inspect.getclosurevars(fn).nonlocals.values()]
+  return list({id(v): v for v in seen}.values())
+
+
+def package_cases(platform: str, packages: Sequence[str] = CASE_PACKAGES) -> list[KernelCase]:
+  """Every `kernels_pallas.<package>.lowering_cases(platform)` case, in package order."""
+  if platform not in DEFAULT_DEVICE_KIND:
+    raise ValueError(f"platform must be 'rocm' or 'cuda', got {platform!r}")
+  unknown = [p for p in packages if p not in CASE_PACKAGES]
+  if unknown:
+    raise ValueError(f"unknown kernel packages {unknown}; expected some of {CASE_PACKAGES}")
+  cases = []
+  for package in packages:
+    module = importlib.import_module(f"kernels_pallas.{package}")
+    for label, fn, args in module.lowering_cases(platform):
+      cases.append(KernelCase(package, label.removesuffix(f" {platform}"), platform, fn, tuple(args)))
+  return cases
+
+
+def package_shapes(package: str) -> dict:
+  """The V4-Flash shapes a package's cases use (`kernels_pallas.<package>.V4_FLASH_<PACKAGE>`)."""
+  return dict(getattr(importlib.import_module(f"kernels_pallas.{package}"), f"V4_FLASH_{package.upper()}"))
+
+
+def lower_case(case: KernelCase) -> list[TritonKernel]:
+  """The kernels of one package case; a case without any Pallas-Triton kernel is an error (it would pass the
+  check vacuously)."""
+  kernels = lower_kernels(case.fn, case.args, case.platform)
+  if not kernels:
+    raise RuntimeError(f"{case.package} case {case.label!r} ({case.platform}) lowers to no Pallas-Triton kernel")
+  return kernels
+
+
+def kernel_config(kernel: TritonKernel) -> str:
+  """The launch knobs every Pallas-Triton kernel carries, e.g. 'w8 s1 grid 8192×4'."""
+  grid = "×".join(str(g) for g in (kernel.grid[:2] if kernel.grid[2] == 1 else kernel.grid))
+  return f"w{kernel.num_warps} s{kernel.num_stages} grid {grid}"
+
 
 # V4-Flash routed experts (ds4jax.config.v4_flash): hidden 4096, expert intermediate 2048, 256 experts, top-6.
 V4_FLASH_MOE = dict(hidden=4096, intermediate=2048, num_experts=256, top_k=6)

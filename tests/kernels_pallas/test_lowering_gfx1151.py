@@ -5,13 +5,19 @@ LDS ≤ 65,536 bytes per workgroup and no VGPR spills / scratch. No GPU needed.
 Needs the `lowering` extra (pip install -e '.[lowering]'); CI installs it, so a missing triton FAILS here. Set
 DS4JAX_SKIP_LOWERING=1 to skip these tests instead. Marker: `lowering` (deselect with -m "not lowering").
 
-The shipped-config test compiles the grouped MoE (gate_up, down, combine) at V4-Flash shapes with the ROCm
-`Config.default` at 8192 and 512 tokens (different adaptive row tiles) for bf16 experts and every quantized format,
-in parallel processes (~30 s on 2 cores). `python -m experiments.lower_gfx1151` prints the full table.
+The shipped-config tests compile, at V4-Flash shapes with the ROCm `Config.default` of each package:
+  * the grouped MoE (gate_up, down, combine) at 8192 and 512 tokens (different adaptive row tiles) for bf16 experts
+    and every quantized format (names and grids checked against kernels_pallas.moe.plan);
+  * every case of `kernels_pallas.indexer.lowering_cases("rocm")` (indexer scoring) and
+    `kernels_pallas.mla.lowering_cases("rocm")` (sparse MLA: CSA streaming with/without f32 staging and fast exp,
+    the grouped baseline, f32 q/KV variants, HCA and window streaming).
+Each distinct kernel is compiled once, all in one pool of parallel processes (~50 s on 2 cores).
+`python -m experiments.lower_gfx1151` prints the full table (also gfx1150 and sm_90).
 """
 
 import functools
 import os
+import re
 import sys
 
 import jax
@@ -23,7 +29,8 @@ from jax.experimental.pallas import triton as plt
 from ds4jax import features
 from kernels_pallas import lowering
 
-pytestmark = pytest.mark.lowering
+# One xdist worker takes the whole module (`--dist loadgroup`), so the compile fixture is built once.
+pytestmark = [pytest.mark.lowering, pytest.mark.xdist_group("lowering")]
 
 ARCH = "gfx1151"
 # Two adaptive row tiles (128 rows / 16 warps and 16 rows / 8 warps): ~30 s on 2 cores with the spill-free configs.
@@ -56,9 +63,13 @@ def need_triton():
                 "(or set DS4JAX_SKIP_LOWERING=1 to skip it)", pytrace=False)
 
 
-@pytest.fixture(scope="module")
-def shipped():
-  """{(format, tokens, kernel name): (config string, stats)} for every shipped ROCm MoE kernel on gfx1151."""
+# The indexer and MLA cases as the packages list them (building them lowers nothing). Unlike the MoE, they gate
+# unconditionally: every ROCm config they ship must fit gfx1151.
+PACKAGE_CASES = lowering.package_cases("rocm")
+
+
+def _moe_jobs():
+  """(jobs, keys): every shipped ROCm MoE kernel, keyed (format, tokens, kernel name, config string)."""
   from kernels_pallas.moe import plan  # pylint: disable=import-outside-toplevel
 
   jobs, keys = [], []
@@ -77,8 +88,29 @@ def shipped():
           continue  # the combine does not see the weights: compiled once per token count (bf16)
         jobs.append((k, ARCH))
         keys.append((fmt, tokens, k.name, lowering.moe_kernel_config(k.name, case.config, tokens)))
-  stats = lowering.compile_many(jobs, processes=os.cpu_count() or 1)
-  return {key[:3]: (key[3], st) for key, st in zip(keys, stats)}
+  return jobs, keys
+
+
+@pytest.fixture(scope="module")
+def compiled():
+  """The MoE and package kernels compiled for gfx1151 in one process pool (identical kernels once):
+  {"moe": {(format, tokens, kernel name): (config string, stats)},
+   "cases": {case label: [(kernel, stats), ...]}}."""
+  jobs, keys = _moe_jobs()
+  n_moe = len(jobs)
+  case_kernels = {c.label: lowering.lower_case(c) for c in PACKAGE_CASES}
+  jobs += [(k, ARCH) for kernels in case_kernels.values() for k in kernels]
+  stats = iter(lowering.compile_many(jobs, processes=os.cpu_count() or 1))
+  moe = {key[:3]: (key[3], next(stats)) for key in keys}
+  cases = {label: [(k, next(stats)) for k in kernels] for label, kernels in case_kernels.items()}
+  assert len(moe) == n_moe and next(stats, None) is None
+  return dict(moe=moe, cases=cases)
+
+
+@pytest.fixture(scope="module")
+def shipped(compiled):
+  """{(format, tokens, kernel name): (config string, stats)} for every shipped ROCm MoE kernel on gfx1151."""
+  return compiled["moe"]
 
 
 CASES = [(f, t, k) for t in TOKENS for f in FORMATS for k in ("moe_gate_up", "moe_down", "moe_combine")
@@ -100,6 +132,51 @@ def test_shipped_moe_fits_gfx1151(shipped, fmt, tokens, kernel):
       f"{st['scratch_bytes']} B scratch (VGPR {st['vgpr']}); see python -m experiments.lower_gfx1151 --sweep")
   if kernel != "moe_combine":
     assert st["wmma"] > 0, f"{kernel} [{fmt}, {tokens} tokens, {cfg}] has no v_wmma: bf16 dots expected"
+
+
+@pytest.mark.parametrize("label", [c.label for c in PACKAGE_CASES],
+                         ids=[re.sub(r"\W+", "_", c.label) for c in PACKAGE_CASES])
+def test_shipped_case_fits_gfx1151(compiled, label):
+  """Indexer scoring and sparse MLA: LDS ≤ 64 KiB, no VGPR spills, no scratch, WMMA dots (bf16 on ROCm)."""
+  for k, st in compiled["cases"][label]:
+    where = f"{k.name} [{label}, {lowering.kernel_config(k)}]"
+    assert "error" not in st, f"{where} failed to compile for {ARCH}: {st['error']}"
+    print(f"{where}: LDS {st['lds_bytes']} B, VGPR {st['vgpr']}, spills {st['vgpr_spills']}, "
+          f"scratch {st['scratch_bytes']} B, occupancy {st['occupancy']}, WMMA {st['wmma']}")
+    assert lowering.check(st) == [], (
+        f"{where} breaks the {ARCH} limits (LDS ≤ {lowering.LDS_LIMIT} B, no VGPR spills, no scratch): "
+        f"{'; '.join(lowering.check(st))} (LDS {st['lds_bytes']} B, VGPR {st['vgpr']}); retune the package's "
+        "Config.default(..., platform='rocm')")
+    assert st["wmma"] > 0, f"{where} has no v_wmma: bf16 dots expected"
+
+
+def test_package_cases_cover_every_kernel(compiled):
+  """The cases reach every attention/indexer kernel ds4jax ships, and the grouped MLA kernel's barrier survives
+  the bytecode → text step (jaxlib's MLIR lacks the gpu dialect)."""
+  from kernels_pallas import mla  # pylint: disable=import-outside-toplevel
+
+  kernels = {k.name: k for ks in compiled["cases"].values() for k, _ in ks}
+  want = {"indexer_scores", mla.kernel_name("stream", True, True), mla.kernel_name("stream", False, False),
+          mla.kernel_name("grouped")}
+  assert want <= set(kernels), f"kernels not covered by lowering_cases: {sorted(want - set(kernels))}"
+  assert "gpu.barrier" in kernels[mla.kernel_name("grouped")].ttir
+
+
+def test_barrier_text_parses():
+  """The rewrite of jaxlib's generic `gpu.barrier` keeps a module that triton parses (here: a tiny kernel)."""
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+    plt.debug_barrier()
+
+  def fn(x):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), name="barrier_probe",
+                          compiler_params=plt.CompilerParams(num_warps=1, num_stages=1))(x)
+
+  (k,) = lowering.lower_kernels(fn, (jax.ShapeDtypeStruct((32,), jnp.float32),), "rocm")
+  assert re.search(r"^\s*gpu\.barrier\s*$", k.ttir, re.M) and '"gpu.barrier"' not in k.ttir
+  st = lowering.compile_hip(k.ttir, ARCH, num_warps=1, num_stages=1)
+  assert lowering.check(st) == [] and st["hsaco_bytes"] > 0
 
 
 # ---- the check can fail -----------------------------------------------------------------------------------------
