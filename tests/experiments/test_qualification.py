@@ -230,7 +230,7 @@ def test_prefix_parity_when_the_exact_path_runs_out_of_memory(tmp_path, tiny_mod
 @pytest.mark.parametrize("kw, error, match", [
     (dict(configs=("all_on", "kill_everything")), q.StartupError, r"unknown configuration\(s\) \['kill_everything'\]"),
     (dict(features={"moe_persistent": True}), FeatureError, "--moe_persistent requires --moe_compact_queue"),
-    (dict(features={"mla_stream_topk": True}), FeatureError, "not supported on cpu_interpret"),
+    (dict(features={"mla_stream_topk": True}, device_class="gfx1151"), FeatureError, "not supported on gfx1151"),
     (dict(warmups=1, min_warmups=2), q.StartupError, "--warmups must be >= 2"),
     (dict(lengths=(32, 32)), q.StartupError, "more than once"),
     (dict(lengths=(129,)), q.StartupError, "max_position_embeddings=128"),

@@ -93,6 +93,11 @@ def _moe_jobs():
 
 @pytest.fixture(scope="module")
 def compiled():
+  return _compile_all()
+
+
+@functools.cache  # not just the module fixture: pytest re-creates that when a worker interleaves other modules
+def _compile_all():
   """The MoE and package kernels compiled for gfx1151 in one process pool (identical kernels once):
   {"moe": {(format, tokens, kernel name): (config string, stats)},
    "cases": {case label: [(kernel, stats), ...]}}."""
