@@ -275,7 +275,7 @@ def test_policies_with_quantized_shared_expert(rng, policy, fused):
   print(f"policy {policy} fused={fused}: NMSE {err:.2e}")
   assert np.abs(want[dead]).min() > 0  # dead tokens get exactly their shared-expert row, here nonzero
   shared_only = reference({**p_ref, "route_ids": jnp.full_like(p_ref["route_ids"], -1)})
-  np.testing.assert_allclose(y[dead], shared_only[dead], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(y[dead], shared_only[dead], rtol=1e-5, atol=1e-5)  # f32 sums in another order
 
 
 # ---- the kernel's in-tile dequantization is the jnp one, bit for bit ----------------------------------------
