@@ -77,7 +77,7 @@ def kernel_row_list(indices: jnp.ndarray, n_rows: int, features: Features) -> jn
   if k != indices.shape[1]:
     indices = jnp.pad(indices, ((0, 0), (0, k - indices.shape[1])), constant_values=-1)
   if not features.direct_indexer_topk:
-    return handoff.rows_from_mask(handoff.mask_from_topk(indices, n_rows), k)
+    return handoff.selected_rows(indices, n_rows, direct_indexer_topk=False)
   if features.indexer_score_kernel:
     return indices
   big = jnp.iinfo(jnp.int32).max

@@ -26,9 +26,6 @@ from flax import nnx
 from ds4jax import model as model_lib
 from ds4jax.features import REFERENCE, Features
 
-# The first pallas_call imports this lazily and registers a tracing-context option, which retraces (recompiles)
-# the next call of every jitted function once; importing it up front avoids a second compile of the first band.
-import jax.experimental.pallas.fuser  # noqa: E402,F401  pylint: disable=unused-import
 
 
 def band_size(n_tokens: int, features: Features) -> int:

@@ -42,10 +42,6 @@ from ds4jax.features import KNOBS, SWITCHES, FeatureError, Features
 from ds4jax.quant import policy as quant_policy
 from experiments import run_record
 
-# ds4jax.moe imports the MoE kernels lazily, inside the traced function (an import cycle); a first import during a
-# trace makes the next call of that configuration compile again (9 s on the tiny preset here), which would land in
-# a warm-up. Importing here keeps every compile in the cold run.
-import kernels_pallas.moe  # noqa: E402,F401  pylint: disable=unused-import,wrong-import-position
 
 SCHEMA = "ds4jax.prefill_qualification/1"
 KL_GATE = 0.006  # upstream's preregistered teacher-forced mean-KL gate (lucebox-stack.md §3.5)

@@ -21,9 +21,6 @@ from kernels_pallas.mla import stream as stream_mod
 from kernels_pallas.mla.config import Config, default_platform
 from kernels_pallas.mla.reference import check_inputs, sparse_mla_reference
 
-# The first pallas_call imports this module lazily, and it registers a tracing-context option, which makes the
-# next call of every jitted function retrace and recompile once. Importing it up front avoids that.
-import jax.experimental.pallas.fuser  # noqa: E402,F401  pylint: disable=unused-import
 
 IMPLS = ("stream", "grouped")
 F32 = jnp.float32

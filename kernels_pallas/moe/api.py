@@ -30,9 +30,6 @@ from kernels_pallas.moe import routing as routing_mod
 from kernels_pallas.moe.config import Config
 from kernels_pallas.moe.weights import ExpertWeights, as_expert_weights
 
-# The first pallas_call imports this module lazily, and it registers a tracing-context option, which makes the
-# next call of every jitted function retrace and recompile once. Importing it up front avoids that.
-import jax.experimental.pallas.fuser  # noqa: E402,F401  pylint: disable=unused-import
 
 F32 = jnp.float32
 
