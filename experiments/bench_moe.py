@@ -110,6 +110,7 @@ def main(argv):
       base = dict(tokens=S, routing=kind, gate_up_flops=gate_up_flops)
       cfg = moe_kernels.Config.default(num_tokens=S, top_k=K, num_experts=E, hidden=D, intermediate=I)
       kcfg = api._kernel_config(cfg)  # pylint: disable=protected-access
+      record.setdefault("configs", {})[str(S)] = dataclasses.asdict(cfg)  # the defaults each ablation starts from
       r = jax.jit(lambda i, bm=cfg.row_tile(S * K, E): routing.route(i, E, bm))(ids)
 
       def measure(name, f, *args, flops=gate_up_flops):

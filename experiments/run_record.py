@@ -14,17 +14,25 @@ import jaxlib
 
 def environment() -> dict:
   dev = jax.devices()[0]
+  if os.environ.get("DS4JAX_GIT_COMMIT"):  # wins: a device machine's copy may carry a stale .git under new files
+    commit, dirty = os.environ["DS4JAX_GIT_COMMIT"], None
+  else:
+    commit, dirty = _git_commit()
+  return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              device_kind=dev.device_kind, platform=dev.platform, device_count=jax.device_count(),
+              jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version(),
+              host=platform.node(), git_commit=commit, git_dirty=dirty)
+
+
+def _git_commit() -> tuple[str, bool | None]:
   try:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                             cwd=os.path.dirname(__file__)).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
                                 cwd=os.path.dirname(__file__)).stdout.strip())
-  except (OSError, subprocess.CalledProcessError):  # e.g. a device machine's copy without git
-    commit, dirty = os.environ.get("DS4JAX_GIT_COMMIT", "unknown"), None
-  return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              device_kind=dev.device_kind, platform=dev.platform, device_count=jax.device_count(),
-              jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version(),
-              host=platform.node(), git_commit=commit, git_dirty=dirty)
+  except (OSError, subprocess.CalledProcessError):  # a copy without git: set DS4JAX_GIT_COMMIT
+    return "unknown", None
+  return commit, dirty
 
 
 def write_json(path: str, record: dict) -> None:
