@@ -23,7 +23,7 @@ from ds4jax.config import DeepseekV4Config
 from ds4jax.features import REFERENCE, Features
 from ds4jax.indexer import Indexer
 from ds4jax.layer_cache import LayerCache
-from ds4jax.layers import F32, Linear, RMSNorm, dense, einsum, normal, rms_normalize
+from ds4jax.layers import F32, Linear, RMSNorm, dense, einsum, matmul_dtype, normal, rms_normalize
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 
 KERNEL_KIND = {Kind.WINDOW: "window", Kind.CSA: "csa", Kind.HCA: "hca"}
@@ -153,12 +153,14 @@ class Attention(nnx.Module):
     ratio = self.compressor.ratio if self.compressor is not None else 1
     if indices is not None and features.mla_stream_topk:
       indices = kernel_row_list(indices, rows.shape[0], features)
+    dt = matmul_dtype()  # bf16 q/KV (`bf16_matmul`): one bf16 dot per tile instead of the split-bf16 f32 emulation
 
     def one_chunk(args):
       qc, pc, ic = args
       if features.mla_stream_topk:
         from kernels_pallas.mla import sparse_mla  # pylint: disable=import-outside-toplevel
-        return sparse_mla(qc, raw, rows, self.attn_sink[...], q_start=pc[0], raw_start=raw_start,
+        cast = lambda a: None if a is None else a.astype(dt)
+        return sparse_mla(cast(qc), cast(raw), cast(rows), self.attn_sink[...], q_start=pc[0], raw_start=raw_start,
                           kind=KERNEL_KIND[self.kind], ratio=ratio, window=W, inv_freq=freqs, indices=ic,
                           f32_stage=features.mla_stream_f32_stage, fast_exp=features.mla_stream_fast_exp,
                           interpret=features.interpret)

@@ -4,6 +4,7 @@ Each optimization is one absl flag (defined by `define_flags`, used by the exper
 one field of the frozen `Features` that the model receives. Library code and tests never read FLAGS.
 
     flag (ds4jax)          upstream switch (Lucebox)                      what it selects
+    bf16_matmul            (ggml: matmuls take f16 / q8_1 activations)    bf16 matmul operands, f32 accumulation
     moe_sparse_gate_up     DFLASH_DS4_MIX_MMQ_PREFILL (#673)              fused quantized gate/up Pallas kernel vs dequantize-then-matmul
     moe_adaptive_tile      GGML_CUDA_MMQ_MOE_ADAPTIVE_X                   MoE row tile follows the rows per expert
     moe_tile_rows          GGML_CUDA_MMQ_X                                force a MoE row tile (0 = heuristic)
@@ -30,6 +31,12 @@ import jax.extend
 
 # Boolean switches: name -> (upstream name, help, switches it requires).
 SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    # Not an upstream switch: ggml always rounds matmul activations (f16 for cuBLAS, q8_1 for MMQ). Here the exact
+    # f32 path is the reference, so the rounding is one more killable optimization.
+    "bf16_matmul": ("ggml f16 / q8_1 matmul activations",
+                    "Attention and expert matmuls (projections, MoE, indexer and MLA kernels) take bf16 operands with "
+                    "f32 accumulation; norms, softmax, routing, hyper-connections and the residual streams stay f32.",
+                    ()),
     "moe_sparse_gate_up": ("DFLASH_DS4_MIX_MMQ_PREFILL", "Fused quantized MoE gate/up + clamped SwiGLU kernel.", ()),
     "moe_adaptive_tile": ("GGML_CUDA_MMQ_MOE_ADAPTIVE_X", "MoE row tile follows the rows per expert.", ()),
     "moe_compact_queue": ("AMD llama.cpp PR #63", "MoE grid over real (expert, row-tile) items only.", ()),
@@ -63,6 +70,7 @@ KNOBS: dict[str, tuple[str, str, int]] = {
 class Features:
   """The resolved feature set the model runs with. All False is the exact reference path."""
 
+  bf16_matmul: bool = False
   moe_sparse_gate_up: bool = False
   moe_adaptive_tile: bool = False
   moe_compact_queue: bool = False
@@ -128,6 +136,7 @@ _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_per
 _ATTENTION = {"indexer_score_kernel", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
               "mla_stream_fast_exp"}
 _MOE_RAN_ON_H200 = _MOE | _ATTENTION  # bf16 and quantized (in-kernel dequantization) kernels ran compiled with parity
+_PRECISION = {"bf16_matmul"}
 CAPABILITIES: dict[str, dict[str, Capability]] = {
     # gfx1151: the ROCm MoE configs pass the offline lowering check with bf16 activations, but the model
     # feeds the kernels f32 activations (f32 dots: no WMMA, spills), so nothing is advertised yet.
@@ -137,8 +146,11 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # Defaults: persistent is experimental (as upstream); the fused quantized gate/up is slower than
     # dequantize-then-matmul on the H200 (rocmfp2_mix MoE at 8192 tokens: 31.5 vs 17.5 ms, bench_moe), because
     # the in-tile MIX decode is ALU-bound there while HBM is not the bottleneck it is on gfx1151.
-    "sm_90": _row(_MOE_RAN_ON_H200, _MOE_RAN_ON_H200 - {"moe_persistent", "moe_sparse_gate_up"}),
-    "cpu_interpret": _row(_MOE | _ATTENTION, set()),  # interpret mode: parity, not speed, so the exact path is the default
+    # bf16_matmul is on by default: f32 operands make the MoE kernels run IEEE f32 dots (no tensor cores) and the
+    # projections HIGHEST-precision f32 GEMMs; V4-Flash all_on at 8192 tokens ran at 90 tok/s that way.
+    "sm_90": _row(_MOE_RAN_ON_H200 | _PRECISION, (_MOE_RAN_ON_H200 | _PRECISION) - {"moe_persistent",
+                                                                                      "moe_sparse_gate_up"}),
+    "cpu_interpret": _row(_MOE | _ATTENTION | _PRECISION, set()),  # interpret mode: parity, not speed, so the exact path is the default
 }
 
 

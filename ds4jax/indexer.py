@@ -11,7 +11,7 @@ from ds4jax import rope
 from ds4jax.compressor import Compressor, visible_rows
 from ds4jax.config import DeepseekV4Config
 from ds4jax.features import REFERENCE, Features
-from ds4jax.layers import F32, Linear, einsum
+from ds4jax.layers import F32, Linear, einsum, matmul_dtype
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 
 
@@ -51,10 +51,10 @@ class Indexer(nnx.Module):
     if features.indexer_score_kernel:
       from kernels_pallas import indexer as indexer_kernels  # pylint: disable=import-outside-toplevel
       q, w = self.queries(x, qr, positions, freqs)
-      # Dots in the activations' dtype: the f32 model keeps the exact selection (bf16 dots could swap near-ties).
+      # Dots in the model's matmul dtype: f32 keeps the exact selection; bf16 (`bf16_matmul`) may swap near-ties.
       config = indexer_kernels.Config.default(
           x.shape[0], keys.shape[0], self.n_heads, self.head_dim, platform=features.platform,
-          compute_dtype=jnp.dtype(q.dtype).name)
+          compute_dtype=jnp.dtype(matmul_dtype()).name)
       return indexer_kernels.topk(q, w, keys, q_start=positions[0], k=self.topk, ratio=self.ratio, config=config,
                                   interpret=features.interpret)
     s = self.scores(x, qr, positions, freqs, keys)

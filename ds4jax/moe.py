@@ -8,7 +8,7 @@ from flax import nnx
 
 from ds4jax.config import DeepseekV4Config, Routing
 from ds4jax.features import REFERENCE, Features
-from ds4jax.layers import F32, Linear, QuantizedWeight, make_weight, matmul_t, normal
+from ds4jax.layers import F32, Linear, QuantizedWeight, make_weight, matmul_dtype, matmul_inputs, matmul_t, normal
 from ds4jax.quant import formats
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 
@@ -107,10 +107,11 @@ class MoE(nnx.Module):
     self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype, policy=policy)
 
   def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray, features: Features = REFERENCE) -> jnp.ndarray:
-    weights, idx = self.gate(x, tokens)
-    if not features.moe_kernels:
-      return self.experts(x, weights, idx) + self.shared_experts(x)
-    return routed_with_kernels(self.experts, x, weights, idx, self.shared_experts(x), features)
+    weights, idx = self.gate(x, tokens)  # routing stays f32 (bf16 scores could pick other experts)
+    with matmul_inputs(features.bf16_matmul):
+      if not features.moe_kernels:
+        return self.experts(x, weights, idx) + self.shared_experts(x)
+      return routed_with_kernels(self.experts, x, weights, idx, self.shared_experts(x), features)
 
 
 def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: int):
@@ -136,14 +137,16 @@ def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Fea
   """
   from kernels_pallas import moe as moe_kernels  # pylint: disable=import-outside-toplevel (cycle)
 
+  dt = matmul_dtype()  # f32 operands: exact IEEE f32 dots; bf16 (`bf16_matmul`): tensor-core dots
+
   def kernel_weight(w):
     if not isinstance(w, QuantizedWeight):
-      return moe_kernels.DenseWeights(w[...])
+      return moe_kernels.DenseWeights(w[...] if dt == F32 else w[...].astype(dt))
     if features.moe_sparse_gate_up:
       return moe_kernels.QuantizedExpertWeights.from_storage(w.format, w.storage(), w.logical_shape)
-    return moe_kernels.DenseWeights(w.dequantize())
+    return moe_kernels.DenseWeights(w.dequantize().astype(dt))  # the cast fuses into the decode
 
-  x = x.astype(F32)
+  x = x.astype(dt)
   return moe_kernels.moe(x, weights, idx, *(kernel_weight(w) for w in (experts.w1, experts.w2, experts.w3)),
                          swiglu_limit=experts.limit, shared=shared,
                          config=kernel_config(features, x, experts, idx.shape[1]),

@@ -14,9 +14,11 @@ every real position, and one band shape means one compile per layer type (not pe
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import functools
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +28,19 @@ from flax import nnx
 from ds4jax import model as model_lib
 from ds4jax.features import REFERENCE, Features
 
-
-
 def band_size(n_tokens: int, features: Features) -> int:
   """`prefill_band_tokens` (0 = the whole prompt), cut to the prompt and rounded up to whole query chunks."""
   band = min(features.prefill_band_tokens or n_tokens, n_tokens)
   chunk = features.long_context_chunk
   return -(-band // chunk) * chunk if chunk and chunk < band else band
+
+
+def layer_features(features: Features, band: int) -> Features:
+  """What a layer step sees: the band size lives outside it, and a chunk that spans the band is no chunk. Feature
+  sets that differ only there (kill_prefill_band_tokens, or kill_long_context_chunk when the band is one chunk)
+  then share one compiled program, as they run the same computation."""
+  chunk = features.long_context_chunk if features.long_context_chunk < band else 0
+  return dataclasses.replace(features, prefill_band_tokens=0, long_context_chunk=chunk)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "features"), donate_argnames=("X", "cache"))
@@ -52,39 +60,94 @@ def _logits(graphdef, state, X):
 
 
 def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
-            progress: Callable[[str], None] | None = None, all_logits: bool = False) -> jnp.ndarray:
-  """Banded prefill of a prompt from position 0: f32 [S, vocab] logits if `all_logits`, else [vocab] of the
-  final position."""
+            progress: Callable[[str], None] | None = None, all_logits: bool = False,
+            positions: Sequence[int] | None = None) -> jnp.ndarray:
+  """Banded prefill of a prompt from position 0: f32 logits [S, vocab] if `all_logits`, [len(positions), vocab] at
+  the given `positions`, else [vocab] of the final position.
+
+  The model is causal, so the logits at position p - 1 are those of the p-token prefix: one run at full length also
+  gives a prefix's final logits (the qualification's parity check where the exact path only fits a prefix).
+  """
   t = model_lib.check_tokens(tokens, m.cfg)
   S = t.shape[0]
+  want = [S - 1] if positions is None else [int(p) for p in positions]
+  if any(not 0 <= p < S for p in want):
+    raise ValueError(f"positions {want} must lie in [0, {S}) for a {S}-token prompt")
   B = band_size(S, features)
   n_bands = -(-S // B)
   padded = np.zeros(n_bands * B, np.int32)
   padded[:S] = t
+  inner = layer_features(features, B)
   # Embedding and head: the rest of the model without its layers (split once; the layers are split per layer).
   layers = list(m.layers)
   outer_def, outer_state = nnx.split(m)
   caches = [block.attn.empty_cache(n_bands * B, B) for block in layers]
   parts = [nnx.split(block) for block in layers]
-  out, t0 = [], time.perf_counter()
+  out, t0 = {}, time.perf_counter()
   for b in range(n_bands):
     s0 = b * B
     toks = jnp.asarray(padded[s0:s0 + B])
     X = _embed(outer_def, outer_state, toks)
     for i, (gdef, state) in enumerate(parts):
-      X, caches[i] = _layer_step(gdef, state, X, toks, jnp.int32(s0), caches[i], features)
+      X, caches[i] = _layer_step(gdef, state, X, toks, jnp.int32(s0), caches[i], inner)
     if all_logits:
-      out.append(_logits(outer_def, outer_state, X))
-    elif b == n_bands - 1:
-      last = (S - 1) - s0
-      out.append(_logits(outer_def, outer_state, X[last:last + 1])[0])
+      out[b] = _logits(outer_def, outer_state, X)
+    for p in want:
+      if s0 <= p < s0 + B:
+        out[p] = _logits(outer_def, outer_state, X[p - s0:p - s0 + 1])[0]
     if progress:
       jax.block_until_ready(X)
       progress(f"band {b + 1}/{n_bands}: tokens [{s0}, {min(s0 + B, S)}) done, {time.perf_counter() - t0:.1f}s")
-  return jnp.concatenate(out)[:S] if all_logits else out[0]
+  if all_logits:
+    return jnp.concatenate([out[b] for b in range(n_bands)])[:S]
+  return out[S - 1] if positions is None else jnp.stack([out[p] for p in want])
+
+
+def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], workers: int = 8,
+               log: Callable[[str], None] | None = None) -> int:
+  """Compiles every distinct layer program that `prefill` would run for each (prompt tokens, features) in `runs`,
+  `workers` at a time, into jax's persistent compilation cache (jax_compilation_cache_dir must be set). The later
+  prefills then load them instead of compiling them one after another.
+
+  Lowering (tracing) runs here, one program at a time; the XLA/Triton compiles run in threads (they release the
+  GIL). Returns the number of programs compiled; one that fails to compile is logged and left to its prefill.
+  """
+  if not jax.config.jax_compilation_cache_dir:
+    raise ValueError("precompile fills the persistent compilation cache: set jax_compilation_cache_dir first")
+  lowered, seen = [], set()
+  for n_tokens, features in runs:
+    B = band_size(n_tokens, features)
+    n_bands = -(-n_tokens // B)
+    inner = layer_features(features, B)
+    toks = jnp.zeros((B,), jnp.int32)
+    X = jax.ShapeDtypeStruct((B, m.cfg.hc_mult, m.cfg.hidden_size), jnp.float32)
+    for block in m.layers:
+      gdef, state = nnx.split(block)
+      cache = jax.eval_shape(lambda blk=block: blk.attn.empty_cache(n_bands * B, B))
+      key = (gdef, inner, B, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(cache)))
+      if key not in seen:
+        seen.add(key)
+        lowered.append(_layer_step.lower(gdef, state, X, toks, jnp.int32(0), cache, inner))
+  def compile_one(low):
+    try:
+      low.compile()
+      return None
+    except Exception as e:  # noqa: BLE001 -- e.g. out of memory while autotuning: the cold run compiles it again
+      return f"{type(e).__name__}: {str(e)[:300]}"
+
+  t0, failed = time.perf_counter(), 0
+  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    for i, error in enumerate(pool.map(compile_one, lowered)):
+      failed += error is not None
+      if log:
+        log(f"precompiled {i + 1}/{len(lowered)} layer programs ({time.perf_counter() - t0:.0f}s)"
+            + (f"; this one failed ({error}), its first prefill compiles it" if error else ""))
+  return len(lowered) - failed
 
 
 def prefill_logits(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
-                   progress: Callable[[str], None] | None = None) -> jnp.ndarray:
-  """The final position's logits [vocab] in f32 (the qualification command's entry point)."""
-  return prefill(m, tokens, features, progress)
+                   progress: Callable[[str], None] | None = None,
+                   positions: Sequence[int] | None = None) -> jnp.ndarray:
+  """The final position's logits [vocab] in f32, or [len(positions), vocab] at `positions` (the qualification
+  command's entry point)."""
+  return prefill(m, tokens, features, progress, positions=positions)

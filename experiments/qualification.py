@@ -7,9 +7,14 @@ next-token KL gate of 0.006 against the control. This module is that protocol fo
   configurations  all_on (the flags' resolved features), kill_<switch> for every switch on (a switch others require
                   takes them down too: `also_off`), kill_<knob> for the chunk/band knobs (0 = one chunk / one band),
                   all_off (REFERENCE on the same device class: the exact path)
-  timing          cold run (incl. compile), >= 2 warm-ups, >= 1 timed runs, median tokens/s
+  timing          cold run (incl. compile), >= 2 warm-ups, >= 1 timed runs, median tokens/s; with
+                  --precompile_workers every layer program is first compiled in parallel into jax's persistent
+                  cache, and the cold run loads it
   parity          final-position logits vs the exact path on the same prompt (a prefix where it does not fit):
-                  NMSE, max abs error, top-1 agreement, KL(exact || config) against --kl_gate
+                  NMSE, max abs error, top-1 agreement, KL(exact || config) against --kl_gate. For a prefix of p
+                  tokens the configuration's logits at position p - 1 come from its own full-length cold run (the
+                  model is causal); the exact prefix logits are computed once and kept next to --out
+                  (<out>.exact.npz) for later bounded calls with the same weights and prompt.
 
 Library code: the absl entry point is experiments/prefill.py; tests and notebooks call `run(Options(...))` and
 `load_results(path)`. Results are one JSON document {"records": [...], "invocations": [...]}, rewritten after every
@@ -78,6 +83,7 @@ class Options:
   kl_gate: float = KL_GATE
   out: str = "/tmp/ds4jax_prefill_qual.json"
   append: bool = False
+  precompile_workers: int = 0          # > 0: compile every layer program first, this many in parallel
   features: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # switch/knob -> value (None = table)
   device_class: str | None = None      # default: the capability-table class of jax.devices()[0]
 
@@ -112,6 +118,9 @@ def define_flags(flag_values=None) -> None:
   flags.DEFINE_float("kl_gate", d.kl_gate, "Parity passes when KL(exact || config) <= this (upstream: 0.006).",
                      flag_values=fv)
   flags.DEFINE_string("out", d.out, "Results JSON (the markdown table goes next to it as .md).", flag_values=fv)
+  flags.DEFINE_integer("precompile_workers", d.precompile_workers,
+                       "Before timing, compile every layer program of the planned runs this many at a time into "
+                       "jax's persistent compilation cache (0 = compile in each cold run).", flag_values=fv)
   flags.DEFINE_boolean("append", d.append, "Keep the records in --out; skip (length, config) pairs already OK with "
                        "the same weights and prompt; retry failed ones.", flag_values=fv)
   quant_policy.define_flag(fv)
@@ -128,7 +137,7 @@ def options_from_flags(fv) -> Options:
                  seed=fv.seed, prompt_file=fv.prompt_file, tokenizer=fv.tokenizer, lengths=lengths,
                  configs=tuple(fv.configs), warmups=fv.warmups, repeats=fv.repeats,
                  exact_max_tokens=fv.exact_max_tokens, parity_prefix_tokens=fv.parity_prefix_tokens,
-                 kl_gate=fv.kl_gate, out=fv.out, append=fv.append,
+                 kl_gate=fv.kl_gate, out=fv.out, append=fv.append, precompile_workers=fv.precompile_workers,
                  features={k: getattr(fv, k) for k in list(SWITCHES) + list(KNOBS)})
 
 
@@ -340,6 +349,8 @@ def _validate(opts: Options) -> None:
   if opts.warmups < opts.min_warmups:
     raise StartupError(f"--warmups must be >= {opts.min_warmups} (the first warm calls can still compile), "
                        f"got {opts.warmups}")
+  if opts.precompile_workers < 0:
+    raise StartupError(f"--precompile_workers must be >= 0, got {opts.precompile_workers}")
   if opts.repeats < 1:
     raise StartupError(f"--repeats must be >= 1, got {opts.repeats}")
   if opts.exact_max_tokens < 0 or opts.parity_prefix_tokens < 1:
@@ -440,6 +451,11 @@ def markdown_path(out: str) -> str:
   return os.path.splitext(out)[0] + ".md"
 
 
+def exact_cache_path(out: str) -> str:
+  """Where the exact path's prefix logits are kept between bounded calls."""
+  return os.path.splitext(out)[0] + ".exact.npz"
+
+
 # ---- running ----
 def is_oom(e: BaseException) -> bool:
   text = str(e)
@@ -469,16 +485,65 @@ class _Clock:
     return f"ETA ~{left / 60:.1f} min" if left >= 60 else f"ETA ~{left:.0f}s"
 
 
+class _ExactPrefixes:
+  """The exact path's final logits on prompt prefixes, computed once per prefix length and shared by every length
+  (all lengths use prefixes of the same ids). Kept in `path` (an .npz next to the results) with the weights
+  fingerprint, the prefix ids' hash and the exact features, so a later bounded call reuses them."""
+
+  def __init__(self, m, ids: np.ndarray, feats: Features, fingerprint: str, path: str | None, clock: "_Clock"):
+    self.m, self.ids, self.feats, self.clock, self.path = m, ids, feats, clock, path
+    self.fingerprint = fingerprint
+    self.logits: dict[int, np.ndarray] = {}
+    self.runs: list[dict[str, Any]] = []  # what this invocation computed or loaded (recorded in the invocation)
+
+  def _meta(self, n: int) -> dict[str, Any]:
+    return dict(tokens=n, weights_fingerprint=self.fingerprint, prompt_sha256=sha256_array(self.ids[:n]),
+                features=self.feats.to_dict())
+
+  def stored(self) -> dict[int, np.ndarray]:
+    if not self.path or not os.path.exists(self.path):
+      return {}
+    with np.load(self.path) as z:
+      metas = json.loads(str(z["meta"]))
+      return {m["tokens"]: np.asarray(z[f"logits_{m['tokens']}"]) for m in metas if m == self._meta(m["tokens"])}
+
+  def _save(self) -> None:
+    if not self.path:
+      return
+    old = self.stored()
+    keep = old | self.logits
+    metas = [self._meta(n) for n in sorted(keep)]
+    tmp = self.path + ".tmp.npz"
+    np.savez(tmp, meta=json.dumps(metas), **{f"logits_{n}": keep[n] for n in sorted(keep)})
+    os.replace(tmp, self.path)
+
+  def get(self, n: int) -> np.ndarray:
+    if n not in self.logits:
+      cached = self.stored().get(n)
+      if cached is not None:
+        self.clock.say(f"  exact path on the {n}-token prefix: loaded from {self.path}")
+        self.logits[n] = cached
+        self.runs.append(dict(tokens=n, source=self.path, logits_sha256=sha256_array(cached)))
+      else:
+        self.clock.say(f"  exact path on the {n}-token prefix (once, reused by every length and configuration)")
+        t0 = time.perf_counter()
+        self.logits[n] = _final_logits(self.m, self.ids[:n], self.feats)
+        self.runs.append(dict(tokens=n, source="computed", wall_s=time.perf_counter() - t0,
+                              logits_sha256=sha256_array(self.logits[n])))
+        self.clock.say(f"  exact prefix done in {self.runs[-1]['wall_s']:.1f}s")
+        self._save()
+    return self.logits[n]
+
+
 class _Exact:
   """The exact path's final logits for one length: full length once, or a prefix where it does not fit."""
 
-  def __init__(self, m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clock):
-    self.m, self.ids, self.feats, self.clock = m, ids, feats, clock
+  def __init__(self, m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clock, prefixes: _ExactPrefixes):
+    self.m, self.ids, self.feats, self.clock, self.prefixes = m, ids, feats, clock, prefixes
     self.length, self.prefix = len(ids), min(opts.parity_prefix_tokens, len(ids))
     self.full: np.ndarray | None = None
     self.why_prefix: str | None = None
     self.error: str | None = None
-    self._prefix_logits: np.ndarray | None = None
     if opts.exact_max_tokens and self.length > opts.exact_max_tokens:
       self.fall_back(f"{self.length} tokens exceed --exact_max_tokens={opts.exact_max_tokens}")
 
@@ -516,24 +581,28 @@ class _Exact:
     if self.prefix >= self.length:
       raise RuntimeError(f"exact path does not fit at {self.length} tokens and --parity_prefix_tokens="
                          f"{self.prefix} is not shorter")
-    if self._prefix_logits is None:
-      self.clock.say(f"  exact path on the {self.prefix}-token prefix (once per length)")
-      self._prefix_logits = _final_logits(self.m, self.ids[:self.prefix], self.feats)
-    return self._prefix_logits
+    return self.prefixes.get(self.prefix)
 
 
-def _final_logits(m, ids: np.ndarray, feats: Features, progress=None) -> np.ndarray:
-  out = jax.block_until_ready(prefill_lib.prefill_logits(m, ids, feats, progress=progress))
+def _final_logits(m, ids: np.ndarray, feats: Features, progress=None, positions=None) -> np.ndarray:
+  out = jax.block_until_ready(prefill_lib.prefill_logits(m, ids, feats, progress=progress, positions=positions))
   return np.asarray(out, np.float32)
 
 
-def _time_config(m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clock) -> tuple[np.ndarray, dict]:
-  """Cold run, warm-ups, timed runs. Progress is passed only to the cold run, so timed runs are undisturbed."""
+def _time_config(m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clock,
+                 prefix: int | None = None) -> tuple[np.ndarray, np.ndarray | None, dict]:
+  """Cold run, warm-ups, timed runs -> (final logits, logits at position prefix - 1 or None, timing). The cold run
+  also yields the prefix logits (the model is causal). Progress is passed only to the cold run, so timed runs are
+  undisturbed."""
   L = len(ids)
   t0 = time.perf_counter()
-  logits = _final_logits(m, ids, feats, progress=lambda s: clock.say(f"    {s}"))
+  if prefix is not None and prefix < L:
+    both = _final_logits(m, ids, feats, progress=lambda s: clock.say(f"    {s}"), positions=(prefix - 1, L - 1))
+    prefix_logits, logits = both[0], both[1]
+  else:
+    prefix_logits, logits = None, _final_logits(m, ids, feats, progress=lambda s: clock.say(f"    {s}"))
   cold = time.perf_counter() - t0
-  clock.say(f"    cold run (incl. compile): {cold:.2f}s")
+  clock.say(f"    cold run: {cold:.2f}s")
   hashes, warm, runs = {sha256_array(logits)}, [], []
   for i in range(opts.warmups + opts.repeats):
     t0 = time.perf_counter()
@@ -545,8 +614,9 @@ def _time_config(m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clo
     kind, j, n = ("warm-up", i + 1, opts.warmups) if i < opts.warmups else ("run", i + 1 - opts.warmups, opts.repeats)
     clock.say(f"    {kind} {j}/{n}: {dt:.3f}s ({L / dt:.1f} tok/s)")
   median = statistics.median(runs)
-  return logits, dict(cold_s=cold, warmup_s=warm, run_s=runs, median_s=median, tokens_per_s=L / median,
-                      deterministic=len(hashes) == 1, peak_device_bytes_process=run_record.peak_device_bytes())
+  return logits, prefix_logits, dict(cold_s=cold, warmup_s=warm, run_s=runs, median_s=median, tokens_per_s=L / median,
+                                     deterministic=len(hashes) == 1,
+                                     peak_device_bytes_process=run_record.peak_device_bytes())
 
 
 def _run_one(m, ids, conf: Configuration, exact: _Exact, opts: Options, clock: _Clock) -> dict[str, Any]:
@@ -554,7 +624,8 @@ def _run_one(m, ids, conf: Configuration, exact: _Exact, opts: Options, clock: _
   rec: dict[str, Any] = dict(status="failed", error=None, error_kind=None, timing=None, parity=None, logits_sha256=None)
   is_exact = conf.features == exact.feats
   try:
-    logits, rec["timing"] = _time_config(m, ids, conf.features, opts, clock)
+    logits, out_p, rec["timing"] = _time_config(m, ids, conf.features, opts, clock,
+                                                exact.prefix if exact.why_prefix else None)
   except Exception as e:  # noqa: BLE001 -- an OOM or unsupported shape in one configuration must not stop the rest
     rec.update(error=_error_text(e), error_kind="oom" if is_oom(e) else type(e).__name__)
     if is_exact:
@@ -569,11 +640,14 @@ def _run_one(m, ids, conf: Configuration, exact: _Exact, opts: Options, clock: _
       rec["parity"] = dict(parity_metrics(logits, ref, opts.kl_gate), prefix_tokens=None, prefix_reason=None)
     else:
       ref_p = exact.prefix_reference()
+      source = f"position {exact.prefix - 1} of this configuration's full-length cold run"
       t0 = time.perf_counter()
-      out_p = ref_p if is_exact else _final_logits(m, ids[:exact.prefix], conf.features)
+      if out_p is None:  # the exact path fell back to a prefix after this configuration's cold run
+        out_p = _final_logits(m, ids[:exact.prefix], conf.features)
+        source = f"a separate {exact.prefix}-token run of this configuration"
       rec["parity"] = dict(parity_metrics(out_p, ref_p, opts.kl_gate), prefix_tokens=exact.prefix,
-                           prefix_reason=exact.why_prefix, prefix_run_s=time.perf_counter() - t0,
-                           prefix_logits_sha256=sha256_array(out_p))
+                           prefix_reason=exact.why_prefix, prefix_logits_from=source,
+                           prefix_run_s=time.perf_counter() - t0, prefix_logits_sha256=sha256_array(out_p))
   except Exception as e:  # noqa: BLE001 -- same: record and continue
     rec.update(error=f"parity: {_error_text(e)}", error_kind="parity_oom" if is_oom(e) else "parity")
     return rec
@@ -689,6 +763,30 @@ def _outcome(rec: dict[str, Any]) -> str:
           f"KL {p['kl']:.2e} {'pass' if p['pass'] else 'FAIL'}{prefix}")
 
 
+def _precompile(m, opts: Options, todo, exact_feats: Features, prefixes: _ExactPrefixes, clock: _Clock) -> dict:
+  """Compiles the layer programs of every planned run (and of the exact path it will need) in parallel into the
+  persistent compilation cache; each cold run then loads them."""
+  if not jax.config.jax_compilation_cache_dir:
+    import tempfile  # pylint: disable=import-outside-toplevel
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="ds4jax_jit_cache_"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  runs = [(n, c.features) for n, c in todo]
+  for n in sorted({n for n, _ in todo}):
+    if opts.exact_max_tokens and n > opts.exact_max_tokens:
+      p = min(opts.parity_prefix_tokens, n)
+      if p not in prefixes.logits and p not in prefixes.stored():
+        runs.append((p, exact_feats))
+    elif (n, exact_feats) not in runs:
+      runs.append((n, exact_feats))
+  clock.say(f"precompiling the layer programs of {len(runs)} runs, {opts.precompile_workers} at a time, into "
+            f"{jax.config.jax_compilation_cache_dir}")
+  t0 = time.perf_counter()
+  count = prefill_lib.precompile(m, runs, opts.precompile_workers, log=clock.say)
+  return dict(programs=count, wall_s=time.perf_counter() - t0, workers=opts.precompile_workers,
+              cache_dir=jax.config.jax_compilation_cache_dir)
+
+
 def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
   """Runs the qualification matrix; returns the results document (also written to opts.out, plus the .md table).
 
@@ -732,11 +830,17 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) 
 
   save()
   clock = _Clock(sum(n for n, _ in todo), log)
+  exact_feats = exact_features(dev_cls)
+  prefixes = _ExactPrefixes(m, setup.ids, exact_feats, fingerprint, exact_cache_path(opts.out), clock)
+  doc["invocations"][-1]["exact_prefix_runs"] = prefixes.runs  # filled in as they happen
+  if opts.precompile_workers and todo:
+    doc["invocations"][-1]["precompile"] = _precompile(m, opts, todo, exact_feats, prefixes, clock)
+    save()
   exact_by_len: dict[int, _Exact] = {}
   called: set[tuple[Features, int]] = set()  # (features, length) already run in this process
   for i, (n, conf) in enumerate(todo):
     if n not in exact_by_len:
-      exact_by_len[n] = _Exact(m, setup.ids[:n], exact_features(dev_cls), opts, clock)
+      exact_by_len[n] = _Exact(m, setup.ids[:n], exact_feats, opts, clock, prefixes)
     exact = exact_by_len[n]
     clock.say(f"{i + 1}/{len(todo)} length {n} {conf.name}: start ({clock.eta()})")
     t_start = time.perf_counter()
@@ -745,6 +849,7 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) 
     called.add((conf.features, n))
     if result["timing"]:
       result["timing"]["cold_is_first_call"] = first_call  # False: the same program already ran in this process
+      result["timing"]["cold_loads_precompiled"] = bool(opts.precompile_workers)
     clock.done += n
     rec = dict(config=conf.name, length=n, killed=list(conf.killed), also_off=list(conf.also_off),
                features=conf.features.to_dict(), switches_on=conf.features.on(),

@@ -1,8 +1,10 @@
 """The model's fast paths, switched by Features: each supported switch against the exact reference, and
 proof (from the jaxpr) that a switch really changes the path that runs."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core
 import pytest
 
 from ds4jax import config, features, model
@@ -34,9 +36,11 @@ def nmse(a, b):
 
 
 SUPPORTED = [s for s, cap in CAPABILITIES[DEVICE].items() if cap.supported]
+# Switches that change only the kernels, not the math (bf16_matmul rounds operands: its own tests below).
+EXACT = [s for s in SUPPORTED if s != "bf16_matmul"]
 
 
-@pytest.mark.parametrize("switch", SUPPORTED)
+@pytest.mark.parametrize("switch", EXACT)
 def test_every_supported_switch_matches_the_reference(tiny, switch):
   m, ref = tiny
   f = alone(switch)
@@ -64,8 +68,45 @@ def test_moe_switches_change_the_kernels_that_run(tiny):
 
 def test_all_supported_switches_together(tiny):
   m, ref = tiny
-  f = features.resolve(DEVICE, {s: s in SUPPORTED for s in SWITCHES})
+  f = features.resolve(DEVICE, {s: s in EXACT for s in SWITCHES})
   assert nmse(np.asarray(model.forward(m, TOKENS, features=f)), ref) < 1e-10
+
+
+def dot_operand_dtypes(m, f: Features) -> set[str]:
+  """The operand dtypes of every dot_general in the jaxpr (kernels' inner dots included)."""
+  found = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.update(str(v.aval.dtype) for v in eqn.invars)
+      for v in eqn.params.values():
+        for sub in v if isinstance(v, (tuple, list)) else [v]:
+          if isinstance(sub, core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, core.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(lambda t: m(t, features=f))(jnp.asarray(TOKENS)).jaxpr)
+  return found
+
+
+@pytest.mark.skipif(not CAPABILITIES[DEVICE]["bf16_matmul"].supported, reason="bf16_matmul not advertised")
+def test_bf16_matmul_rounds_the_operands_and_stays_close(tiny):
+  """The reference's dots are f32 only; with bf16_matmul they take bf16 operands, the logits move (the switch
+  is not a no-op) but stay close to the exact path, and every kernel path agrees with the bf16 reference path."""
+  m, ref = tiny
+  assert dot_operand_dtypes(m, features.REFERENCE) == {"float32"}
+  bf16 = alone("bf16_matmul")
+  assert "bfloat16" in dot_operand_dtypes(m, bf16)
+  out = np.asarray(model.forward(m, TOKENS, features=bf16))
+  err = nmse(out, ref)
+  print(f"{DEVICE} bf16_matmul: NMSE {err:.2e} against the exact path")
+  assert np.isfinite(out).all() and 1e-12 < err < 1e-4
+  everything = features.resolve(DEVICE, {s: s in SUPPORTED for s in SWITCHES})
+  fast = np.asarray(model.forward(m, TOKENS, features=everything))
+  assert "bfloat16" in dot_operand_dtypes(m, everything)
+  assert nmse(fast, out) < 1e-5 and nmse(fast, ref) < 1e-4
 
 
 @pytest.mark.parametrize("policy", ["lucebox_mix"])  # MIX experts + FP4 dense; official is covered in kernels tests

@@ -77,8 +77,69 @@ def test_banded_prefill_with_every_fast_path_matches_one_shot():
   m = model.init_random(config.tiny_sparse(), seed=int(np.random.SeedSequence().entropy % 2**31), dtype=jnp.float32)
   tokens = np.random.default_rng().integers(0, m.cfg.vocab_size, 37)
   ref = np.asarray(model.forward(m, tokens))
-  all_on = {s: True for s in features.SWITCHES if features.CAPABILITIES["cpu_interpret"][s].supported}
+  all_on = {s: True for s in features.SWITCHES if features.CAPABILITIES["cpu_interpret"][s].supported
+            and s != "bf16_matmul"}  # the kernels compute the exact math; bf16 operands do not
   got = run(m, tokens, prefill_band_tokens=12, long_context_chunk=0, **all_on)
   err = np.abs(got - ref).max()
   print(f"all fast paths, bands of 12: max abs error {err:.2e}")
   assert np.isfinite(got).all() and err < 1e-5 * max(1.0, np.abs(ref).max())
+
+
+def test_logits_at_positions_are_the_prefixes_final_logits(tiny):
+  """Causality: position p - 1 of a full run is the final position of the p-token prefix (the qualification's
+  parity check reads a prefix from the full-length run)."""
+  m, tokens, ref = tiny
+  f = features.resolve("cpu_interpret", dict(prefill_band_tokens=16))
+  got = np.asarray(prefill.prefill_logits(m, tokens, f, positions=(20, 7, S - 1)))
+  assert got.shape == (3, ref.shape[1])
+  np.testing.assert_allclose(got, ref[[20, 7, S - 1]], atol=2e-6 * max(1.0, np.abs(ref).max()))
+  prefix = np.asarray(prefill.prefill_logits(m, tokens[:21], f))
+  np.testing.assert_allclose(got[0], prefix, atol=2e-6 * max(1.0, np.abs(ref).max()))
+  with pytest.raises(ValueError, match="positions"):
+    prefill.prefill_logits(m, tokens, f, positions=(S,))
+
+
+def test_band_knobs_that_change_nothing_share_the_layer_programs(tiny):
+  """A band of the whole prompt and a chunk of the whole band run the same computation as no band and no chunk, so
+  kill_prefill_band_tokens / kill_long_context_chunk at such a length compile nothing new."""
+  m, tokens, _ = tiny
+  banded = features.resolve("cpu_interpret", dict(prefill_band_tokens=64, long_context_chunk=64))
+  plain = features.resolve("cpu_interpret", dict(prefill_band_tokens=0, long_context_chunk=0))
+  assert prefill.layer_features(banded, S) == prefill.layer_features(plain, S)
+  chunked = features.resolve("cpu_interpret", dict(prefill_band_tokens=32, long_context_chunk=16))
+  assert prefill.layer_features(chunked, 32).long_context_chunk == 16
+  prefill._layer_step.clear_cache()  # pylint: disable=protected-access
+  a = np.asarray(prefill.prefill_logits(m, tokens, banded))
+  b = np.asarray(prefill.prefill_logits(m, tokens, plain))
+  assert prefill._layer_step._cache_size() == 3 and np.array_equal(a, b)  # pylint: disable=protected-access
+
+
+def test_precompile_fills_the_persistent_cache(tiny, tmp_path):
+  """After precompile, prefill's layer programs are persistent-cache hits, not compiles."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax import monitoring  # pylint: disable=import-outside-toplevel
+
+  m, tokens, ref = tiny
+  f = features.resolve("cpu_interpret", dict(prefill_band_tokens=16, moe_compact_queue=True))
+  old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+  jax.config.update("jax_compilation_cache_dir", None)
+  with pytest.raises(ValueError, match="jax_compilation_cache_dir"):
+    prefill.precompile(m, [(S, f)])
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  hits = []
+  listener = lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None
+  monitoring.register_event_listener(listener)
+  try:
+    lines = []
+    assert prefill.precompile(m, [(S, f), (S, f)], workers=2, log=lines.append) == 3  # 3 layer types, deduped
+    assert len(lines) == 3
+    prefill._layer_step.clear_cache()  # pylint: disable=protected-access
+    hits.clear()
+    got = np.asarray(prefill.prefill_logits(m, tokens, f))
+    assert hits.count("/jax/compilation_cache/cache_hits") >= 3
+    np.testing.assert_allclose(got, ref[-1], atol=2e-6 * max(1.0, np.abs(ref).max()))
+  finally:
+    monitoring.unregister_event_listener(listener)
+    jax.config.update("jax_compilation_cache_dir", old[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])

@@ -37,13 +37,19 @@ class FakePrefill:
     self.calls = []
     self.fail = fail  # (features, n_tokens) -> exception to raise, or None
 
-  def __call__(self, m, tokens, feats, progress=None):
+  def __call__(self, m, tokens, feats, progress=None, positions=None):
     tokens = np.asarray(tokens)
     self.calls.append((feats, len(tokens)))
     if progress:
       progress(f"fake prefill of {len(tokens)} tokens")
     if self.fail and (e := self.fail(feats, len(tokens))) is not None:
       raise e
+    if positions is not None:  # causal: position p sees the (p + 1)-token prefix
+      return jnp.stack([self.logits(tokens[:p + 1], feats) for p in positions])
+    return self.logits(tokens, feats)
+
+  @staticmethod
+  def logits(tokens, feats):
     v = np.arange(256, dtype=np.float64)
     logits = 3 * np.sin(0.37 * v + 0.01 * float(tokens.sum()) + len(tokens))
     if feats.moe_compact_queue:
@@ -209,9 +215,23 @@ def test_prefix_parity_beyond_exact_max_tokens(tmp_path, tiny_model, monkeypatch
   assert by_key(doc)[(32, "kill_moe_fused_combine")]["parity"]["pass"]
   assert not by_key(doc)[(32, "all_on")]["parity"]["pass"]
   exact = q.exact_features("cpu_interpret")
-  assert [n for f, n in fake.calls if f == exact and n == 16] == [16]  # the exact prefix runs once per length
+  # The exact prefix runs once; each configuration's prefix logits come from its own full-length cold run.
+  assert [n for f, n in fake.calls if n == 16] == [16] and [f for f, n in fake.calls if n == 16] == [exact]
+  assert all("full-length cold run" in r["parity"]["prefix_logits_from"] for r in doc["records"])
   assert any("EXACT PATH AT 32 TOKENS" in s for s in lines)
   assert "(prefix 16)" in open(q.markdown_path(options(tmp_path).out)).read()
+  # A later bounded call (another length, the same prompt and weights) reuses the stored exact prefix logits.
+  fake.calls.clear()
+  more, lines = run(options(tmp_path, lengths=(24, 32), exact_max_tokens=20, parity_prefix_tokens=16, append=True,
+                            configs=("all_on", "all_off", "kill_moe_fused_combine")), tiny_model, fake, monkeypatch)
+  assert [n for f, n in fake.calls if n == 16] == [] and sorted({n for _, n in fake.calls}) == [24]
+  assert any("loaded from" in s for s in lines) and more["invocations"][-1]["exact_prefix_runs"][0]["tokens"] == 16
+  assert by_key(more)[(24, "kill_moe_fused_combine")]["parity"]["pass"]
+  assert by_key(more)[(24, "all_off")]["parity"]["nmse"] == 0.0
+  # Other weights or prompt ids never reuse them.
+  stale = q._ExactPrefixes(tiny_model, np.arange(40, dtype=np.int32), exact, "other-fingerprint",  # pylint: disable=protected-access
+                           q.exact_cache_path(options(tmp_path).out), q._Clock(1, lambda s: None))  # pylint: disable=protected-access
+  assert stale.stored() == {}
 
 
 def test_prefix_parity_when_the_exact_path_runs_out_of_memory(tmp_path, tiny_model, monkeypatch):
@@ -339,10 +359,15 @@ def test_smoke_cfg():
 # ---- the real prefill, end to end ----
 def test_real_prefill_end_to_end(tmp_path):
   """Builds the weights itself (no model injection) and runs the real ds4jax.prefill on the MoE kernels."""
-  opts = options(tmp_path, lengths=(20,), warmups=0, repeats=1,
+  opts = options(tmp_path, lengths=(20,), warmups=0, repeats=1, precompile_workers=2,
                  features={"moe_compact_queue": True, "long_context_chunk": 0, "prefill_band_tokens": 0})
   doc = q.run(opts, log=lambda s: None)
   recs = by_key(doc)
+  pre = doc["invocations"][-1]["precompile"]
+  # tiny_window has one layer type; kill_moe_compact_queue runs the exact path's program (all switches off, and
+  # at 20 tokens the band/chunk knobs change nothing), so 3 configurations need 2 programs.
+  assert pre["programs"] == 2
+  assert all(r["timing"]["cold_loads_precompiled"] for r in recs.values())
   assert sorted(recs) == [(20, "all_off"), (20, "all_on"), (20, "kill_moe_compact_queue")]
   assert all(r["status"] == "ok" and r["parity"]["pass"] for r in recs.values())
   assert recs[(20, "all_off")]["parity"]["nmse"] == 0.0
