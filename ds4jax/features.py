@@ -138,8 +138,8 @@ _ATTENTION = {"indexer_score_kernel", "direct_indexer_topk", "mla_stream_topk", 
 _MOE_RAN_ON_H200 = _MOE | _ATTENTION  # bf16 and quantized (in-kernel dequantization) kernels ran compiled with parity
 _PRECISION = {"bf16_matmul"}
 CAPABILITIES: dict[str, dict[str, Capability]] = {
-    # gfx1151: the ROCm MoE configs pass the offline lowering check with bf16 activations, but the model
-    # feeds the kernels f32 activations (f32 dots: no WMMA, spills), so nothing is advertised yet.
+    # gfx1151: the ROCm configs pass the offline lowering check with bf16 operands (what bf16_matmul feeds them),
+    # but nothing has run on the hardware, so nothing is advertised yet.
     "gfx1151": _row(set(), set()),
     "rdna35_other": _row(set(), set()),
     "rocm_other": _row(set(), set()),

@@ -49,6 +49,13 @@ def _layer_step(graphdef, state, X, tokens, s0, cache, features: Features):
   return nnx.merge(graphdef, state).band(X, tokens, s0, cache, features)
 
 
+def layer_step(block, X: jnp.ndarray, tokens: jnp.ndarray, s0, cache, features: Features):
+  """One layer over one band of X.shape[0] tokens through the program `prefill` runs -> (streams, cache).
+  X and cache are donated (pass copies to keep them)."""
+  gdef, state = nnx.split(block)
+  return _layer_step(gdef, state, X, tokens, jnp.int32(s0), cache, layer_features(features, X.shape[0]))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _embed(graphdef, state, tokens):
   return nnx.merge(graphdef, state).embed_streams(tokens)

@@ -1,24 +1,31 @@
-"""Which switch moves the logits: one prompt prefix under several feature sets, each against the exact path.
+"""Which switch moves the logits, and in which layer: one prompt prefix under several feature sets.
 
-    python -m experiments.parity_by_switch --flagfile=qual.cfg --tokens=4096 --out=/tmp/parity_by_switch.json
+    python -m experiments.parity_by_switch --flagfile=qual.cfg --tokens=4096 --out=/tmp/q.json [--per_layer]
 
 Takes the model, prompt and exact prefix logits of a qualification run (the same flags; the exact logits come from
-<qualification out>.exact.npz, or are computed) and runs the final-position prefill of the first --tokens prompt
-tokens under each variant:
+<qualification out>.exact.npz, or are computed and stored there) and runs the first --tokens prompt tokens under
+each variant:
 
-  all_on            the flags' resolved features
-  all_on_f32        all_on with bf16_matmul off: the kernels on exact f32 operands
-  reference_bf16    every kernel off, bf16_matmul on: the reference math with bf16 operands
+  all_on              the flags' resolved features
+  all_on_f32          all_on with bf16_matmul off: every kernel on exact f32 operands
+  reference_bf16      every kernel off, bf16_matmul on: the reference math with bf16 operands
+  attention_f32       only the attention switches (indexer + MLA), f32 operands
+  moe_f32             only the MoE switches, f32 operands
 
-Each variant gets NMSE, max abs error, top-1 and KL against the exact path (experiments/qualification.py metrics).
+End to end: final-position logits against the exact path (NMSE, max abs, top-1, KL; the qualification's metrics).
+--per_layer: each layer is fed the exact path's input streams and run under the exact features and under each
+variant, so the error it reports is that layer's own (nothing accumulated from earlier layers): the NMSE of the
+layer's update (output minus input streams) against the exact update. A kernel that is wrong at some shape shows up
+as one layer kind with a large local error; rounding shows up everywhere, small.
 """
 
 import dataclasses
-import json
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 
 from ds4jax import features as features_lib
@@ -26,45 +33,94 @@ from ds4jax import prefill as prefill_lib
 from experiments import qualification as q
 from experiments import run_record
 
-q.define_flags(flags.FLAGS)
+FLAGS = flags.FLAGS
+q.define_flags(FLAGS)
 flags.DEFINE_integer("tokens", 4096, "Prompt prefix length the variants and the exact path run on.")
 flags.DEFINE_list("variants", ["all_on", "all_on_f32", "reference_bf16"], "Variants to run (see the docstring).")
-flags.DEFINE_string("results", None, "Output JSON of this tool (default: next to --out, *_parity_by_switch.json).")
+flags.DEFINE_boolean("per_layer", False, "Also report each layer's local error on the exact path's input streams.")
+flags.DEFINE_string("results", None, "Output JSON (default: --out with _parity_by_switch.json).")
 
 
 def variants(base: features_lib.Features) -> dict[str, features_lib.Features]:
+  """The named feature sets (all checked by the capability table of base's device class)."""
   exact = q.exact_features(base.device_class)
+  only = lambda prefix_ok: features_lib.resolve(base.device_class, {
+      s: getattr(base, s) and prefix_ok(s) for s in features_lib.SWITCHES})
+  attention = lambda s: s in ("indexer_score_kernel", "direct_indexer_topk") or s.startswith("mla_")
   return dict(all_on=base, all_on_f32=dataclasses.replace(base, bf16_matmul=False),
-              reference_bf16=dataclasses.replace(exact, bf16_matmul=True))
+              reference_bf16=dataclasses.replace(exact, bf16_matmul=True),
+              attention_f32=only(attention), moe_f32=only(lambda s: s.startswith("moe_")))
+
+
+def update_nmse(out, ref, x_in) -> float:
+  """NMSE of a layer's update (out - x_in) against the exact update (ref - x_in), in float64."""
+  return q.nmse(np.asarray(out, np.float64) - np.asarray(x_in, np.float64),
+                np.asarray(ref, np.float64) - np.asarray(x_in, np.float64))
+
+
+def per_layer(m, ids: np.ndarray, exact: features_lib.Features, runs: dict, log) -> list[dict]:
+  """Each layer on the exact path's input streams, exact vs every variant: local update NMSE and max abs error."""
+  toks = jnp.asarray(ids)
+  B = len(ids)
+  X = m.embed_streams(toks)
+  rows = []
+  for i, block in enumerate(m.layers):
+    t0 = time.perf_counter()
+    cache = lambda blk=block: blk.attn.empty_cache(B, B)
+    ref, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), exact)
+    x_in = np.asarray(X)
+    row = dict(layer=i, attention=m.cfg.attention[i].value, routing=m.cfg.routing[i].value, variants={})
+    ref_np = np.asarray(ref)
+    for name, f in runs.items():
+      out, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), f)
+      out = np.asarray(out)
+      row["variants"][name] = dict(update_nmse=update_nmse(out, ref_np, x_in),
+                                   max_abs=float(np.max(np.abs(out.astype(np.float64) - ref_np))))
+    rows.append(row)
+    log(f"layer {i:2d} {row['attention']:6s} {row['routing']:4s}: " + "  ".join(
+        f"{k} {v['update_nmse']:.1e}" for k, v in row["variants"].items()) + f" ({time.perf_counter() - t0:.1f}s)")
+    X = ref
+  return rows
 
 
 def main(argv):
   del argv
-  opts = q.options_from_flags(flags.FLAGS)
+  try:
+    run(q.options_from_flags(FLAGS))
+  except q.STARTUP_ERRORS as e:
+    sys.exit(f"parity_by_switch: {e}")
+
+
+def run(opts: q.Options) -> None:
   cfg = q._model_config(opts)  # pylint: disable=protected-access
   dev_cls = features_lib.device_class()
   base = features_lib.resolve(dev_cls, opts.features)
+  all_variants = variants(base)
+  unknown = [v for v in FLAGS.variants if v not in all_variants]
+  if unknown:
+    sys.exit(f"parity_by_switch: unknown --variants {unknown}; known: {list(all_variants)}")
+  runs = {k: all_variants[k] for k in FLAGS.variants}
   ids, _ = q.prompt_ids(opts, cfg)
-  n = flags.FLAGS.tokens
+  n = FLAGS.tokens
   t0 = time.perf_counter()
   m = q.build_model(opts, cfg)
   fingerprint = q.weights_fingerprint(m)
   print(f"weights ready ({time.perf_counter() - t0:.0f}s), fingerprint {fingerprint[:12]}", flush=True)
   clock = q._Clock(1, print)  # pylint: disable=protected-access
-  prefixes = q._ExactPrefixes(m, ids, q.exact_features(dev_cls), fingerprint,  # pylint: disable=protected-access
+  exact_feats = q.exact_features(dev_cls)
+  prefixes = q._ExactPrefixes(m, ids, exact_feats, fingerprint,  # pylint: disable=protected-access
                               q.exact_cache_path(opts.out), clock)
-  runs = {k: v for k, v in variants(base).items() if k in flags.FLAGS.variants}
   if opts.precompile_workers:
     if not jax.config.jax_compilation_cache_dir:
       import tempfile  # pylint: disable=import-outside-toplevel
       jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="ds4jax_jit_cache_"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    todo = [(n, f) for f in runs.values()] + ([] if n in prefixes.stored() else [(n, prefixes.feats)])
+    todo = [(n, f) for f in runs.values()] + ([] if n in prefixes.stored() else [(n, exact_feats)])
     prefill_lib.precompile(m, todo, opts.precompile_workers, log=clock.say)
   exact = prefixes.get(n)
   out = dict(env=run_record.environment(), tokens=n, weights_fingerprint=fingerprint,
              prompt_sha256=q.sha256_array(ids[:n]), exact_logits_sha256=q.sha256_array(exact), variants={})
-  path = flags.FLAGS.results or opts.out.replace(".json", "_parity_by_switch.json")
+  path = FLAGS.results or opts.out.replace(".json", "_parity_by_switch.json")
   for name, f in runs.items():
     t0 = time.perf_counter()
     try:
@@ -78,11 +134,11 @@ def main(argv):
     print(f"{name}: {rec.get('error') or ''} NMSE {p.get('nmse')} KL {p.get('kl')} top-1 {p.get('top1_agree')} "
           f"({time.perf_counter() - t0:.1f}s)", flush=True)
     run_record.write_json(path, out)
+  if FLAGS.per_layer:
+    out["per_layer"] = per_layer(m, ids[:n], exact_feats, runs, clock.say)
+    run_record.write_json(path, out)
   print(f"results: {path}")
 
 
 if __name__ == "__main__":
-  try:
-    app.run(main)
-  except q.STARTUP_ERRORS as e:
-    sys.exit(f"parity_by_switch: {e}")
+  app.run(main)

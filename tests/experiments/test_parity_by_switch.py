@@ -1,0 +1,44 @@
+"""experiments/parity_by_switch.py: the variants it builds and its per-layer local errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ds4jax import config, features, model
+from experiments import parity_by_switch as pbs
+
+ALL = {s: features.CAPABILITIES["cpu_interpret"][s].supported and s not in ("moe_sparse_gate_up", "moe_persistent")
+       for s in features.SWITCHES}
+
+
+def test_variants_split_the_switches():
+  v = pbs.variants(features.resolve("cpu_interpret", ALL))
+  assert v["all_on"].bf16_matmul and not v["all_on_f32"].bf16_matmul
+  assert v["reference_bf16"].on() == ["bf16_matmul"]
+  assert v["attention_f32"].on() and all(not s.startswith("moe_") and s != "bf16_matmul"
+                                         for s in v["attention_f32"].on())
+  assert v["moe_f32"].on() and all(s.startswith("moe_") for s in v["moe_f32"].on())
+  assert set(v["attention_f32"].on()) | set(v["moe_f32"].on()) == set(v["all_on_f32"].on())
+
+
+def test_update_nmse_ignores_the_residual():
+  rng = np.random.default_rng()
+  x = rng.normal(size=(8, 4)) * 100
+  upd = rng.normal(size=(8, 4))
+  assert pbs.update_nmse(x + 1.1 * upd, x + upd, x) == pytest.approx(0.01)
+
+
+def test_per_layer_errors_are_local():
+  """f32 kernels: every layer's own error is tiny; bf16 operands: every layer's is real and mostly small (a token
+  whose expert choice flips under the rounding can lift one layer's error to ~1e-2)."""
+  m = model.init_random(config.tiny_sparse(), seed=int(np.random.SeedSequence().entropy % 2**31), dtype=jnp.float32)
+  ids = np.random.default_rng().integers(0, m.cfg.vocab_size, 37).astype(np.int32)
+  v = pbs.variants(features.resolve("cpu_interpret", ALL))
+  lines = []
+  rows = pbs.per_layer(m, ids, features.REFERENCE, {k: v[k] for k in ("all_on_f32", "reference_bf16")},
+                       lines.append)
+  assert [r["layer"] for r in rows] == list(range(m.cfg.num_layers)) and len(lines) == m.cfg.num_layers
+  assert [r["attention"] for r in rows] == [a.value for a in m.cfg.attention]
+  bf16 = [r["variants"]["reference_bf16"]["update_nmse"] for r in rows]
+  assert all(r["variants"]["all_on_f32"]["update_nmse"] < 1e-8 for r in rows)
+  assert min(bf16) > 1e-12 and np.median(bf16) < 1e-3
