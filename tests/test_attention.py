@@ -10,7 +10,6 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from ds4jax import config

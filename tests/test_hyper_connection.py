@@ -7,7 +7,6 @@ order, comb[j, k] at flat index 2n + j*n + k, and `merge` uses C^T: new stream k
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from ds4jax.hyper_connection import HyperConnection, HyperHead, sinkhorn

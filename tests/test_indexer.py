@@ -7,7 +7,6 @@ s >= (t+1)//4; the selection is the best min(k, visible) rows, -1 for the rest.
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from ds4jax import config, rope
