@@ -34,11 +34,17 @@ from experiments import qualification as q
 from experiments import run_record
 
 FLAGS = flags.FLAGS
-q.define_flags(FLAGS)
-flags.DEFINE_integer("tokens", 4096, "Prompt prefix length the variants and the exact path run on.")
-flags.DEFINE_list("variants", ["all_on", "all_on_f32", "reference_bf16"], "Variants to run (see the docstring).")
-flags.DEFINE_boolean("per_layer", False, "Also report each layer's local error on the exact path's input streams.")
-flags.DEFINE_string("results", None, "Output JSON (default: --out with _parity_by_switch.json).")
+
+
+def define_flags(fv) -> None:
+  """The qualification's flags plus this tool's (defined only when run as a program: tests import the module)."""
+  q.define_flags(fv)
+  flags.DEFINE_integer("tokens", 4096, "Prompt prefix length the variants and the exact path run on.", flag_values=fv)
+  flags.DEFINE_list("variants", ["all_on", "all_on_f32", "reference_bf16"], "Variants to run (see the docstring).",
+                    flag_values=fv)
+  flags.DEFINE_boolean("per_layer", False, "Also report each layer's local error on the exact path's input streams.",
+                       flag_values=fv)
+  flags.DEFINE_string("results", None, "Output JSON (default: --out with _parity_by_switch.json).", flag_values=fv)
 
 
 def variants(base: features_lib.Features) -> dict[str, features_lib.Features]:
@@ -141,4 +147,5 @@ def run(opts: q.Options) -> None:
 
 
 if __name__ == "__main__":
+  define_flags(FLAGS)
   app.run(main)
