@@ -150,7 +150,8 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # projections HIGHEST-precision f32 GEMMs; V4-Flash all_on at 8192 tokens ran at 90 tok/s that way.
     "sm_90": _row(_MOE_RAN_ON_H200 | _PRECISION, (_MOE_RAN_ON_H200 | _PRECISION) - {"moe_persistent",
                                                                                       "moe_sparse_gate_up"}),
-    "cpu_interpret": _row(_MOE | _ATTENTION | _PRECISION, set()),  # interpret mode: parity, not speed, so the exact path is the default
+    # Interpret mode is for parity, not speed, so the exact path is the default.
+    "cpu_interpret": _row(_MOE | _ATTENTION | _PRECISION, set()),
 }
 
 

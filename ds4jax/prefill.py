@@ -28,6 +28,7 @@ from flax import nnx
 from ds4jax import model as model_lib
 from ds4jax.features import REFERENCE, Features
 
+
 def band_size(n_tokens: int, features: Features) -> int:
   """`prefill_band_tokens` (0 = the whole prompt), cut to the prompt and rounded up to whole query chunks."""
   band = min(features.prefill_band_tokens or n_tokens, n_tokens)

@@ -229,8 +229,9 @@ def test_prefix_parity_beyond_exact_max_tokens(tmp_path, tiny_model, monkeypatch
   assert by_key(more)[(24, "kill_moe_fused_combine")]["parity"]["pass"]
   assert by_key(more)[(24, "all_off")]["parity"]["nmse"] == 0.0
   # Other weights or prompt ids never reuse them.
-  stale = q._ExactPrefixes(tiny_model, np.arange(40, dtype=np.int32), exact, "other-fingerprint",  # pylint: disable=protected-access
-                           q.exact_cache_path(options(tmp_path).out), q._Clock(1, lambda s: None))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  stale = q._ExactPrefixes(tiny_model, np.arange(40, dtype=np.int32), exact, "other-fingerprint",
+                           q.exact_cache_path(options(tmp_path).out), q._Clock(1, lambda s: None))
   assert stale.stored() == {}
 
 
