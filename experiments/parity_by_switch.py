@@ -23,7 +23,6 @@ import dataclasses
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
@@ -117,10 +116,7 @@ def run(opts: q.Options) -> None:
   prefixes = q._ExactPrefixes(m, ids, exact_feats, fingerprint,  # pylint: disable=protected-access
                               q.exact_cache_path(opts.out), clock)
   if opts.precompile_workers:
-    if not jax.config.jax_compilation_cache_dir:
-      import tempfile  # pylint: disable=import-outside-toplevel
-      jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="ds4jax_jit_cache_"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    q.use_persistent_cache()
     todo = [(n, f) for f in runs.values()] + ([] if n in prefixes.stored() else [(n, exact_feats)])
     prefill_lib.precompile(m, todo, opts.precompile_workers, log=clock.say)
   exact = prefixes.get(n)

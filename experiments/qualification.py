@@ -513,6 +513,7 @@ class _ExactPrefixes:
     old = self.stored()
     keep = old | self.logits
     metas = [self._meta(n) for n in sorted(keep)]
+    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
     tmp = self.path + ".tmp.npz"
     np.savez(tmp, meta=json.dumps(metas), **{f"logits_{n}": keep[n] for n in sorted(keep)})
     os.replace(tmp, self.path)
@@ -764,14 +765,21 @@ def _outcome(rec: dict[str, Any]) -> str:
           f"KL {p['kl']:.2e} {'pass' if p['pass'] else 'FAIL'}{prefix}")
 
 
-def _precompile(m, opts: Options, todo, exact_feats: Features, prefixes: _ExactPrefixes, clock: _Clock) -> dict:
-  """Compiles the layer programs of every planned run (and of the exact path it will need) in parallel into the
-  persistent compilation cache; each cold run then loads them."""
+def use_persistent_cache() -> str:
+  """Turns on jax's persistent compilation cache for every program (a temporary directory unless one is set), which
+  `prefill.precompile` fills; returns the directory."""
   if not jax.config.jax_compilation_cache_dir:
     import tempfile  # pylint: disable=import-outside-toplevel
     jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="ds4jax_jit_cache_"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return jax.config.jax_compilation_cache_dir
+
+
+def _precompile(m, opts: Options, todo, exact_feats: Features, prefixes: _ExactPrefixes, clock: _Clock) -> dict:
+  """Compiles the layer programs of every planned run (and of the exact path it will need) in parallel into the
+  persistent compilation cache; each cold run then loads them."""
+  use_persistent_cache()
   runs = [(n, c.features) for n, c in todo]
   for n in sorted({n for n, _ in todo}):
     if opts.exact_max_tokens and n > opts.exact_max_tokens:

@@ -375,3 +375,14 @@ def test_real_prefill_end_to_end(tmp_path):
   assert 0 <= recs[(20, "all_on")]["parity"]["nmse"] < 1e-10
   assert recs[(20, "all_on")]["model"] == dict(name="tiny_window", preset="tiny_window", checkpoint=None,
                                                 policy="bf16", dtype="bf16", seed=0)
+
+
+def test_exact_prefix_store_creates_its_directory(tmp_path, tiny_model, monkeypatch):
+  """parity_by_switch stores the exact logits before anything else is written next to --out."""
+  monkeypatch.setattr(prefill_lib, "prefill_logits", FakePrefill())
+  path = str(tmp_path / "new" / "dir" / "r.exact.npz")
+  ids = np.arange(1, 33, dtype=np.int32)
+  store = q._ExactPrefixes(tiny_model, ids, q.exact_features("cpu_interpret"), "fp",  # pylint: disable=protected-access
+                           path, q._Clock(1, lambda s: None))  # pylint: disable=protected-access
+  got = store.get(16)
+  assert os.path.exists(path) and np.array_equal(store.stored()[16], got)
