@@ -62,6 +62,12 @@ def _embed(graphdef, state, tokens):
   return nnx.merge(graphdef, state).embed_streams(tokens)
 
 
+@jax.jit
+def _perturb(X, eps, key):
+  """X * (1 + eps z), z ~ N(0, 1) per element: a relative perturbation of the input streams."""
+  return X * (1 + eps * jax.random.normal(key, X.shape, X.dtype))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _logits(graphdef, state, X):
   return nnx.merge(graphdef, state).logits(X)
@@ -69,12 +75,15 @@ def _logits(graphdef, state, X):
 
 def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
             progress: Callable[[str], None] | None = None, all_logits: bool = False,
-            positions: Sequence[int] | None = None) -> jnp.ndarray:
+            positions: Sequence[int] | None = None, input_noise: float = 0.0, noise_seed: int = 0) -> jnp.ndarray:
   """Banded prefill of a prompt from position 0: f32 logits [S, vocab] if `all_logits`, [len(positions), vocab] at
   the given `positions`, else [vocab] of the final position.
 
   The model is causal, so the logits at position p - 1 are those of the p-token prefix: one run at full length also
   gives a prefix's final logits (the qualification's parity check where the exact path only fits a prefix).
+
+  `input_noise` > 0 multiplies the embedded streams by (1 + input_noise z), z ~ N(0, 1) seeded by `noise_seed` and
+  the band: how far the logits move when the input does (the qualification's noise floor uses one f32 rounding).
   """
   t = model_lib.check_tokens(tokens, m.cfg)
   S = t.shape[0]
@@ -96,6 +105,8 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
     s0 = b * B
     toks = jnp.asarray(padded[s0:s0 + B])
     X = _embed(outer_def, outer_state, toks)
+    if input_noise:
+      X = _perturb(X, jnp.float32(input_noise), jax.random.fold_in(jax.random.key(noise_seed), b))
     for i, (gdef, state) in enumerate(parts):
       X, caches[i] = _layer_step(gdef, state, X, toks, jnp.int32(s0), caches[i], inner)
     if all_logits:
@@ -155,7 +166,7 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
 
 def prefill_logits(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
                    progress: Callable[[str], None] | None = None,
-                   positions: Sequence[int] | None = None) -> jnp.ndarray:
+                   positions: Sequence[int] | None = None, input_noise: float = 0.0) -> jnp.ndarray:
   """The final position's logits [vocab] in f32, or [len(positions), vocab] at `positions` (the qualification
   command's entry point)."""
-  return prefill(m, tokens, features, progress, positions=positions)
+  return prefill(m, tokens, features, progress, positions=positions, input_noise=input_noise)

@@ -13,6 +13,8 @@ each variant:
   moe_f32             only the MoE switches, f32 operands
 
 End to end: final-position logits against the exact path (NMSE, max abs, top-1, KL; the qualification's metrics).
+Also the noise floor (--noise_floor_eps): the exact path against itself with its input streams perturbed by one
+rounding.
 --per_layer: each layer is fed the exact path's input streams and run under the exact features and under each
 variant, so the error it reports is that layer's own (nothing accumulated from earlier layers): the NMSE of the
 layer's update (output minus input streams) against the exact update. A kernel that is wrong at some shape shows up
@@ -23,6 +25,7 @@ import dataclasses
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
@@ -41,6 +44,8 @@ def define_flags(fv) -> None:
   flags.DEFINE_integer("tokens", 4096, "Prompt prefix length the variants and the exact path run on.", flag_values=fv)
   flags.DEFINE_list("variants", ["all_on", "all_on_f32", "reference_bf16"], "Variants to run (see the docstring).",
                     flag_values=fv)
+  flags.DEFINE_boolean("end_to_end", True, "Run each variant end to end (final-position logits vs the exact path).",
+                       flag_values=fv)
   flags.DEFINE_boolean("per_layer", False, "Also report each layer's local error on the exact path's input streams.",
                        flag_values=fv)
   flags.DEFINE_string("results", None, "Output JSON (default: --out with _parity_by_switch.json).", flag_values=fv)
@@ -57,14 +62,24 @@ def variants(base: features_lib.Features) -> dict[str, features_lib.Features]:
               attention_f32=only(attention), moe_f32=only(lambda s: s.startswith("moe_")))
 
 
-def update_nmse(out, ref, x_in) -> float:
-  """NMSE of a layer's update (out - x_in) against the exact update (ref - x_in), in float64."""
-  return q.nmse(np.asarray(out, np.float64) - np.asarray(x_in, np.float64),
-                np.asarray(ref, np.float64) - np.asarray(x_in, np.float64))
+@jax.jit
+def _update_errors(out, ref, x_in):
+  d = (out - ref).astype(jnp.float32)
+  u = (ref - x_in).astype(jnp.float32)
+  return jnp.sum(d * d) / jnp.sum(u * u), jnp.max(jnp.abs(d))
 
 
-def per_layer(m, ids: np.ndarray, exact: features_lib.Features, runs: dict, log) -> list[dict]:
-  """Each layer on the exact path's input streams, exact vs every variant: local update NMSE and max abs error."""
+def update_errors(out, ref, x_in) -> tuple[float, float]:
+  """(NMSE of a layer's update (out - x_in) against the exact update (ref - x_in), max abs of out - ref), on the
+  device: the differences of f32 streams are exact where they are close, so f32 sums suffice."""
+  nmse, max_abs = _update_errors(out, ref, x_in)
+  return float(nmse), float(max_abs)
+
+
+def per_layer(m, ids: np.ndarray, exact: features_lib.Features, runs: dict, log,
+              on_row=lambda rows: None) -> list[dict]:
+  """Each layer on the exact path's input streams, exact vs every variant: local update NMSE and max abs error.
+  `on_row(rows)` runs after each layer (the program writes its results there)."""
   toks = jnp.asarray(ids)
   B = len(ids)
   X = m.embed_streams(toks)
@@ -73,15 +88,14 @@ def per_layer(m, ids: np.ndarray, exact: features_lib.Features, runs: dict, log)
     t0 = time.perf_counter()
     cache = lambda blk=block: blk.attn.empty_cache(B, B)
     ref, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), exact)
-    x_in = np.asarray(X)
     row = dict(layer=i, attention=m.cfg.attention[i].value, routing=m.cfg.routing[i].value, variants={})
-    ref_np = np.asarray(ref)
     for name, f in runs.items():
       out, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), f)
-      out = np.asarray(out)
-      row["variants"][name] = dict(update_nmse=update_nmse(out, ref_np, x_in),
-                                   max_abs=float(np.max(np.abs(out.astype(np.float64) - ref_np))))
+      nmse, max_abs = update_errors(out, ref, X)
+      row["variants"][name] = dict(update_nmse=nmse, max_abs=max_abs)
+      del out
     rows.append(row)
+    on_row(rows)
     log(f"layer {i:2d} {row['attention']:6s} {row['routing']:4s}: " + "  ".join(
         f"{k} {v['update_nmse']:.1e}" for k, v in row["variants"].items()) + f" ({time.perf_counter() - t0:.1f}s)")
     X = ref
@@ -115,15 +129,23 @@ def run(opts: q.Options) -> None:
   exact_feats = q.exact_features(dev_cls)
   prefixes = q._ExactPrefixes(m, ids, exact_feats, fingerprint,  # pylint: disable=protected-access
                               q.exact_cache_path(opts.out), clock)
+  eps = opts.noise_floor_eps
+  needs_exact = FLAGS.per_layer or not prefixes.has(n) or (eps and not prefixes.has(n, eps))
   if opts.precompile_workers:
     q.use_persistent_cache()
-    todo = [(n, f) for f in runs.values()] + ([] if n in prefixes.stored() else [(n, exact_feats)])
+    todo = [(n, f) for f in runs.values()] + ([(n, exact_feats)] if needs_exact else [])
     prefill_lib.precompile(m, todo, opts.precompile_workers, log=clock.say)
   exact = prefixes.get(n)
   out = dict(env=run_record.environment(), tokens=n, weights_fingerprint=fingerprint,
              prompt_sha256=q.sha256_array(ids[:n]), exact_logits_sha256=q.sha256_array(exact), variants={})
   path = FLAGS.results or opts.out.replace(".json", "_parity_by_switch.json")
-  for name, f in runs.items():
+  if eps:
+    p = q.parity_metrics(prefixes.perturbed(n, eps), exact, opts.kl_gate)
+    out["noise_floor"] = dict(tokens=n, input_noise=eps, **{k: p[k] for k in ("nmse", "max_abs", "top1_agree", "kl")})
+    print(f"noise floor (exact path, input noise {eps:.1e}): NMSE {p['nmse']:.2e} KL {p['kl']:.2e} "
+          f"top-1 {p['top1_agree']}", flush=True)
+    run_record.write_json(path, out)
+  for name, f in (runs.items() if FLAGS.end_to_end else ()):
     t0 = time.perf_counter()
     try:
       logits = q._final_logits(m, ids[:n], f)  # pylint: disable=protected-access
@@ -137,8 +159,10 @@ def run(opts: q.Options) -> None:
           f"({time.perf_counter() - t0:.1f}s)", flush=True)
     run_record.write_json(path, out)
   if FLAGS.per_layer:
-    out["per_layer"] = per_layer(m, ids[:n], exact_feats, runs, clock.say)
-    run_record.write_json(path, out)
+    def save(rows):
+      out["per_layer"] = rows
+      run_record.write_json(path, out)
+    per_layer(m, ids[:n], exact_feats, runs, clock.say, on_row=save)
   print(f"results: {path}")
 
 

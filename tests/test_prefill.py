@@ -143,3 +143,19 @@ def test_precompile_fills_the_persistent_cache(tiny, tmp_path):
     monitoring.unregister_event_listener(listener)
     jax.config.update("jax_compilation_cache_dir", old[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+
+
+def test_input_noise_moves_the_logits_by_its_size(tiny):
+  """The noise floor's perturbation: seeded, and the logits move by about its relative size (the tiny model is not
+  chaotic), not at all without it."""
+  m, tokens, _ = tiny
+  f = features.resolve("cpu_interpret", {})
+  clean = np.asarray(prefill.prefill(m, tokens, f, all_logits=True))
+  noisy = [np.asarray(prefill.prefill(m, tokens, f, all_logits=True, input_noise=1e-3, noise_seed=s)) for s in
+           (0, 0, 1)]
+  rel = np.abs(noisy[0] - clean).max() / np.abs(clean).max()
+  assert np.array_equal(noisy[0], noisy[1]) and not np.array_equal(noisy[0], noisy[2])
+  assert 1e-6 < rel < 1e-1
+  banded = np.asarray(prefill.prefill(m, tokens, features.resolve("cpu_interpret", {"prefill_band_tokens": 8}),
+                                      all_logits=True, input_noise=1e-3))
+  assert not np.array_equal(banded, noisy[0]) and np.abs(banded - clean).max() / np.abs(clean).max() < 1e-1

@@ -25,7 +25,8 @@ def test_update_nmse_ignores_the_residual():
   rng = np.random.default_rng()
   x = rng.normal(size=(8, 4)) * 100
   upd = rng.normal(size=(8, 4))
-  assert pbs.update_nmse(x + 1.1 * upd, x + upd, x) == pytest.approx(0.01)
+  nmse, max_abs = pbs.update_errors(*(jnp.asarray(a, jnp.float32) for a in (x + 1.1 * upd, x + upd, x)))
+  assert nmse == pytest.approx(0.01, rel=1e-3) and max_abs == pytest.approx(0.1 * np.abs(upd).max(), rel=1e-3)
 
 
 def test_per_layer_errors_are_local():

@@ -33,12 +33,19 @@ class FakePrefill:
   """Deterministic final logits from the prompt ids; the switches perturb them by known amounts:
   moe_compact_queue a little (passes the KL gate), moe_fused_combine a lot (fails it). Counts its calls."""
 
-  def __init__(self, fail=None):
+  def __init__(self, fail=None, noise_gain=1e-3):
     self.calls = []
     self.fail = fail  # (features, n_tokens) -> exception to raise, or None
+    self.noise_gain = noise_gain  # how far the logits move under one f32 rounding of the input (the noise floor)
+    self.noisy_calls = []
 
-  def __call__(self, m, tokens, feats, progress=None, positions=None):
+  def __call__(self, m, tokens, feats, progress=None, positions=None, input_noise=0.0):
     tokens = np.asarray(tokens)
+    if input_noise:
+      self.noisy_calls.append((feats, len(tokens), input_noise))
+      v = np.arange(256, dtype=np.float64)
+      gain = self.noise_gain * input_noise / 2.0 ** -24
+      return jnp.asarray(np.asarray(self.logits(tokens, feats), np.float64) + gain * np.cos(7 * v), jnp.float32)
     self.calls.append((feats, len(tokens)))
     if progress:
       progress(f"fake prefill of {len(tokens)} tokens")
@@ -386,3 +393,46 @@ def test_exact_prefix_store_creates_its_directory(tmp_path, tiny_model, monkeypa
                            path, q._Clock(1, lambda s: None))  # pylint: disable=protected-access
   got = store.get(16)
   assert os.path.exists(path) and np.array_equal(store.stored()[16], got)
+
+
+def test_noise_floor_is_measured_once_and_sorts_failures(tmp_path, tiny_model, monkeypatch):
+  """The exact path with perturbed input, against itself: once per parity length, stored, shown in the table. A KL
+  above the gate is 'unresolved' only when the floor is above it too and the KL is within FLOOR_FACTOR of it."""
+  exact = q.exact_features("cpu_interpret")
+  confs = ("all_on", "all_off", "kill_moe_fused_combine")
+  fake = FakePrefill(noise_gain=1.0)  # floor KL ~0.23 > gate; all_on's KL ~0.87 is within 10x of it
+  doc, lines = run(options(tmp_path, lengths=(24, 32), exact_max_tokens=20, configs=confs), tiny_model, fake,
+                   monkeypatch)
+  floor = doc["noise_floor"]["16"]
+  assert list(doc["noise_floor"]) == ["16"] and floor["input_noise"] == 2.0 ** -24 and floor["tokens"] == 16
+  assert 0.1 < floor["kl"] < 0.5 and 0 < floor["nmse"] < 1 and not math.isnan(floor["max_abs"])
+  assert fake.noisy_calls == [(exact, 16, 2.0 ** -24)]
+  rows = {(r["length"], r["config"]): r for r in q.summary_rows(doc)}
+  assert rows[(32, "all_on")]["verdict"] == "unresolved" and rows[(24, "all_on")]["verdict"] == "unresolved"
+  assert rows[(32, "all_on")]["floor_kl"] == floor["kl"] and not by_key(doc)[(32, "all_on")]["parity"]["pass"]
+  assert rows[(32, "kill_moe_fused_combine")]["verdict"] == "pass" and rows[(32, "all_off")]["verdict"] == "pass"
+  md = open(q.markdown_path(doc_path := options(tmp_path).out)).read()
+  assert "unresolved" in md and "FAIL" not in md and f"{floor['kl']:.2e}" in md
+  assert any("noise floor at 16 tokens" in s for s in lines)
+  # A later call reuses the stored perturbed logits; a different eps runs the exact path again.
+  fake.noisy_calls.clear()
+  del doc["noise_floor"]
+  with open(doc_path, "w") as f:
+    json.dump(doc, f)
+  again, _ = run(options(tmp_path, lengths=(32,), exact_max_tokens=20, configs=("kill_moe_compact_queue",),
+                         append=True), tiny_model, fake, monkeypatch)
+  assert fake.noisy_calls == [] and again["noise_floor"]["16"]["kl"] == floor["kl"]
+  # With a low floor the same KL is a plain failure: too far above the floor.
+  low = FakePrefill(noise_gain=0.2)  # floor KL ~0.01: above the gate, but all_on's 0.87 is > 10x that
+  doc, _ = run(options(tmp_path, lengths=(32,), exact_max_tokens=20, configs=confs, noise_floor_eps=2.0 ** -23),
+               tiny_model, low, monkeypatch)
+  rows = {r["config"]: r for r in q.summary_rows(doc)}
+  assert low.noisy_calls == [(exact, 16, 2.0 ** -23)] and 0.006 < doc["noise_floor"]["16"]["kl"] < 0.087
+  assert rows["all_on"]["verdict"] == "FAIL" and rows["kill_moe_fused_combine"]["verdict"] == "pass"
+
+
+def test_no_noise_floor_when_eps_is_zero(tmp_path, tiny_model, monkeypatch):
+  fake = FakePrefill()
+  doc, _ = run(options(tmp_path, configs=("all_on", "all_off"), noise_floor_eps=0.0), tiny_model, fake, monkeypatch)
+  assert fake.noisy_calls == [] and doc.get("noise_floor", {}) == {}
+  assert {r["config"]: r["verdict"] for r in q.summary_rows(doc)} == dict(all_off="pass", all_on="FAIL")
