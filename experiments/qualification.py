@@ -15,6 +15,11 @@ next-token KL gate of 0.006 against the control. This module is that protocol fo
                   tokens the configuration's logits at position p - 1 come from its own full-length cold run (the
                   model is causal); the exact prefix logits are computed once and kept next to --out
                   (<out>.exact.npz) for later bounded calls with the same weights and prompt.
+  noise floor     the exact path once more with its input streams perturbed by one f32 rounding
+                  (--noise_floor_eps), against itself: how far rounding alone moves the statistic. A KL above the
+                  gate is "unresolved" (not "FAIL") when the floor is above the gate too and the KL is within
+                  FLOOR_FACTOR of it: random-weight models can be that chaotic (parity_by_switch --per_layer then
+                  checks each layer's own error).
 
 Library code: the absl entry point is experiments/prefill.py; tests and notebooks call `run(Options(...))` and
 `load_results(path)`. Results are one JSON document {"records": [...], "invocations": [...]}, rewritten after every
@@ -451,8 +456,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
               f"weights {r0['weights_fingerprint'][:12]}, prompt {r0['prompt']['source']['kind']}; "
               f"{env['device_kind']} ({r0['features']['device_class']}), jax {env['jax']}, "
               f"commit {env['git_commit'][:10]}{' (dirty)' if env.get('git_dirty') else ''}.", ""]
-  lines += ["| length | config | tok/s | speedup vs all_off | cold s | NMSE | max abs | top-1 | KL | floor KL | result |",
-            "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+  lines += ["| length | config | tok/s | speedup vs all_off | cold s | NMSE | max abs | top-1 | KL | floor KL "
+            "| result |", "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
   rows = summary_rows(doc)
   for row in rows:
     name = row["config"] + (f" (also off: {', '.join(row['also_off'])})" if row["also_off"] else "")
