@@ -80,12 +80,25 @@ class DeepseekV4(nnx.Module):
 
   def embed_streams(self, tokens: jnp.ndarray) -> jnp.ndarray:
     """[S] ids -> [S, n, D]: the embedding copied into the n residual streams."""
-    e = self.embed[...][tokens].astype(F32)
-    return jnp.broadcast_to(e[:, None, :], (tokens.shape[0], self.cfg.hc_mult, self.cfg.hidden_size))
+    return embed_streams(self.embed[...], tokens, self.cfg.hc_mult)
+
+  def output(self) -> tuple[nnx.Module, nnx.Module, nnx.Module]:
+    """The modules after the layers (what `prefill` splits for the logits, without walking the 43 layers)."""
+    return self.hc_head, self.norm, self.head
 
   def logits(self, X: jnp.ndarray) -> jnp.ndarray:
     """[S, n, D] final streams -> [S, vocab] f32."""
-    return self.head(self.norm(self.hc_head(X)))
+    return output_logits(self.output(), X)
+
+
+def embed_streams(table: jnp.ndarray, tokens: jnp.ndarray, hc_mult: int) -> jnp.ndarray:
+  e = table[tokens].astype(F32)
+  return jnp.broadcast_to(e[:, None, :], (tokens.shape[0], hc_mult, table.shape[1]))
+
+
+def output_logits(output, X: jnp.ndarray) -> jnp.ndarray:
+  hc_head, norm, head = output
+  return head(norm(hc_head(X)))
 
 
 def check_tokens(tokens, cfg: DeepseekV4Config) -> np.ndarray:

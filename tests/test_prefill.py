@@ -159,3 +159,15 @@ def test_input_noise_moves_the_logits_by_its_size(tiny):
   banded = np.asarray(prefill.prefill(m, tokens, features.resolve("cpu_interpret", {"prefill_band_tokens": 8}),
                                       all_logits=True, input_noise=1e-3))
   assert not np.array_equal(banded, noisy[0]) and np.abs(banded - clean).max() / np.abs(clean).max() < 1e-1
+
+
+def test_prefill_walks_each_layer_once_and_never_the_whole_model(tiny, monkeypatch):
+  """Host cost: the NNX graph of each block is split once per call (not once per band), right before its first
+  dispatch, and the model as a whole (all layers) is never walked."""
+  m, tokens, _ = tiny
+  split, walked = prefill.nnx.split, []
+  monkeypatch.setattr(prefill.nnx, "split", lambda node, *a: walked.append(node) or split(node, *a))
+  prefill.prefill(m, tokens, features.resolve("cpu_interpret", {"prefill_band_tokens": 16}))
+  blocks = [n for n in walked if any(n is b for b in m.layers)]
+  assert len(blocks) == len(m.layers) and all(b is n for b, n in zip(m.layers, blocks))
+  assert not any(n is m for n in walked) and len(walked) == len(m.layers) + 1  # + the output head
