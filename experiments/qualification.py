@@ -218,9 +218,10 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def kl_divergence(p_logits, q_logits) -> float:
-  """KL(softmax(p) || softmax(q)) in float64: p the exact path, q the configuration."""
+  """KL(softmax(p) || softmax(q)) in float64: p the exact path, q the configuration. Never negative: rounding can
+  make the sum a few ulps below 0 for nearly equal logits."""
   lp, lq = _log_softmax(p_logits), _log_softmax(q_logits)
-  return float(np.sum(np.exp(lp) * (lp - lq)))
+  return max(0.0, float(np.sum(np.exp(lp) * (lp - lq))))
 
 
 def parity_metrics(logits, exact, kl_gate: float = KL_GATE) -> dict[str, Any]:

@@ -30,7 +30,7 @@ _keys = nnx.jit(lambda m, x, freqs: m.compressor(x, freqs))
 
 def make(seed, rng, cfg):
   idx = Indexer(cfg, rngs=nnx.Rngs(params=seed))
-  Hi, ci = cfg.index_n_heads, cfg.index_head_dim
+  ci = cfg.index_head_dim
   c = idx.compressor
   assert (c.dim, c.ratio, c.overlap) == (ci, 4, True)  # its own overlapping compressor of width index_head_dim
   set_ = lambda p, std: p.set_value(jnp.asarray(std * rng.standard_normal(p.shape), jnp.float32))
