@@ -83,7 +83,8 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
   gives a prefix's final logits (the qualification's parity check where the exact path only fits a prefix).
 
   `input_noise` > 0 multiplies the embedded streams by (1 + input_noise z), z ~ N(0, 1) seeded by `noise_seed` and
-  the band: how far the logits move when the input does (the qualification's noise floor uses one f32 rounding).
+  the band, in f32: how far the logits move when the input does. The qualification's noise floor uses 2^-24, one
+  f32 rounding: about half the elements then move by one ulp and the rest round back to themselves.
   """
   t = model_lib.check_tokens(tokens, m.cfg)
   S = t.shape[0]

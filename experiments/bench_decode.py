@@ -30,11 +30,11 @@ _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per variant (median).")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Small shapes (checks the script on a CPU).")
 
-# name -> (format module, levels K, uniform-mode level of a code, unpack codes, weight shape at V4-Flash / smoke)
+# name -> (format module, uniform-mode level of a code, unpack codes, weight shape at V4-Flash, smoke shape)
 WEIGHTS = {
-    "gate_up (rocmfp2_mix)": (rocmfp2_mix, 4, lambda c: rocmfp2.levels(c, False),
+    "gate_up (rocmfp2_mix)": (rocmfp2_mix, lambda c: rocmfp2.levels(c, False),
                               lambda s: bitplanes.unpack(s["codes"], 2), (256, 2048, 4096), (4, 64, 256)),
-    "down (rocmfp3_mix)": (rocmfp3_mix, 8, rocmfp3.levels,
+    "down (rocmfp3_mix)": (rocmfp3_mix, rocmfp3.levels,
                            lambda s: rocmfp3.unpack_codes(s["codes_lo"], s["codes_hi"]), (256, 4096, 2048),
                            (4, 256, 128)),
 }
@@ -75,7 +75,7 @@ def lookup_decode(codes, scales, table) -> jnp.ndarray:
   return table.reshape(E * 256 * k).at[idx].get(mode="promise_in_bounds")
 
 
-def variants(fmt, k, uniform_level, unpack):
+def variants(fmt, uniform_level, unpack):
   return dict(
       canonical=jax.jit(lambda s: fmt.dequantize(**s).astype(jnp.bfloat16)),
       lookup=jax.jit(lambda s: lookup_decode(unpack(s), s["scales"],
@@ -83,7 +83,7 @@ def variants(fmt, k, uniform_level, unpack):
       write=jax.jit(lambda s: unpack(s).astype(jnp.bfloat16)))
 
 
-def bit_identical(fmt, k, uniform_level, unpack, storage) -> bool:
+def bit_identical(fmt, uniform_level, unpack, storage) -> bool:
   """The lookup decode's f32 bits equal the canonical decode's, every weight."""
   same = jax.jit(lambda s: jnp.array_equal(
       jax.lax.bitcast_convert_type(fmt.dequantize(**s), jnp.uint32),
@@ -95,13 +95,13 @@ def bit_identical(fmt, k, uniform_level, unpack, storage) -> bool:
 def main(argv):
   del argv
   out = dict(env=run_record.environment(), smoke=_SMOKE.value, repeats=_REPEATS.value, weights={})
-  for i, (name, (fmt, k, uniform_level, unpack, shape, smoke_shape)) in enumerate(WEIGHTS.items()):
+  for i, (name, (fmt, uniform_level, unpack, shape, smoke_shape)) in enumerate(WEIGHTS.items()):
     shape = smoke_shape if _SMOKE.value else shape
     storage = random_storage(jax.random.key(i), fmt, shape)
     rec = dict(shape=list(shape), bf16_bytes=2 * int(np.prod(shape)),
                storage_bytes=sum(int(a.size) * a.dtype.itemsize for a in storage.values()),
-               bit_identical=bit_identical(fmt, k, uniform_level, unpack, storage), ms={})
-    for vname, f in variants(fmt, k, uniform_level, unpack).items():
+               bit_identical=bit_identical(fmt, uniform_level, unpack, storage), ms={})
+    for vname, f in variants(fmt, uniform_level, unpack).items():
       rec["ms"][vname] = kernel_bench.timeit(f, storage, n=_REPEATS.value)
     rec["write_TB_per_s"] = {v: rec["bf16_bytes"] / (ms * 1e-3) / 1e12 for v, ms in rec["ms"].items()}
     out["weights"][name] = rec

@@ -44,7 +44,8 @@ def define_flags(fv) -> None:
   flags.DEFINE_integer("tokens", 4096, "Prompt prefix length the variants and the exact path run on.", flag_values=fv)
   flags.DEFINE_list("variants", ["all_on", "all_on_f32", "reference_bf16"], "Variants to run (see the docstring).",
                     flag_values=fv)
-  flags.DEFINE_boolean("end_to_end", True, "Run each variant end to end (final-position logits vs the exact path).",
+  flags.DEFINE_boolean("end_to_end", True, "Run each variant end to end (final-position logits vs the exact path). "
+                       "The exact prefix logits and the noise floor are computed (or loaded) either way.",
                        flag_values=fv)
   flags.DEFINE_boolean("per_layer", False, "Also report each layer's local error on the exact path's input streams.",
                        flag_values=fv)
@@ -66,7 +67,9 @@ def variants(base: features_lib.Features) -> dict[str, features_lib.Features]:
 def _update_errors(out, ref, x_in):
   d = (out - ref).astype(jnp.float32)
   u = (ref - x_in).astype(jnp.float32)
-  return jnp.sum(d * d) / jnp.sum(u * u), jnp.max(jnp.abs(d))
+  num, den = jnp.sum(d * d), jnp.sum(u * u)
+  nmse = jnp.where(den > 0, num / jnp.where(den > 0, den, 1), jnp.where(num > 0, jnp.inf, 0.0))  # as q.nmse
+  return nmse, jnp.max(jnp.abs(d))
 
 
 def update_errors(out, ref, x_in) -> tuple[float, float]:

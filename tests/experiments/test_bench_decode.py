@@ -1,32 +1,42 @@
 """experiments/bench_decode.py: its lookup decode is bit-identical to each MIX format's canonical decode."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ds4jax.quant import ue4m3
 from experiments import bench_decode as bd
 
 
 @pytest.mark.parametrize("name", list(bd.WEIGHTS))
 def test_lookup_decode_is_bit_identical(name):
-  fmt, k, uniform_level, unpack, _, shape = bd.WEIGHTS[name]
-  storage = bd.random_storage(jax.random.key(int(np.random.SeedSequence().entropy % 2**31)), fmt, shape)
-  assert set(np.unique(np.asarray(storage["mode"]))) == {0, 1}
-  assert (np.asarray(storage["scales"]) > 0x7E).any()  # invalid / flagged bytes take part
-  assert bd.bit_identical(fmt, k, uniform_level, unpack, storage)
+  fmt, uniform_level, unpack, _, shape = bd.WEIGHTS[name]
+  storage = bd.random_storage(jax.random.key(zlib.crc32(name.encode())), fmt, shape)
+  mode, scales = np.asarray(storage["mode"]), np.asarray(storage["scales"])
+  assert set(np.unique(mode)) == {0, 1}
+  assert (scales[mode == 0] & 0x80).any()  # uniform experts see flagged bytes: they must decode to 0
+  assert bd.bit_identical(fmt, uniform_level, unpack, storage)
   w = np.asarray(fmt.dequantize(**storage))
-  assert (w != 0).mean() > 0.5 and np.isfinite(w).all()
-  # The check can fail: a table that takes the uniform experts' scale from the low 7 bits (the codebook experts'
-  # rule) decodes flagged bytes of uniform experts to nonzero values.
-  wrong = lambda b, m, lv: bd.lookup_table(b, jnp.ones_like(m), lv)
-  got = bd.lookup_decode(unpack(storage), storage["scales"], wrong(storage["books"], storage["mode"], uniform_level))
-  assert not np.array_equal(np.asarray(got), w)
+  assert (w != 0).mean() > 0.5 and np.isfinite(w).all() and (np.signbit(w) & (w == 0)).any()  # -0.0 too
+  # The check can fail: a table that scales the uniform experts by the low 7 bits (the codebook experts' rule)
+  # gives their flagged bytes nonzero values.
+  def wrong_table(books, mode, level):
+    meta = jnp.arange(256, dtype=jnp.int32)
+    codes = jnp.arange(books.shape[-1], dtype=jnp.int32)
+    uniform = level(codes)[None, None, :] * ue4m3.decode(meta & 0x7F)[None, :, None]
+    return jnp.where((mode != 0)[:, None, None], bd.lookup_table(books, mode, level), uniform)
+  got = np.asarray(bd.lookup_decode(unpack(storage), storage["scales"],
+                                    wrong_table(storage["books"], storage["mode"], uniform_level)))
+  differs = got != w
+  assert differs.any() and not differs[mode != 0].any()  # only uniform experts change
 
 
 def test_variants_decode_to_bf16():
-  fmt, k, uniform_level, unpack, _, shape = bd.WEIGHTS["gate_up (rocmfp2_mix)"]
+  fmt, uniform_level, unpack, _, shape = bd.WEIGHTS["gate_up (rocmfp2_mix)"]
   storage = bd.random_storage(jax.random.key(1), fmt, shape)
-  outs = {n: f(storage) for n, f in bd.variants(fmt, k, uniform_level, unpack).items()}
+  outs = {n: f(storage) for n, f in bd.variants(fmt, uniform_level, unpack).items()}
   assert all(o.shape == shape and o.dtype == jnp.bfloat16 for o in outs.values())
   assert np.array_equal(np.asarray(outs["canonical"], np.float32), np.asarray(outs["lookup"], np.float32))

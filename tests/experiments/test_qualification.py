@@ -33,16 +33,19 @@ class FakePrefill:
   """Deterministic final logits from the prompt ids; the switches perturb them by known amounts:
   moe_compact_queue a little (passes the KL gate), moe_fused_combine a lot (fails it). Counts its calls."""
 
-  def __init__(self, fail=None, noise_gain=1e-3):
+  def __init__(self, fail=None, noise_gain=1e-3, noisy_fail=None):
     self.calls = []
     self.fail = fail  # (features, n_tokens) -> exception to raise, or None
     self.noise_gain = noise_gain  # how far the logits move under one f32 rounding of the input (the noise floor)
+    self.noisy_fail = noisy_fail  # exception for the perturbed (noise floor) run, or None
     self.noisy_calls = []
 
   def __call__(self, m, tokens, feats, progress=None, positions=None, input_noise=0.0):
     tokens = np.asarray(tokens)
     if input_noise:
       self.noisy_calls.append((feats, len(tokens), input_noise))
+      if self.noisy_fail:
+        raise self.noisy_fail
       v = np.arange(256, dtype=np.float64)
       gain = self.noise_gain * input_noise / 2.0 ** -24
       return jnp.asarray(np.asarray(self.logits(tokens, feats), np.float64) + gain * np.cos(7 * v), jnp.float32)
@@ -439,3 +442,41 @@ def test_no_noise_floor_when_eps_is_zero(tmp_path, tiny_model, monkeypatch):
   doc, _ = run(options(tmp_path, configs=("all_on", "all_off"), noise_floor_eps=0.0), tiny_model, fake, monkeypatch)
   assert fake.noisy_calls == [] and doc.get("noise_floor", {}) == {}
   assert {r["config"]: r["verdict"] for r in q.summary_rows(doc)} == dict(all_off="pass", all_on="FAIL")
+
+
+def test_noise_floor_at_full_length_and_when_it_fails(tmp_path, tiny_model, monkeypatch):
+  """Without a prefix the floor is taken at each full length against all_off's logits. A floor that fails is
+  recorded with its error (verdicts fall back to pass/FAIL) and retried by the next call; a floor of another prompt
+  prefix is not reused."""
+  exact = q.exact_features("cpu_interpret")
+  fake = FakePrefill(noise_gain=1.0, noisy_fail=RuntimeError("RESOURCE_EXHAUSTED: out of memory"))
+  doc, lines = run(options(tmp_path, lengths=(24,), configs=("all_on", "all_off")), tiny_model, fake, monkeypatch)
+  floor = doc["noise_floor"]["24"]
+  assert "RESOURCE_EXHAUSTED" in floor["error"] and "kl" not in floor and fake.noisy_calls == [(exact, 24, 2.0 ** -24)]
+  assert {r["config"]: r["verdict"] for r in q.summary_rows(doc)} == dict(all_off="pass", all_on="FAIL")
+  assert "failed: RuntimeError" in open(q.markdown_path(options(tmp_path).out)).read()
+  assert any("noise floor at 24 tokens" in s and "FAILED" in s for s in lines)
+  # The next call retries it (all_on is done; the floor is taken after the first record of this call).
+  fake.noisy_fail, fake.noisy_calls = None, []
+  doc, _ = run(options(tmp_path, lengths=(24,), configs=("all_on", "all_off", "kill_moe_fused_combine"), append=True),
+               tiny_model, fake, monkeypatch)
+  floor = doc["noise_floor"]["24"]
+  assert fake.noisy_calls == [(exact, 24, 2.0 ** -24)] and floor["tokens"] == 24 and 0.1 < floor["kl"] < 0.5
+  assert floor["prompt_sha256"] == by_key(doc)[(24, "all_on")]["prompt"]["sha256"]
+  assert {r["config"]: r["verdict"] for r in q.summary_rows(doc)}["all_on"] == "unresolved"
+  # A floor on file for another prompt prefix is measured again, not reused.
+  doc["noise_floor"]["24"]["prompt_sha256"] = "0" * 64
+  doc["records"] = [r for r in doc["records"] if r["config"] != "kill_moe_fused_combine"]
+  with open(options(tmp_path).out, "w") as f:
+    json.dump(doc, f)
+  fake.noisy_calls = []
+  doc, lines = run(options(tmp_path, lengths=(24,), configs=("kill_moe_fused_combine",), append=True), tiny_model,
+                   fake, monkeypatch)
+  # (re-measured from the perturbed logits in the .npz store, which is keyed by the real prompt ids)
+  assert doc["noise_floor"]["24"]["prompt_sha256"] == by_key(doc)[(24, "all_on")]["prompt"]["sha256"]
+  assert fake.noisy_calls == [] and any("input noise" in s and "loaded from" in s for s in lines)
+
+
+def test_startup_rejects_a_noise_floor_below_one_rounding(tmp_path, tiny_model, monkeypatch):
+  with pytest.raises(q.StartupError, match="noise_floor_eps"):
+    run(options(tmp_path, noise_floor_eps=2.0 ** -26), tiny_model, FakePrefill(), monkeypatch)
