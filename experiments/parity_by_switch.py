@@ -143,10 +143,9 @@ def run(opts: q.Options) -> None:
              prompt_sha256=q.sha256_array(ids[:n]), exact_logits_sha256=q.sha256_array(exact), variants={})
   path = FLAGS.results or opts.out.replace(".json", "_parity_by_switch.json")
   if eps:
-    p = q.parity_metrics(prefixes.perturbed(n, eps), exact, opts.kl_gate)
-    out["noise_floor"] = dict(tokens=n, input_noise=eps, **{k: p[k] for k in ("nmse", "max_abs", "top1_agree", "kl")})
-    print(f"noise floor (exact path, input noise {eps:.1e}): NMSE {p['nmse']:.2e} KL {p['kl']:.2e} "
-          f"top-1 {p['top1_agree']}", flush=True)
+    p = out["noise_floor"] = q.noise_floor(prefixes, n, lambda: exact, eps, opts.kl_gate)
+    print(f"noise floor (exact path, input noise {eps:.1e}): " + (
+        f"NMSE {p['nmse']:.2e} KL {p['kl']:.2e} top-1 {p['top1_agree']}" if "kl" in p else p["error"]), flush=True)
     run_record.write_json(path, out)
   for name, f in (runs.items() if FLAGS.end_to_end else ()):
     t0 = time.perf_counter()

@@ -554,11 +554,13 @@ class _ExactPrefixes:
     """Entries of the file made with these weights, prompt and features."""
     if not self.path or not os.path.exists(self.path):
       return {}
+    out = {}
     with np.load(self.path) as z:
-      metas = json.loads(str(z["meta"]))
-      return {self._name(m["tokens"], m.get("input_noise", 0.0)): (m, np.asarray(z[self._name(
-          m["tokens"], m.get("input_noise", 0.0))])) for m in metas if m == self._meta(m["tokens"],
-                                                                                    m.get("input_noise", 0.0))}
+      for meta in json.loads(str(z["meta"])):
+        n, noise = meta["tokens"], meta.get("input_noise", 0.0)
+        if meta == self._meta(n, noise):
+          out[self._name(n, noise)] = (meta, np.asarray(z[self._name(n, noise)]))
+    return out
 
   def stored(self) -> dict[int, np.ndarray]:
     """Unperturbed exact logits in the file, by prefix length."""
@@ -586,7 +588,8 @@ class _ExactPrefixes:
   def _get(self, n: int, noise: float) -> np.ndarray:
     name = self._name(n, noise)
     what = f"exact path on the {n}-token prefix" + (f" with input noise {noise:.2e}" if noise else "")
-    if name not in self.computed or self.computed[name][0] != self._meta(n, noise):
+    hit = self.computed.get(name)
+    if hit is None or hit[0] != self._meta(n, noise):
       cached = self._lookup(n, noise)
       if cached is not None:
         self.clock.say(f"  {what}: loaded from {self.path}")
@@ -662,8 +665,8 @@ class _Exact:
 
 def _final_logits(m, ids: np.ndarray, feats: Features, progress=None, positions=None,
                   input_noise: float = 0.0) -> np.ndarray:
-  kw = dict(input_noise=input_noise) if input_noise else {}
-  out = jax.block_until_ready(prefill_lib.prefill_logits(m, ids, feats, progress=progress, positions=positions, **kw))
+  out = jax.block_until_ready(prefill_lib.prefill_logits(m, ids, feats, progress=progress, positions=positions,
+                                                         input_noise=input_noise))
   return np.asarray(out, np.float32)
 
 
@@ -734,15 +737,15 @@ def _run_one(m, ids, conf: Configuration, exact: _Exact, opts: Options, clock: _
   return rec
 
 
-def _noise_floor(prefixes: _ExactPrefixes, exact: _Exact, n: int, opts: Options) -> dict[str, Any]:
-  """The exact path on n tokens with perturbed input streams against the exact logits the configurations were
-  compared with: how far one rounding of the input moves the final position (the parity statistic's resolution)."""
-  rec: dict[str, Any] = dict(tokens=n, input_noise=opts.noise_floor_eps, noise_seed=0,
-                             weights_fingerprint=prefixes.fingerprint,
+def noise_floor(prefixes: _ExactPrefixes, n: int, reference: Callable[[], np.ndarray], eps: float,
+                kl_gate: float) -> dict[str, Any]:
+  """The exact path on n tokens with perturbed input streams against `reference()`, the exact logits the
+  configurations were compared with: how far one rounding of the input moves the final position (the parity
+  statistic's resolution). A failure (e.g. out of memory) is returned in the record."""
+  rec: dict[str, Any] = dict(tokens=n, input_noise=eps, noise_seed=0, weights_fingerprint=prefixes.fingerprint,
                              prompt_sha256=sha256_array(prefixes.ids[:n]))
   try:
-    ref = exact.prefix_reference() if n < exact.length else exact.reference()
-    p = parity_metrics(prefixes.perturbed(n, opts.noise_floor_eps), ref, opts.kl_gate)
+    p = parity_metrics(prefixes.perturbed(n, eps), reference(), kl_gate)
     return rec | {k: p[k] for k in ("nmse", "max_abs", "top1_agree", "kl", "finite")}
   except Exception as e:  # noqa: BLE001 -- e.g. out of memory: the floor is missing, the records stand
     return rec | dict(error=_error_text(e))
@@ -967,7 +970,9 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) 
                and floor.get("prompt_sha256") == sha256_array(setup.ids[:n_par]))
     if opts.noise_floor_eps and rec["status"] == "ok" and not current and n_par not in floors_tried:
       floors_tried.add(n_par)  # a floor that failed is retried by the next call, not by every configuration
-      floor = doc.setdefault("noise_floor", {})[str(n_par)] = _noise_floor(prefixes, exact, n_par, opts)
+      ref = exact.prefix_reference if n_par < exact.length else exact.reference
+      floor = doc.setdefault("noise_floor", {})[str(n_par)] = noise_floor(prefixes, n_par, ref, opts.noise_floor_eps,
+                                                                          opts.kl_gate)
       save()
       clock.say(f"  noise floor at {n_par} tokens (input noise {opts.noise_floor_eps:.1e}): " + (
           f"NMSE {floor['nmse']:.2e} KL {floor['kl']:.2e}" if "kl" in floor else f"FAILED {floor['error'][:200]}"))
