@@ -9,7 +9,9 @@ next-token KL gate of 0.006 against the control. This module is that protocol fo
                   all_off (REFERENCE on the same device class: the exact path)
   timing          cold run (incl. compile), >= 2 warm-ups, >= 1 timed runs, median tokens/s; with
                   --precompile_workers every layer program is first compiled in parallel into jax's persistent
-                  cache, and the cold run loads it
+                  cache, and the cold run loads it. A configuration whose cold run exceeds --max_cold_s is
+                  recorded "too_slow": its cold run and parity, no warm-ups or timed runs; at a longer length,
+                  where its cold run scaled by length would exceed the limit too, it is recorded "not_run"
   parity          final-position logits vs the exact path on the same prompt (a prefix where it does not fit):
                   NMSE, max abs error, top-1 agreement, KL(exact || config) against --kl_gate. For a prefix of p
                   tokens the configuration's logits at position p - 1 come from its own full-length cold run (the
@@ -36,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import statistics
 import time
 from typing import Any, Callable, Mapping
@@ -94,6 +97,7 @@ class Options:
   out: str = "/tmp/ds4jax_prefill_qual.json"
   append: bool = False
   precompile_workers: int = 0          # > 0: compile every layer program first, this many in parallel
+  max_cold_s: float = 0.0              # > 0: a slower cold run ends the configuration's timing ("too_slow")
   features: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # switch/knob -> value (None = table)
   device_class: str | None = None      # default: the capability-table class of jax.devices()[0]
 
@@ -137,6 +141,12 @@ def define_flags(flag_values=None) -> None:
   flags.DEFINE_integer("precompile_workers", d.precompile_workers,
                        "Before timing, compile every layer program of the planned runs this many at a time into "
                        "jax's persistent compilation cache (0 = compile in each cold run).", flag_values=fv)
+  flags.DEFINE_float("max_cold_s", d.max_cold_s,
+                     "A configuration whose cold run takes longer is recorded with that cold run and its parity but "
+                     "not warmed up or timed (result 'too_slow'), so one slow path cannot eat a bounded call; at "
+                     "longer lengths, where that cold run scaled by length exceeds the limit, it is not run (result "
+                     "'not_run'). --append retries both only under a higher limit or none. 0 = no limit.",
+                     flag_values=fv)
   flags.DEFINE_boolean("append", d.append, "Keep the records in --out; skip (length, config) pairs already OK with "
                        "the same weights and prompt; retry failed ones.", flag_values=fv)
   quant_policy.define_flag(fv)
@@ -154,7 +164,7 @@ def options_from_flags(fv) -> Options:
                  configs=tuple(fv.configs), warmups=fv.warmups, repeats=fv.repeats,
                  exact_max_tokens=fv.exact_max_tokens, parity_prefix_tokens=fv.parity_prefix_tokens,
                  kl_gate=fv.kl_gate, noise_floor_eps=fv.noise_floor_eps, out=fv.out, append=fv.append,
-                 precompile_workers=fv.precompile_workers,
+                 precompile_workers=fv.precompile_workers, max_cold_s=fv.max_cold_s,
                  features={k: getattr(fv, k) for k in list(SWITCHES) + list(KNOBS)})
 
 
@@ -369,6 +379,8 @@ def _validate(opts: Options) -> None:
                        f"got {opts.warmups}")
   if opts.precompile_workers < 0:
     raise StartupError(f"--precompile_workers must be >= 0, got {opts.precompile_workers}")
+  if not opts.max_cold_s >= 0:
+    raise StartupError(f"--max_cold_s must be >= 0 (0 = no limit), got {opts.max_cold_s}")
   if opts.repeats < 1:
     raise StartupError(f"--repeats must be >= 1, got {opts.repeats}")
   if opts.exact_max_tokens < 0 or opts.parity_prefix_tokens < 1:
@@ -427,7 +439,7 @@ def summary_rows(doc_or_records) -> list[dict[str, Any]]:
     t, p = r.get("timing") or {}, r.get("parity") or {}
     tps = t.get("tokens_per_s")
     floor_kl = floors.get(str(p.get("prefix_tokens") or r["length"]), {}).get("kl")
-    if r["status"] != "ok":
+    if r["status"] not in ("ok", "too_slow"):
       verdict = None
     elif p.get("pass"):
       verdict = "pass"
@@ -437,11 +449,21 @@ def summary_rows(doc_or_records) -> list[dict[str, Any]]:
     rows.append(dict(length=r["length"], config=r["config"], killed=r.get("killed", []),
                      also_off=r.get("also_off", []), status=r["status"], tokens_per_s=tps,
                      speedup_vs_all_off=tps / base[r["length"]] if tps and r["length"] in base else None,
-                     cold_s=t.get("cold_s"), median_s=t.get("median_s"), nmse=p.get("nmse"), max_abs=p.get("max_abs"),
+                     cold_s=t.get("cold_s"), cold_tokens_per_s=t.get("cold_tokens_per_s"), median_s=t.get("median_s"), nmse=p.get("nmse"), max_abs=p.get("max_abs"),
                      top1_agree=p.get("top1_agree"), kl=p.get("kl"), parity_pass=p.get("pass"),
                      floor_kl=floor_kl, verdict=verdict,
-                     prefix_tokens=p.get("prefix_tokens"), error=r.get("error")))
+                     prefix_tokens=p.get("prefix_tokens"), error=r.get("error"), error_kind=r.get("error_kind")))
   return rows
+
+
+def _error_summary(error: str | None, kind: str | None) -> str:
+  """One short line for the table: the allocation that failed for an out-of-memory error (XLA's GEMM autotuner
+  reports it inside a NOT_FOUND or 'failed to get configs' error), else the error's first line."""
+  text = error or "failed"
+  if kind in ("oom", "parity_oom"):
+    want = re.search(r"allocate ([0-9.]+ ?(?:[KMGT]i?B|bytes))", text)
+    return ("parity: " if kind == "parity_oom" else "") + "out of memory" + (f" (wanted {want.group(1)})" if want else "")
+  return "error: " + text.splitlines()[0][:80]
 
 
 def _fmt(x, spec: str) -> str:
@@ -465,9 +487,12 @@ def markdown_table(doc: dict[str, Any]) -> str:
   rows = summary_rows(doc)
   for row in rows:
     name = row["config"] + (f" (also off: {', '.join(row['also_off'])})" if row["also_off"] else "")
-    if row["status"] != "ok":
-      err = (row["error"] or "").splitlines()[0][:80] if row["error"] else "failed"
-      result = f"error: {err}".replace("|", "/")
+    if row["status"] == "too_slow":
+      result = f"{row['verdict']}; too slow to time (cold run only: {row['cold_tokens_per_s']:.1f} tok/s)"
+    elif row["status"] == "not_run":
+      result = row["error"].replace("|", "/")
+    elif row["status"] != "ok":
+      result = _error_summary(row["error"], row["error_kind"]).replace("|", "/")
     else:
       result = row["verdict"]
     if row["prefix_tokens"]:
@@ -684,6 +709,12 @@ def _time_config(m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clo
     prefix_logits, logits = None, _final_logits(m, ids, feats, progress=lambda s: clock.say(f"    {s}"))
   cold = time.perf_counter() - t0
   clock.say(f"    cold run: {cold:.2f}s")
+  if opts.max_cold_s and cold > opts.max_cold_s:
+    clock.say(f"    too slow to time: the cold run took {cold:.1f}s > --max_cold_s={opts.max_cold_s:g}")
+    return logits, prefix_logits, dict(cold_s=cold, cold_tokens_per_s=L / cold, too_slow=True,
+                                       max_cold_s=opts.max_cold_s, warmup_s=[], run_s=[], median_s=None,
+                                       tokens_per_s=None, deterministic=None,
+                                       peak_device_bytes_process=run_record.peak_device_bytes())
   hashes, warm, runs = {sha256_array(logits)}, [], []
   for i in range(opts.warmups + opts.repeats):
     gc.collect()  # outside the timer: at 8192 on the H200 each first timed run was ~0.4 s slow; GC is a suspect
@@ -696,7 +727,7 @@ def _time_config(m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clo
     kind, j, n = ("warm-up", i + 1, opts.warmups) if i < opts.warmups else ("run", i + 1 - opts.warmups, opts.repeats)
     clock.say(f"    {kind} {j}/{n}: {dt:.3f}s ({L / dt:.1f} tok/s)")
   median = statistics.median(runs)
-  return logits, prefix_logits, dict(cold_s=cold, warmup_s=warm, run_s=runs, median_s=median, tokens_per_s=L / median,
+  return logits, prefix_logits, dict(cold_s=cold, cold_tokens_per_s=L / cold, too_slow=False, warmup_s=warm, run_s=runs, median_s=median, tokens_per_s=L / median,
                                      deterministic=len(hashes) == 1,
                                      peak_device_bytes_process=run_record.peak_device_bytes())
 
@@ -733,7 +764,7 @@ def _run_one(m, ids, conf: Configuration, exact: _Exact, opts: Options, clock: _
   except Exception as e:  # noqa: BLE001 -- same: record and continue
     rec.update(error=f"parity: {_error_text(e)}", error_kind="parity_oom" if is_oom(e) else "parity")
     return rec
-  rec["status"] = "ok"
+  rec["status"] = "too_slow" if rec["timing"]["too_slow"] else "ok"
   return rec
 
 
@@ -814,6 +845,23 @@ def _start_up(opts: Options) -> _Setup:
                 prompt_sha={n: sha256_array(ids[:n]) for n in opts.lengths}, existing=existing)
 
 
+def _cold_s(r: dict) -> float | None:
+  """A too_slow record's cold run, or a not_run record's predicted one."""
+  if r["status"] == "too_slow":
+    return r["timing"]["cold_s"]
+  return r.get("predicted_cold_s") if r["status"] == "not_run" else None
+
+
+def _predicted_cold_s(records, n: int, name: str) -> tuple[float, int] | None:
+  """(cold seconds at n tokens, from length) if `name` was too slow at a shorter length: its cold run scaled
+  linearly with length, a lower bound (attention grows faster than linearly)."""
+  slower = [r for r in records if r["config"] == name and r["status"] == "too_slow" and r["length"] < n]
+  if not slower:
+    return None
+  r = max(slower, key=lambda r: r["length"])
+  return r["timing"]["cold_s"] * n / r["length"], r["length"]
+
+
 def _done_pairs(opts: Options, setup: _Setup, fingerprint: str) -> set[tuple[int, str]]:
   """(length, config) pairs the results file already holds OK for this matched matrix; refuses a mixed file."""
   done = set()
@@ -821,12 +869,12 @@ def _done_pairs(opts: Options, setup: _Setup, fingerprint: str) -> set[tuple[int
   for r in setup.existing["records"] if setup.existing else []:
     conf = by_name.get(r["config"]) if r["length"] in opts.lengths else None
     why = _same_run(r, fingerprint, setup.prompt_sha, conf)
-    if why and (r["status"] == "ok" or "weights fingerprint" in why or "prompt ids" in why):
+    if why and (r["status"] in ("ok", "too_slow") or "weights fingerprint" in why or "prompt ids" in why):
       raise StartupError(
           f"{opts.out} holds a record for length {r['length']} / {r['config']} made with different "
           f"{', '.join(why)}: a matched matrix needs the same weights, prompt and features; use another --out")
-    if r["status"] == "ok":
-      done.add((r["length"], r["config"]))
+    if r["status"] == "ok" or 0 < opts.max_cold_s < (_cold_s(r) or 0):
+      done.add((r["length"], r["config"]))  # a too_slow / not_run record stands while the limit would stop it again
   return done
 
 
@@ -850,11 +898,15 @@ def _log_plan(opts: Options, setup: _Setup, plan, todo, log) -> None:
 
 
 def _outcome(rec: dict[str, Any]) -> str:
-  if rec["status"] != "ok":
+  if rec["status"] == "not_run":
+    return rec["error"]
+  if rec["status"] not in ("ok", "too_slow"):
     return f"FAILED {rec['error'][:300]}"
   p, t = rec["parity"], rec["timing"]
   prefix = f" (prefix {p['prefix_tokens']})" if p["prefix_tokens"] else ""
-  return (f"ok {t['tokens_per_s']:.1f} tok/s (cold {t['cold_s']:.1f}s, median {t['median_s']:.3f}s); "
+  speed = (f"too slow to time (cold {t['cold_s']:.1f}s, {t['cold_tokens_per_s']:.1f} tok/s)" if t["too_slow"] else
+           f"ok {t['tokens_per_s']:.1f} tok/s (cold {t['cold_s']:.1f}s, median {t['median_s']:.3f}s)")
+  return (f"{speed}; "
           f"NMSE {p['nmse']:.2e} max abs {p['max_abs']:.2e} top-1 {'yes' if p['top1_agree'] else 'no'} "
           f"KL {p['kl']:.2e} {'pass' if p['pass'] else 'above the gate'}{prefix}")
 
@@ -949,7 +1001,14 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) 
     clock.say(f"{i + 1}/{len(todo)} length {n} {conf.name}: start ({clock.eta()})")
     t_start = time.perf_counter()
     first_call = (conf.features, n) not in called and not (conf.features == exact.feats and exact.full is not None)
-    result = _run_one(m, setup.ids[:n], conf, exact, opts, clock)
+    predicted = _predicted_cold_s(doc["records"], n, conf.name) if opts.max_cold_s else None
+    if predicted and predicted[0] > opts.max_cold_s:
+      result = dict(status="not_run", error=(
+          f"not run: its cold run would take >= {predicted[0]:.0f}s (too slow at {predicted[1]} tokens, scaled by "
+          f"length) > --max_cold_s={opts.max_cold_s:g}"), error_kind="predicted_too_slow", timing=None, parity=None,
+          logits_sha256=None, predicted_cold_s=predicted[0])
+    else:
+      result = _run_one(m, setup.ids[:n], conf, exact, opts, clock)
     called.add((conf.features, n))
     if result["timing"]:
       result["timing"]["cold_is_first_call"] = first_call  # False: the same program already ran in this process
@@ -968,7 +1027,7 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) 
     current = (floor.get("input_noise") == opts.noise_floor_eps and "kl" in floor
                and floor.get("weights_fingerprint") == fingerprint
                and floor.get("prompt_sha256") == sha256_array(setup.ids[:n_par]))
-    if opts.noise_floor_eps and rec["status"] == "ok" and not current and n_par not in floors_tried:
+    if opts.noise_floor_eps and rec["status"] in ("ok", "too_slow") and not current and n_par not in floors_tried:
       floors_tried.add(n_par)  # a floor that failed is retried by the next call, not by every configuration
       ref = exact.prefix_reference if n_par < exact.length else exact.reference
       floor = doc.setdefault("noise_floor", {})[str(n_par)] = noise_floor(prefixes, n_par, ref, opts.noise_floor_eps,

@@ -8,6 +8,7 @@ on a small preset end to end. Options are built directly or from a fresh absl Fl
 import json
 import math
 import os
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -208,7 +209,7 @@ def test_failing_configuration_is_recorded_then_retried(tmp_path, tiny_model, mo
   assert bad["status"] == "failed" and bad["error_kind"] == "oom" and "RESOURCE_EXHAUSTED" in bad["error"]
   assert bad["timing"] is None and bad["parity"] is None
   assert all(r["status"] == "ok" for k, r in recs.items() if k[1] != "kill_moe_fused_combine") and len(recs) == 7
-  assert "error: RuntimeError: RESOURCE_EXHAUSTED" in open(q.markdown_path(options(tmp_path).out)).read()
+  assert "| out of memory (wanted 123 bytes) |" in open(q.markdown_path(options(tmp_path).out)).read()
   fake = FakePrefill()
   again, _ = run(options(tmp_path, append=True), tiny_model, fake, monkeypatch)
   assert again["invocations"][-1]["plan"] == [[32, "kill_moe_fused_combine"]]
@@ -260,6 +261,70 @@ def test_prefix_parity_when_the_exact_path_runs_out_of_memory(tmp_path, tiny_mod
   assert any("EXACT PATH AT 32 TOKENS: out of memory" in s for s in lines)
 
 
+def test_table_names_out_of_memory_inside_autotuner_errors():
+  autotuner = ("JaxRuntimeError: NOT_FOUND: All configs failed during profiling or were excluded from selection.\n"
+               "Failures (17):\nEXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+               "32.27GiB with allocator GPU_0_bfc on device 0.")
+  assert q.is_oom(RuntimeError(autotuner))
+  assert q._error_summary(autotuner, "oom") == "out of memory (wanted 32.27GiB)"
+  assert q._error_summary("RESOURCE_EXHAUSTED: no size here", "parity_oom") == "parity: out of memory"
+  assert q._error_summary("ValueError: bad shape\nmore", "ValueError") == "error: ValueError: bad shape"
+
+
+def test_too_slow_configuration_keeps_its_cold_run_and_parity(tmp_path, tiny_model, monkeypatch):
+  def slow_without_compact_queue(f, n):  # kill_moe_compact_queue and all_off (the exact path)
+    if not f.moe_compact_queue:
+      time.sleep(0.3)
+
+  slow = lambda f: not f.moe_compact_queue  # noqa: E731
+  fake = FakePrefill(slow_without_compact_queue)
+  doc, lines = run(options(tmp_path, max_cold_s=0.2), tiny_model, fake, monkeypatch)
+  recs = by_key(doc)
+  assert {k[1] for k, r in recs.items() if r["status"] == "too_slow"} == {"kill_moe_compact_queue", "all_off"}
+  assert all(r["status"] == "ok" and len(r["timing"]["run_s"]) == 2 for k, r in recs.items()
+             if r["status"] != "too_slow") and len(recs) == 7
+  for name in ("kill_moe_compact_queue", "all_off"):
+    r = recs[(32, name)]
+    t = r["timing"]
+    assert t["too_slow"] and t["cold_s"] > 0.2 and t["run_s"] == t["warmup_s"] == [] and t["tokens_per_s"] is None
+    assert math.isclose(t["cold_tokens_per_s"], 32 / t["cold_s"])
+  assert sum(slow(f) for f, _ in fake.calls) == 2  # one cold run each, no warm-ups or timed runs
+  assert recs[(32, "all_off")]["parity"]["kl"] == 0  # the exact path's own logits
+  rows = {r["config"]: r for r in q.summary_rows(doc)}  # fused combine (still on) fails the gate: parity is checked
+  assert rows["kill_moe_compact_queue"]["verdict"] == "FAIL" and rows["all_off"]["verdict"] == "pass"
+  assert rows["all_on"]["speedup_vs_all_off"] is None
+  table = open(q.markdown_path(options(tmp_path).out)).read()
+  assert "| FAIL; too slow to time (cold run only: " in table
+  assert any("too slow to time (cold" in s for s in lines)
+  fake.calls.clear()  # the same limit would stop them again: kept
+  again, _ = run(options(tmp_path, max_cold_s=0.2, append=True), tiny_model, fake, monkeypatch)
+  assert fake.calls == [] and again["invocations"][-1]["plan"] == []
+  third, _ = run(options(tmp_path, max_cold_s=0, append=True), tiny_model, fake, monkeypatch)  # no limit: retried
+  assert third["invocations"][-1]["plan"] == [[32, "all_off"], [32, "kill_moe_compact_queue"]]
+  assert all(r["status"] == "ok" for r in third["records"]) and len(third["records"]) == 7
+
+
+def test_too_slow_at_a_short_length_is_not_run_at_a_longer_one(tmp_path, tiny_model, monkeypatch):
+  fake = FakePrefill(lambda f, n: time.sleep(0.15) if not f.moe_compact_queue else None)
+  opts = dict(lengths=(16, 32), configs=("all_on", "kill_moe_compact_queue"), parity_prefix_tokens=8)
+  doc, lines = run(options(tmp_path, max_cold_s=0.1, **opts), tiny_model, fake, monkeypatch)
+  recs = by_key(doc)
+  assert recs[(16, "kill_moe_compact_queue")]["status"] == "too_slow"
+  skipped = recs[(32, "kill_moe_compact_queue")]
+  assert skipped["status"] == "not_run" and skipped["timing"] is None and skipped["parity"] is None
+  assert skipped["predicted_cold_s"] >= 2 * 0.15 and "too slow at 16 tokens" in skipped["error"]
+  killed = [n for f, n in fake.calls if not f.moe_compact_queue and f.moe_fused_combine]  # not the exact path
+  assert killed == [16]  # never run at 32
+  assert recs[(16, "all_on")]["status"] == recs[(32, "all_on")]["status"] == "ok"
+  assert "| not run: its cold run would take >= " in open(q.markdown_path(options(tmp_path).out)).read()
+  fake.calls.clear()  # kept while the limit would stop it; tried again under a limit it may meet
+  again, _ = run(options(tmp_path, max_cold_s=0.1, append=True, **opts), tiny_model, fake, monkeypatch)
+  assert fake.calls == []
+  third, _ = run(options(tmp_path, max_cold_s=1.0, append=True, **opts), tiny_model, fake, monkeypatch)
+  assert third["invocations"][-1]["plan"] == [[16, "kill_moe_compact_queue"], [32, "kill_moe_compact_queue"]]
+  assert {r["status"] for r in third["records"]} == {"ok"}
+
+
 # ---- start-up errors ----
 @pytest.mark.parametrize("kw, error, match", [
     (dict(configs=("all_on", "kill_everything")), q.StartupError, r"unknown configuration\(s\) \['kill_everything'\]"),
@@ -267,6 +332,7 @@ def test_prefix_parity_when_the_exact_path_runs_out_of_memory(tmp_path, tiny_mod
     (dict(features={"mla_stream_topk": True}, device_class="gfx1151"), FeatureError, "not supported on gfx1151"),
     (dict(warmups=1, min_warmups=2), q.StartupError, "--warmups must be >= 2"),
     (dict(lengths=(32, 32)), q.StartupError, "more than once"),
+    (dict(max_cold_s=-1.0), q.StartupError, "--max_cold_s must be >= 0"),
     (dict(lengths=(129,)), q.StartupError, "max_position_embeddings=128"),
     (dict(preset=None), q.StartupError, "exactly one of --preset"),
     (dict(preset="tiny_huge"), q.StartupError, "unknown preset"),
