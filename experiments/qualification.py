@@ -147,7 +147,7 @@ def define_flags(flag_values=None) -> None:
                      "longer lengths, where that cold run scaled by length exceeds the limit, it is not run (result "
                      "'not_run'). --append retries both only under a higher limit or none. 0 = no limit.",
                      flag_values=fv)
-  flags.DEFINE_boolean("append", d.append, "Keep the records in --out; skip (length, config) pairs already OK with "
+  flags.DEFINE_boolean("append", d.append, "Keep the records in --out; skip (length, config) pairs already done with "
                        "the same weights and prompt; retry failed ones.", flag_values=fv)
   quant_policy.define_flag(fv)
   features_lib.define_flags(fv)
@@ -415,6 +415,42 @@ def load_results(path: str) -> dict[str, Any]:
     if key in seen:
       raise StartupError(f"{path} holds {key} twice; fix the file by hand")
     seen.add(key)
+  return doc
+
+
+def _rank(r: dict) -> int:
+  """What a record measured: OK (timed and checked) > too_slow (cold run and parity) > failed or not run."""
+  return {"ok": 2, "too_slow": 1}.get(r["status"], 0)
+
+
+def merge_results(out: str, sources: list[str]) -> dict[str, Any]:
+  """Merges results files of one matched matrix (e.g. bounded calls run side by side, one per GPU) into `out`
+  (created if missing) and rewrites its .md table; returns the merged document.
+
+  A (length, config) record from a source replaces the one in `out` unless that one measured more (`_rank`). Records must share the weights fingerprint, and per length the prompt ids and per config the features;
+  invocations and noise floors are kept once each. Raises StartupError on a mixed set, before writing."""
+  doc = load_results(out) if os.path.exists(out) else dict(schema=SCHEMA, records=[], invocations=[])
+  by_key = {(r["length"], r["config"]): r for r in doc["records"]}
+  for path in sources:
+    src = load_results(path)
+    for r in src["records"]:
+      key = (r["length"], r["config"])
+      why = sorted({w for o in by_key.values() for w, differs in (
+          ("weights fingerprint", o["weights_fingerprint"] != r["weights_fingerprint"]),
+          ("prompt ids", o["length"] == r["length"] and o["prompt"]["sha256"] != r["prompt"]["sha256"]),
+          ("features", o["config"] == r["config"] and o["features"] != r["features"])) if differs})
+      if why:
+        raise StartupError(f"{path}: record {key} differs from the records merged so far in {', '.join(why)}: "
+                           "not one matched matrix")
+      if key not in by_key or _rank(r) >= _rank(by_key[key]):
+        by_key[key] = r
+    doc["invocations"] += [i for i in src["invocations"] if i not in doc["invocations"]]
+    for n, floor in src.get("noise_floor", {}).items():
+      doc.setdefault("noise_floor", {}).setdefault(n, floor)
+  doc["records"] = list(by_key.values())
+  run_record.write_json(out, doc)
+  with open(markdown_path(out), "w") as f:
+    f.write(markdown_table(doc))
   return doc
 
 
@@ -845,17 +881,14 @@ def _start_up(opts: Options) -> _Setup:
                 prompt_sha={n: sha256_array(ids[:n]) for n in opts.lengths}, existing=existing)
 
 
-def _cold_s(r: dict) -> float | None:
-  """A too_slow record's cold run, or a not_run record's predicted one."""
-  if r["status"] == "too_slow":
-    return r["timing"]["cold_s"]
-  return r.get("predicted_cold_s") if r["status"] == "not_run" else None
-
-
-def _predicted_cold_s(records, n: int, name: str) -> tuple[float, int] | None:
-  """(cold seconds at n tokens, from length) if `name` was too slow at a shorter length: its cold run scaled
-  linearly with length, a lower bound (attention grows faster than linearly)."""
-  slower = [r for r in records if r["config"] == name and r["status"] == "too_slow" and r["length"] < n]
+def _predicted_cold_s(records, n: int, conf: Configuration, ids: np.ndarray,
+                      fingerprint: str) -> tuple[float, int] | None:
+  """(cold seconds at n tokens, from length) if `conf` was too slow at a shorter length of this matched matrix:
+  that cold run scaled linearly with length. It is a lower bound (attention grows faster than linearly) only for
+  a cold run that loaded precompiled programs (compile time does not grow with length), so only those count."""
+  slower = [r for r in records if r["config"] == conf.name and r["status"] == "too_slow" and r["length"] < n
+            and r["timing"].get("cold_loads_precompiled") and r["features"] == conf.features.to_dict()
+            and r["weights_fingerprint"] == fingerprint and r["prompt"]["sha256"] == sha256_array(ids[:r["length"]])]
   if not slower:
     return None
   r = max(slower, key=lambda r: r["length"])
@@ -863,7 +896,8 @@ def _predicted_cold_s(records, n: int, name: str) -> tuple[float, int] | None:
 
 
 def _done_pairs(opts: Options, setup: _Setup, fingerprint: str) -> set[tuple[int, str]]:
-  """(length, config) pairs the results file already holds OK for this matched matrix; refuses a mixed file."""
+  """(length, config) pairs the results file already holds done for this matched matrix: OK, or too_slow under
+  a limit that would stop them again (not_run pairs are predicted anew each call). Refuses a mixed file."""
   done = set()
   by_name = {c.name: c for c in setup.configs}
   for r in setup.existing["records"] if setup.existing else []:
@@ -873,14 +907,14 @@ def _done_pairs(opts: Options, setup: _Setup, fingerprint: str) -> set[tuple[int
       raise StartupError(
           f"{opts.out} holds a record for length {r['length']} / {r['config']} made with different "
           f"{', '.join(why)}: a matched matrix needs the same weights, prompt and features; use another --out")
-    if r["status"] == "ok" or 0 < opts.max_cold_s < (_cold_s(r) or 0):
-      done.add((r["length"], r["config"]))  # a too_slow / not_run record stands while the limit would stop it again
+    if r["status"] == "ok" or (r["status"] == "too_slow" and 0 < opts.max_cold_s < r["timing"]["cold_s"]):
+      done.add((r["length"], r["config"]))
   return done
 
 
 def _log_plan(opts: Options, setup: _Setup, plan, todo, log) -> None:
   log(f"plan: lengths {list(opts.lengths)} x {len(setup.selected)} configurations = {len(plan)} runs; "
-      f"{len(plan) - len(todo)} already OK in {opts.out} (skipped), {len(todo)} to run; "
+      f"{len(plan) - len(todo)} already done in {opts.out} (skipped), {len(todo)} to run; "
       f"cold + {opts.warmups} warm-ups + {opts.repeats} timed runs each")
   for c in setup.selected:
     extra = f" (also off: {', '.join(c.also_off)})" if c.also_off else ""
@@ -889,7 +923,7 @@ def _log_plan(opts: Options, setup: _Setup, plan, todo, log) -> None:
   for n in opts.lengths:
     skipped = [c.name for c in setup.selected if (n, c.name) not in todo_keys]
     if skipped:
-      log(f"  length {n}: skipping {skipped} (already OK)")
+      log(f"  length {n}: skipping {skipped} (already done)")
   prefix_lengths = [n for n in opts.lengths if opts.exact_max_tokens and n > opts.exact_max_tokens]
   log(f"parity vs the exact path at full length for {[n for n in opts.lengths if n not in prefix_lengths]}"
       + (f"; on a {opts.parity_prefix_tokens}-token prefix for {prefix_lengths} (> --exact_max_tokens="
@@ -988,8 +1022,16 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) 
   exact_feats = exact_features(dev_cls)
   prefixes = _ExactPrefixes(m, setup.ids, exact_feats, fingerprint, exact_cache_path(opts.out), clock)
   doc["invocations"][-1]["exact_prefix_runs"] = prefixes.runs  # filled in as they happen
-  if opts.precompile_workers and todo:
-    doc["invocations"][-1]["precompile"] = _precompile(m, opts, todo, exact_feats, prefixes, clock)
+
+  def predicted_too_slow(n: int, conf: Configuration, full_exact: bool) -> tuple[float, int] | None:
+    if not opts.max_cold_s or (conf.features == exact_feats and full_exact):
+      return None  # the exact path's cold run is every configuration's reference: it runs anyway
+    p = _predicted_cold_s(doc["records"], n, conf, setup.ids, fingerprint)
+    return p if p and p[0] > opts.max_cold_s else None
+
+  to_compile = [(n, c) for n, c in todo if not predicted_too_slow(n, c, full_exact=True)]
+  if opts.precompile_workers and to_compile:
+    doc["invocations"][-1]["precompile"] = _precompile(m, opts, to_compile, exact_feats, prefixes, clock)
     save()
   exact_by_len: dict[int, _Exact] = {}
   called: set[tuple[Features, int]] = set()  # (features, length) already run in this process
@@ -1001,8 +1043,8 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) 
     clock.say(f"{i + 1}/{len(todo)} length {n} {conf.name}: start ({clock.eta()})")
     t_start = time.perf_counter()
     first_call = (conf.features, n) not in called and not (conf.features == exact.feats and exact.full is not None)
-    predicted = _predicted_cold_s(doc["records"], n, conf.name) if opts.max_cold_s else None
-    if predicted and predicted[0] > opts.max_cold_s:
+    predicted = predicted_too_slow(n, conf, full_exact=exact.why_prefix is None)
+    if predicted:
       result = dict(status="not_run", error=(
           f"not run: its cold run would take >= {predicted[0]:.0f}s (too slow at {predicted[1]} tokens, scaled by "
           f"length) > --max_cold_s={opts.max_cold_s:g}"), error_kind="predicted_too_slow", timing=None, parity=None,

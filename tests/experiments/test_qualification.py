@@ -8,7 +8,7 @@ on a small preset end to end. Options are built directly or from a fresh absl Fl
 import json
 import math
 import os
-import time
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -183,7 +183,7 @@ def test_bounded_runs_append_each_pair_exactly_once(tmp_path, tiny_model, monkey
   fake.calls.clear()
   fourth, lines = run(options(tmp_path, append=True), tiny_model, fake, monkeypatch)
   assert fake.calls == [] and len(fourth["records"]) == 7 and fourth["invocations"][-1]["plan"] == []
-  assert any("7 already OK" in s for s in lines)
+  assert any("7 already done" in s for s in lines)
   assert len(q.load_results(options(tmp_path).out)["invocations"]) == 4
 
 
@@ -271,33 +271,48 @@ def test_table_names_out_of_memory_inside_autotuner_errors():
   assert q._error_summary("ValueError: bad shape\nmore", "ValueError") == "error: ValueError: bad shape"
 
 
-def test_too_slow_configuration_keeps_its_cold_run_and_parity(tmp_path, tiny_model, monkeypatch):
-  def slow_without_compact_queue(f, n):  # kill_moe_compact_queue and all_off (the exact path)
-    if not f.moe_compact_queue:
-      time.sleep(0.3)
+class VirtualTime:
+  """Stands in for the qualification's `time` module: a clock that only the fake prefill moves, by 10 s per 16
+  tokens for configurations without the compact queue (kill_moe_compact_queue and all_off), 0.01 s otherwise."""
 
-  slow = lambda f: not f.moe_compact_queue  # noqa: E731
-  fake = FakePrefill(slow_without_compact_queue)
-  doc, lines = run(options(tmp_path, max_cold_s=0.2), tiny_model, fake, monkeypatch)
+  def __init__(self):
+    self.now = 0.0
+
+  def perf_counter(self):
+    return self.now
+
+  def cost(self, f, n):
+    self.now += 10.0 * n / 16 if not f.moe_compact_queue else 0.01
+
+
+def slow_setup(monkeypatch):
+  clock, compiled = VirtualTime(), []
+  monkeypatch.setattr(q, "time", clock)
+  monkeypatch.setattr(q, "use_persistent_cache", lambda: "unused")
+  monkeypatch.setattr(prefill_lib, "precompile", lambda m, runs, workers, log: compiled.append(runs) or len(runs))
+  return clock, FakePrefill(clock.cost), compiled
+
+
+def test_too_slow_configuration_keeps_its_cold_run_and_parity(tmp_path, tiny_model, monkeypatch):
+  clock, fake, _ = slow_setup(monkeypatch)
+  doc, lines = run(options(tmp_path, max_cold_s=15), tiny_model, fake, monkeypatch)
   recs = by_key(doc)
   assert {k[1] for k, r in recs.items() if r["status"] == "too_slow"} == {"kill_moe_compact_queue", "all_off"}
   assert all(r["status"] == "ok" and len(r["timing"]["run_s"]) == 2 for k, r in recs.items()
              if r["status"] != "too_slow") and len(recs) == 7
   for name in ("kill_moe_compact_queue", "all_off"):
-    r = recs[(32, name)]
-    t = r["timing"]
-    assert t["too_slow"] and t["cold_s"] > 0.2 and t["run_s"] == t["warmup_s"] == [] and t["tokens_per_s"] is None
-    assert math.isclose(t["cold_tokens_per_s"], 32 / t["cold_s"])
-  assert sum(slow(f) for f, _ in fake.calls) == 2  # one cold run each, no warm-ups or timed runs
+    t = recs[(32, name)]["timing"]
+    assert t["too_slow"] and t["cold_s"] == 20 and t["run_s"] == t["warmup_s"] == [] and t["tokens_per_s"] is None
+    assert t["cold_tokens_per_s"] == 32 / 20
+  assert sum(not f.moe_compact_queue for f, _ in fake.calls) == 2  # one cold run each, no warm-ups or timed runs
   assert recs[(32, "all_off")]["parity"]["kl"] == 0  # the exact path's own logits
   rows = {r["config"]: r for r in q.summary_rows(doc)}  # fused combine (still on) fails the gate: parity is checked
   assert rows["kill_moe_compact_queue"]["verdict"] == "FAIL" and rows["all_off"]["verdict"] == "pass"
   assert rows["all_on"]["speedup_vs_all_off"] is None
-  table = open(q.markdown_path(options(tmp_path).out)).read()
-  assert "| FAIL; too slow to time (cold run only: " in table
-  assert any("too slow to time (cold" in s for s in lines)
+  assert "| FAIL; too slow to time (cold run only: 1.6 tok/s) |" in open(q.markdown_path(options(tmp_path).out)).read()
+  assert any("too slow to time (cold 20.0s" in s for s in lines)
   fake.calls.clear()  # the same limit would stop them again: kept
-  again, _ = run(options(tmp_path, max_cold_s=0.2, append=True), tiny_model, fake, monkeypatch)
+  again, _ = run(options(tmp_path, max_cold_s=15, append=True), tiny_model, fake, monkeypatch)
   assert fake.calls == [] and again["invocations"][-1]["plan"] == []
   third, _ = run(options(tmp_path, max_cold_s=0, append=True), tiny_model, fake, monkeypatch)  # no limit: retried
   assert third["invocations"][-1]["plan"] == [[32, "all_off"], [32, "kill_moe_compact_queue"]]
@@ -305,24 +320,72 @@ def test_too_slow_configuration_keeps_its_cold_run_and_parity(tmp_path, tiny_mod
 
 
 def test_too_slow_at_a_short_length_is_not_run_at_a_longer_one(tmp_path, tiny_model, monkeypatch):
-  fake = FakePrefill(lambda f, n: time.sleep(0.15) if not f.moe_compact_queue else None)
-  opts = dict(lengths=(16, 32), configs=("all_on", "kill_moe_compact_queue"), parity_prefix_tokens=8)
-  doc, lines = run(options(tmp_path, max_cold_s=0.1, **opts), tiny_model, fake, monkeypatch)
+  clock, fake, compiled = slow_setup(monkeypatch)
+  opts = dict(lengths=(16, 32), configs=("all_on", "kill_moe_compact_queue", "all_off"), parity_prefix_tokens=8,
+              precompile_workers=1)
+  doc, _ = run(options(tmp_path, max_cold_s=5, **opts), tiny_model, fake, monkeypatch)
   recs = by_key(doc)
   assert recs[(16, "kill_moe_compact_queue")]["status"] == "too_slow"
   skipped = recs[(32, "kill_moe_compact_queue")]
   assert skipped["status"] == "not_run" and skipped["timing"] is None and skipped["parity"] is None
-  assert skipped["predicted_cold_s"] >= 2 * 0.15 and "too slow at 16 tokens" in skipped["error"]
+  assert skipped["predicted_cold_s"] == 20 and "would take >= 20s (too slow at 16 tokens" in skipped["error"]
   killed = [n for f, n in fake.calls if not f.moe_compact_queue and f.moe_fused_combine]  # not the exact path
   assert killed == [16]  # never run at 32
+  # all_off is the exact path at full length, every configuration's reference: it runs (cold only) even so
+  assert recs[(32, "all_off")]["status"] == "too_slow" and recs[(32, "all_off")]["timing"]["cold_s"] == 20
+  assert [n for f, n in fake.calls if not f.moe_compact_queue and not f.moe_fused_combine] == [16, 32]
   assert recs[(16, "all_on")]["status"] == recs[(32, "all_on")]["status"] == "ok"
-  assert "| not run: its cold run would take >= " in open(q.markdown_path(options(tmp_path).out)).read()
-  fake.calls.clear()  # kept while the limit would stop it; tried again under a limit it may meet
-  again, _ = run(options(tmp_path, max_cold_s=0.1, append=True, **opts), tiny_model, fake, monkeypatch)
-  assert fake.calls == []
-  third, _ = run(options(tmp_path, max_cold_s=1.0, append=True, **opts), tiny_model, fake, monkeypatch)
-  assert third["invocations"][-1]["plan"] == [[16, "kill_moe_compact_queue"], [32, "kill_moe_compact_queue"]]
-  assert {r["status"] for r in third["records"]} == {"ok"}
+  assert "| not run: its cold run would take >= 20s" in open(q.markdown_path(options(tmp_path).out)).read()
+  fake.calls.clear()
+  compiled.clear()  # same limit: the not_run pair is predicted again from the file, neither run nor compiled
+  again, _ = run(options(tmp_path, max_cold_s=5, append=True, **opts), tiny_model, fake, monkeypatch)
+  assert again["invocations"][-1]["plan"] == [[32, "kill_moe_compact_queue"]] and fake.calls == [] == compiled
+  assert by_key(again)[(32, "kill_moe_compact_queue")]["status"] == "not_run"
+  third, _ = run(options(tmp_path, max_cold_s=15, append=True, **opts), tiny_model, fake, monkeypatch)
+  assert third["invocations"][-1]["plan"] == [[16, "all_off"], [16, "kill_moe_compact_queue"],
+                                              [32, "kill_moe_compact_queue"]]
+  recs = by_key(third)  # 16 now times fine, so nothing predicts 32: it runs, and is too slow itself
+  assert recs[(16, "kill_moe_compact_queue")]["status"] == "ok"
+  assert recs[(32, "kill_moe_compact_queue")]["status"] == "too_slow"
+
+
+def test_prediction_uses_only_this_matrix_and_precompiled_cold_runs():
+  ids = np.arange(64)
+  conf = q.Configuration(name="kill_x", features=features.resolve("cpu_interpret", ON))
+  good = dict(config="kill_x", status="too_slow", length=16, features=conf.features.to_dict(), weights_fingerprint="w",
+              prompt=dict(sha256=q.sha256_array(ids[:16])), timing=dict(cold_s=8.0, cold_loads_precompiled=True))
+  assert q._predicted_cold_s([good], 64, conf, ids, "w") == (32.0, 16)
+  assert q._predicted_cold_s([good], 16, conf, ids, "w") is None  # only shorter lengths
+  for bad in (dict(features=dict(good["features"], moe_fused_combine=False)), dict(weights_fingerprint="v"),
+              dict(prompt=dict(sha256=q.sha256_array(ids[1:17]))), dict(config="kill_y"), dict(status="ok"),
+              dict(timing=dict(cold_s=8.0, cold_loads_precompiled=False))):
+    assert q._predicted_cold_s([good | bad], 64, conf, ids, "w") is None, bad
+
+
+def test_merge_results_of_side_by_side_calls(tmp_path, tiny_model, monkeypatch):
+  a, b, main = (str(tmp_path / f"{x}.json") for x in ("gpu0", "gpu1", "main"))
+  run(options(tmp_path, configs=("all_on", "all_off"), out=main), tiny_model, FakePrefill(), monkeypatch)
+  for path in (a, b):  # each call starts from a copy of the main file, as on a two-GPU host
+    shutil.copy(main, path)
+  run(options(tmp_path, configs=("kill_moe_persistent",), out=a, append=True), tiny_model, FakePrefill(), monkeypatch)
+  oom = FakePrefill(lambda f, n: RuntimeError("RESOURCE_EXHAUSTED: Out of memory") if f.moe_compact_queue else None)
+  run(options(tmp_path, configs=("all_on", "kill_moe_fused_combine"), out=b), tiny_model, oom, monkeypatch)
+  assert by_key(q.load_results(b))[(32, "all_on")]["status"] == "failed"
+  kept = by_key(q.load_results(main))[(32, "all_on")]
+  doc = q.merge_results(main, [a, b])
+  recs = by_key(doc)
+  assert sorted(recs) == [(32, "all_off"), (32, "all_on"), (32, "kill_moe_fused_combine"), (32, "kill_moe_persistent")]
+  assert recs[(32, "all_on")] == kept  # a failed record never replaces an OK one
+  assert recs[(32, "kill_moe_fused_combine")]["status"] == "failed"
+  assert len(doc["invocations"]) == 3  # main's first call, a's and b's; the copied one once
+  assert q.load_results(main) == doc and "| kill_moe_persistent |" in open(q.markdown_path(main)).read()
+  bad = q.load_results(a)
+  bad["records"][-1]["weights_fingerprint"] = "0" * 64
+  with open(a, "w") as f:
+    json.dump(bad, f)
+  with pytest.raises(q.StartupError, match="differs from the records merged so far in weights fingerprint"):
+    q.merge_results(main, [a])
+  assert q.load_results(main) == doc  # nothing written
 
 
 # ---- start-up errors ----
