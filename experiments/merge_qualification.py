@@ -3,7 +3,8 @@ several GPUs of one host, each with its own --out:
 
     CUDA_VISIBLE_DEVICES=0 python -m experiments.prefill --flagfile=qual.cfg --configs=... --out=/tmp/gpu0.json &
     CUDA_VISIBLE_DEVICES=1 python -m experiments.prefill --flagfile=qual.cfg --configs=... --out=/tmp/gpu1.json
-    python -m experiments.merge_qualification --out=experiments/results/qual_v4flash_h200.json /tmp/gpu0.json /tmp/gpu1.json
+    python -m experiments.merge_qualification --out=experiments/results/qual_v4flash_h200.json \
+        /tmp/gpu0.json /tmp/gpu1.json
 
 Copy the main file's .exact.npz next to each --out first, so no call recomputes the exact prefix logits.
 """

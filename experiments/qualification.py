@@ -62,6 +62,7 @@ KL_GATE = 0.006  # upstream's preregistered teacher-forced mean-KL gate (lucebox
 # is within this factor of it: the floor is one sample of a chaotic quantity (on the random V4-Flash two runs of
 # the same f32 kernels measured KL 0.006 and 0.048 against the same exact logits).
 FLOOR_FACTOR = 10.0
+MEASURED = ("ok", "too_slow")  # record statuses that hold parity (too_slow: a cold run but no timed runs)
 KILLABLE_KNOBS = ("long_context_chunk", "prefill_band_tokens")  # killed = set to 0 (one chunk / one band)
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
@@ -427,23 +428,27 @@ def merge_results(out: str, sources: list[str]) -> dict[str, Any]:
   """Merges results files of one matched matrix (e.g. bounded calls run side by side, one per GPU) into `out`
   (created if missing) and rewrites its .md table; returns the merged document.
 
-  A (length, config) record from a source replaces the one in `out` unless that one measured more (`_rank`). Records must share the weights fingerprint, and per length the prompt ids and per config the features;
+  A (length, config) record from a source replaces the one in `out` unless that one measured more (`_rank`).
+  Records must share the weights fingerprint, and per length the prompt ids and per config the features;
   invocations and noise floors are kept once each. Raises StartupError on a mixed set, before writing."""
   doc = load_results(out) if os.path.exists(out) else dict(schema=SCHEMA, records=[], invocations=[])
   by_key = {(r["length"], r["config"]): r for r in doc["records"]}
+  fingerprint = next(iter(by_key.values()), {}).get("weights_fingerprint")
+  prompt_sha = {r["length"]: r["prompt"]["sha256"] for r in by_key.values()}
+  features = {r["config"]: r["features"] for r in by_key.values()}
   for path in sources:
     src = load_results(path)
     for r in src["records"]:
       key = (r["length"], r["config"])
-      why = sorted({w for o in by_key.values() for w, differs in (
-          ("weights fingerprint", o["weights_fingerprint"] != r["weights_fingerprint"]),
-          ("prompt ids", o["length"] == r["length"] and o["prompt"]["sha256"] != r["prompt"]["sha256"]),
-          ("features", o["config"] == r["config"] and o["features"] != r["features"])) if differs})
+      fingerprint = fingerprint or r["weights_fingerprint"]
+      why = _same_run(r, fingerprint, prompt_sha, features.get(r["config"]))
       if why:
         raise StartupError(f"{path}: record {key} differs from the records merged so far in {', '.join(why)}: "
                            "not one matched matrix")
       if key not in by_key or _rank(r) >= _rank(by_key[key]):
         by_key[key] = r
+      prompt_sha.setdefault(r["length"], r["prompt"]["sha256"])
+      features.setdefault(r["config"], r["features"])
     doc["invocations"] += [i for i in src["invocations"] if i not in doc["invocations"]]
     for n, floor in src.get("noise_floor", {}).items():
       doc.setdefault("noise_floor", {}).setdefault(n, floor)
@@ -475,7 +480,7 @@ def summary_rows(doc_or_records) -> list[dict[str, Any]]:
     t, p = r.get("timing") or {}, r.get("parity") or {}
     tps = t.get("tokens_per_s")
     floor_kl = floors.get(str(p.get("prefix_tokens") or r["length"]), {}).get("kl")
-    if r["status"] not in ("ok", "too_slow"):
+    if r["status"] not in MEASURED:
       verdict = None
     elif p.get("pass"):
       verdict = "pass"
@@ -485,7 +490,8 @@ def summary_rows(doc_or_records) -> list[dict[str, Any]]:
     rows.append(dict(length=r["length"], config=r["config"], killed=r.get("killed", []),
                      also_off=r.get("also_off", []), status=r["status"], tokens_per_s=tps,
                      speedup_vs_all_off=tps / base[r["length"]] if tps and r["length"] in base else None,
-                     cold_s=t.get("cold_s"), cold_tokens_per_s=t.get("cold_tokens_per_s"), median_s=t.get("median_s"), nmse=p.get("nmse"), max_abs=p.get("max_abs"),
+                     cold_s=t.get("cold_s"), cold_tokens_per_s=t.get("cold_tokens_per_s"), median_s=t.get("median_s"),
+                     nmse=p.get("nmse"), max_abs=p.get("max_abs"),
                      top1_agree=p.get("top1_agree"), kl=p.get("kl"), parity_pass=p.get("pass"),
                      floor_kl=floor_kl, verdict=verdict,
                      prefix_tokens=p.get("prefix_tokens"), error=r.get("error"), error_kind=r.get("error_kind")))
@@ -498,7 +504,8 @@ def _error_summary(error: str | None, kind: str | None) -> str:
   text = error or "failed"
   if kind in ("oom", "parity_oom"):
     want = re.search(r"allocate ([0-9.]+ ?(?:[KMGT]i?B|bytes))", text)
-    return ("parity: " if kind == "parity_oom" else "") + "out of memory" + (f" (wanted {want.group(1)})" if want else "")
+    wanted = f" (wanted {want.group(1)})" if want else ""
+    return ("parity: " if kind == "parity_oom" else "") + "out of memory" + wanted
   return "error: " + text.splitlines()[0][:80]
 
 
@@ -763,7 +770,8 @@ def _time_config(m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clo
     kind, j, n = ("warm-up", i + 1, opts.warmups) if i < opts.warmups else ("run", i + 1 - opts.warmups, opts.repeats)
     clock.say(f"    {kind} {j}/{n}: {dt:.3f}s ({L / dt:.1f} tok/s)")
   median = statistics.median(runs)
-  return logits, prefix_logits, dict(cold_s=cold, cold_tokens_per_s=L / cold, too_slow=False, warmup_s=warm, run_s=runs, median_s=median, tokens_per_s=L / median,
+  return logits, prefix_logits, dict(cold_s=cold, cold_tokens_per_s=L / cold, too_slow=False, warmup_s=warm,
+                                     run_s=runs, median_s=median, tokens_per_s=L / median,
                                      deterministic=len(hashes) == 1,
                                      peak_device_bytes_process=run_record.peak_device_bytes())
 
@@ -818,14 +826,14 @@ def noise_floor(prefixes: _ExactPrefixes, n: int, reference: Callable[[], np.nda
     return rec | dict(error=_error_text(e))
 
 
-def _same_run(r: dict, fingerprint: str, prompt_sha: Mapping[int, str], conf: Configuration | None) -> list[str]:
+def _same_run(r: dict, fingerprint: str, prompt_sha: Mapping[int, str], features: dict | None) -> list[str]:
   """Why an existing record does not belong to this run's matched matrix (empty list: it does)."""
   why = []
   if r.get("weights_fingerprint") != fingerprint:
     why.append("weights fingerprint")
   if r["length"] in prompt_sha and r.get("prompt", {}).get("sha256") != prompt_sha[r["length"]]:
     why.append("prompt ids")
-  if conf is not None and r.get("features") != conf.features.to_dict():
+  if features is not None and r.get("features") != features:
     why.append("features")
   return why
 
@@ -902,8 +910,8 @@ def _done_pairs(opts: Options, setup: _Setup, fingerprint: str) -> set[tuple[int
   by_name = {c.name: c for c in setup.configs}
   for r in setup.existing["records"] if setup.existing else []:
     conf = by_name.get(r["config"]) if r["length"] in opts.lengths else None
-    why = _same_run(r, fingerprint, setup.prompt_sha, conf)
-    if why and (r["status"] in ("ok", "too_slow") or "weights fingerprint" in why or "prompt ids" in why):
+    why = _same_run(r, fingerprint, setup.prompt_sha, conf and conf.features.to_dict())
+    if why and (r["status"] in MEASURED or "weights fingerprint" in why or "prompt ids" in why):
       raise StartupError(
           f"{opts.out} holds a record for length {r['length']} / {r['config']} made with different "
           f"{', '.join(why)}: a matched matrix needs the same weights, prompt and features; use another --out")
@@ -934,7 +942,7 @@ def _log_plan(opts: Options, setup: _Setup, plan, todo, log) -> None:
 def _outcome(rec: dict[str, Any]) -> str:
   if rec["status"] == "not_run":
     return rec["error"]
-  if rec["status"] not in ("ok", "too_slow"):
+  if rec["status"] not in MEASURED:
     return f"FAILED {rec['error'][:300]}"
   p, t = rec["parity"], rec["timing"]
   prefix = f" (prefix {p['prefix_tokens']})" if p["prefix_tokens"] else ""
@@ -1069,7 +1077,7 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) 
     current = (floor.get("input_noise") == opts.noise_floor_eps and "kl" in floor
                and floor.get("weights_fingerprint") == fingerprint
                and floor.get("prompt_sha256") == sha256_array(setup.ids[:n_par]))
-    if opts.noise_floor_eps and rec["status"] in ("ok", "too_slow") and not current and n_par not in floors_tried:
+    if opts.noise_floor_eps and rec["status"] in MEASURED and not current and n_par not in floors_tried:
       floors_tried.add(n_par)  # a floor that failed is retried by the next call, not by every configuration
       ref = exact.prefix_reference if n_par < exact.length else exact.reference
       floor = doc.setdefault("noise_floor", {})[str(n_par)] = noise_floor(prefixes, n_par, ref, opts.noise_floor_eps,
