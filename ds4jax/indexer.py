@@ -15,6 +15,11 @@ from ds4jax.layers import F32, Linear, einsum, matmul_dtype
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 
 
+# Rows scored at once by the reference: bounds its [S, Hi, rows] f32 product (16 GiB for a band of 8192 queries
+# and 64 heads; the 30722 rows of a 122879-token prompt would need 60 GiB at once).
+SCORE_ROW_BLOCK = 8192
+
+
 class Indexer(nnx.Module):
 
   def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"]):
@@ -30,13 +35,22 @@ class Indexer(nnx.Module):
     q = rope.apply(self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim), positions, freqs)
     return q, self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 
-  def scores(self, x, qr, positions, freqs: np.ndarray, keys: jnp.ndarray | None = None) -> jnp.ndarray:
+  def scores(self, x, qr, positions, freqs: np.ndarray, keys: jnp.ndarray | None = None, *,
+             row_block: int = SCORE_ROW_BLOCK) -> jnp.ndarray:
     """score[t, s] = sum_h w[t,h] * relu(q[t,h] . k[s]) in f32; -inf where row s is not yet visible.
-    `keys` [R, ci] default to the compressor's rows of x (a prompt from position 0)."""
+    `keys` [R, ci] default to the compressor's rows of x (a prompt from position 0). More than `row_block` rows
+    are scored a block at a time (each score is computed alone, so blocking does not change it)."""
     keys = self.compressor(x, freqs) if keys is None else keys
     q, w = self.queries(x, qr, positions, freqs)
-    s = einsum("th,thr->tr", w, jax.nn.relu(einsum("thc,rc->thr", q, keys)))
-    return jnp.where(visible_rows(positions, keys.shape[0], self.ratio), s, -jnp.inf)
+    score = lambda k: einsum("th,thr->tr", w, jax.nn.relu(einsum("thc,rc->thr", q, k)))
+    R = keys.shape[0]
+    if R <= row_block:
+      s = score(keys)
+    else:
+      blocks = -(-R // row_block)
+      padded = jnp.pad(keys, ((0, blocks * row_block - R), (0, 0))).reshape(blocks, row_block, keys.shape[1])
+      s = jax.lax.map(score, padded).transpose(1, 0, 2).reshape(x.shape[0], blocks * row_block)[:, :R]
+    return jnp.where(visible_rows(positions, R, self.ratio), s, -jnp.inf)
 
   def __call__(self, x, qr, positions, freqs) -> jnp.ndarray:
     """[S, min(topk, R)] int32 row ids, best first; -1 marks a slot with no visible row (a prompt from 0)."""

@@ -166,3 +166,18 @@ def test_no_complete_window_gives_empty_selection(seed, rng):
   x, qr, freqs = inputs(rng, cfg, n=3)
   picks = _select(idx, x, qr, freqs)
   assert picks.shape == (3, 0)
+
+
+def test_scores_in_row_blocks_match_one_block(seed, rng):
+  """Scoring 4 rows at a time (3 blocks, the last padded) gives the one-block scores: long prompts take this."""
+  cfg = small_cfg()
+  idx = make(seed, rng, cfg)
+  x, qr, freqs = inputs(rng, cfg)
+  blocked = nnx.jit(lambda m, x, qr: m.scores(x, qr, jnp.arange(x.shape[0]), freqs, row_block=4))
+  got = np.asarray(blocked(idx, x, qr))
+  want = np.asarray(_scores(idx, x, qr, freqs))
+  assert got.shape == want.shape == (S, S // 4)
+  fin = np.isfinite(want)
+  assert np.std(want[fin]) > 1e-2
+  np.testing.assert_array_equal(np.isneginf(got), ~fin)
+  np.testing.assert_allclose(got[fin], want[fin], rtol=1e-6, atol=1e-6 * np.abs(want[fin]).max())
