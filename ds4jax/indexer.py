@@ -15,9 +15,9 @@ from ds4jax.layers import F32, Linear, einsum, matmul_dtype
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 
 
-# Rows scored at once by the reference: bounds its [S, Hi, rows] f32 product (16 GiB for a band of 8192 queries
+# Rows scored at once by the reference: bounds its [S, Hi, rows] f32 product (4 GiB for a band of 8192 queries
 # and 64 heads; the 30722 rows of a 122879-token prompt would need 60 GiB at once).
-SCORE_ROW_BLOCK = 8192
+SCORE_ROW_BLOCK = 2048
 
 
 class Indexer(nnx.Module):

@@ -16,7 +16,8 @@ next-token KL gate of 0.006 against the control. This module is that protocol fo
                   NMSE, max abs error, top-1 agreement, KL(exact || config) against --kl_gate. For a prefix of p
                   tokens the configuration's logits at position p - 1 come from its own full-length cold run (the
                   model is causal); the exact prefix logits are computed once and kept next to --out
-                  (<out>.exact.npz) for later bounded calls with the same weights and prompt.
+                  (<out>.exact.npz) for later bounded calls with the same weights and prompt. A configuration
+                  whose full length runs out of memory is still checked on that prefix (status stays "failed").
   noise floor     the exact path once more with its input streams perturbed by one f32 rounding
                   (--noise_floor_eps), against itself: how far rounding alone moves the statistic. A KL above the
                   gate is "unresolved" (not "FAIL") when the floor is above the gate too and the KL is within
@@ -62,7 +63,9 @@ KL_GATE = 0.006  # upstream's preregistered teacher-forced mean-KL gate (lucebox
 # is within this factor of it: the floor is one sample of a chaotic quantity (on the random V4-Flash two runs of
 # the same f32 kernels measured KL 0.006 and 0.048 against the same exact logits).
 FLOOR_FACTOR = 10.0
-MEASURED = ("ok", "too_slow")  # record statuses that hold parity (too_slow: a cold run but no timed runs)
+# Statuses of a record that measured its configuration (too_slow: a cold run but no timed runs). A "failed" record
+# may hold parity too: a full length that ran out of memory is still checked on the parity prefix.
+MEASURED = ("ok", "too_slow")
 KILLABLE_KNOBS = ("long_context_chunk", "prefill_band_tokens")  # killed = set to 0 (one chunk / one band)
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
@@ -420,8 +423,9 @@ def load_results(path: str) -> dict[str, Any]:
 
 
 def _rank(r: dict) -> int:
-  """What a record measured: OK (timed and checked) > too_slow (cold run and parity) > failed or not run."""
-  return {"ok": 2, "too_slow": 1}.get(r["status"], 0)
+  """What a record measured: OK (timed and checked) > too_slow (cold run and parity) > failed with prefix parity
+  > failed or not run."""
+  return {"ok": 3, "too_slow": 2}.get(r["status"], 1 if r.get("parity") else 0)
 
 
 def merge_results(out: str, sources: list[str]) -> dict[str, Any]:
@@ -480,7 +484,7 @@ def summary_rows(doc_or_records) -> list[dict[str, Any]]:
     t, p = r.get("timing") or {}, r.get("parity") or {}
     tps = t.get("tokens_per_s")
     floor_kl = floors.get(str(p.get("prefix_tokens") or r["length"]), {}).get("kl")
-    if r["status"] not in MEASURED:
+    if not p:
       verdict = None
     elif p.get("pass"):
       verdict = "pass"
@@ -536,6 +540,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
       result = row["error"].replace("|", "/")
     elif row["status"] != "ok":
       result = _error_summary(row["error"], row["error_kind"]).replace("|", "/")
+      if row["verdict"]:
+        result += f"; parity {row['verdict']}"
     else:
       result = row["verdict"]
     if row["prefix_tokens"]:
@@ -776,8 +782,25 @@ def _time_config(m, ids: np.ndarray, feats: Features, opts: Options, clock: _Clo
                                      peak_device_bytes_process=run_record.peak_device_bytes())
 
 
+def _prefix_parity(m, ids, conf: Configuration, exact: _Exact, opts: Options, out_p: np.ndarray | None,
+                   reason: str) -> dict[str, Any]:
+  """Parity on the first exact.prefix tokens; `out_p` are the configuration's logits there if already known."""
+  ref_p = exact.prefix_reference()
+  source = f"position {exact.prefix - 1} of this configuration's full-length cold run"
+  t0 = time.perf_counter()
+  if out_p is None and conf.features == exact.feats:  # the exact path itself: its stored prefix logits
+    out_p, source = ref_p, "the exact path's prefix logits (this configuration is the exact path)"
+  elif out_p is None:
+    out_p = _final_logits(m, ids[:exact.prefix], conf.features)
+    source = f"a separate {exact.prefix}-token run of this configuration"
+  return dict(parity_metrics(out_p, ref_p, opts.kl_gate), prefix_tokens=exact.prefix, prefix_reason=reason,
+              prefix_logits_from=source, prefix_run_s=time.perf_counter() - t0,
+              prefix_logits_sha256=sha256_array(out_p))
+
+
 def _run_one(m, ids, conf: Configuration, exact: _Exact, opts: Options, clock: _Clock) -> dict[str, Any]:
-  """Times one configuration and checks its parity. Run-time failures are returned in the record, not raised."""
+  """Times one configuration and checks its parity. Run-time failures are returned in the record, not raised;
+  one that runs out of memory at full length is still checked on the parity prefix."""
   rec: dict[str, Any] = dict(status="failed", error=None, error_kind=None, timing=None, parity=None, logits_sha256=None)
   is_exact = conf.features == exact.feats
   try:
@@ -787,6 +810,13 @@ def _run_one(m, ids, conf: Configuration, exact: _Exact, opts: Options, clock: _
     rec.update(error=_error_text(e), error_kind="oom" if is_oom(e) else type(e).__name__)
     if is_exact:
       exact.offer_failure(e)
+    if is_oom(e) and exact.prefix < exact.length:
+      clock.say(f"    out of memory at {exact.length} tokens: checking parity on the first {exact.prefix}")
+      try:
+        rec["parity"] = _prefix_parity(m, ids, conf, exact, opts, None,
+                                       exact.why_prefix or "the full-length run ran out of memory")
+      except Exception as e2:  # noqa: BLE001 -- the timing error stands; say why there is no parity either
+        rec["error"] += f"; parity on the {exact.prefix}-token prefix: {_error_text(e2)}"
     return rec
   rec["logits_sha256"] = sha256_array(logits)
   if is_exact:
@@ -795,16 +825,8 @@ def _run_one(m, ids, conf: Configuration, exact: _Exact, opts: Options, clock: _
     ref = exact.reference()
     if ref is not None:
       rec["parity"] = dict(parity_metrics(logits, ref, opts.kl_gate), prefix_tokens=None, prefix_reason=None)
-    else:
-      ref_p = exact.prefix_reference()
-      source = f"position {exact.prefix - 1} of this configuration's full-length cold run"
-      t0 = time.perf_counter()
-      if out_p is None:  # the exact path fell back to a prefix after this configuration's cold run
-        out_p = _final_logits(m, ids[:exact.prefix], conf.features)
-        source = f"a separate {exact.prefix}-token run of this configuration"
-      rec["parity"] = dict(parity_metrics(out_p, ref_p, opts.kl_gate), prefix_tokens=exact.prefix,
-                           prefix_reason=exact.why_prefix, prefix_logits_from=source,
-                           prefix_run_s=time.perf_counter() - t0, prefix_logits_sha256=sha256_array(out_p))
+    else:  # out_p is None when the exact path fell back to a prefix after this configuration's cold run
+      rec["parity"] = _prefix_parity(m, ids, conf, exact, opts, out_p, exact.why_prefix)
   except Exception as e:  # noqa: BLE001 -- same: record and continue
     rec.update(error=f"parity: {_error_text(e)}", error_kind="parity_oom" if is_oom(e) else "parity")
     return rec
@@ -942,15 +964,15 @@ def _log_plan(opts: Options, setup: _Setup, plan, todo, log) -> None:
 def _outcome(rec: dict[str, Any]) -> str:
   if rec["status"] == "not_run":
     return rec["error"]
-  if rec["status"] not in MEASURED:
-    return f"FAILED {rec['error'][:300]}"
   p, t = rec["parity"], rec["timing"]
-  prefix = f" (prefix {p['prefix_tokens']})" if p["prefix_tokens"] else ""
+  parity = p and (f"NMSE {p['nmse']:.2e} max abs {p['max_abs']:.2e} top-1 {'yes' if p['top1_agree'] else 'no'} "
+                  f"KL {p['kl']:.2e} {'pass' if p['pass'] else 'above the gate'}"
+                  + (f" (prefix {p['prefix_tokens']})" if p["prefix_tokens"] else ""))
+  if rec["status"] not in MEASURED:
+    return f"FAILED {rec['error'][:300]}" + (f"; parity: {parity}" if parity else "")
   speed = (f"too slow to time (cold {t['cold_s']:.1f}s, {t['cold_tokens_per_s']:.1f} tok/s)" if t["too_slow"] else
            f"ok {t['tokens_per_s']:.1f} tok/s (cold {t['cold_s']:.1f}s, median {t['median_s']:.3f}s)")
-  return (f"{speed}; "
-          f"NMSE {p['nmse']:.2e} max abs {p['max_abs']:.2e} top-1 {'yes' if p['top1_agree'] else 'no'} "
-          f"KL {p['kl']:.2e} {'pass' if p['pass'] else 'above the gate'}{prefix}")
+  return f"{speed}; {parity}"
 
 
 def use_persistent_cache() -> str:
@@ -1077,7 +1099,7 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) 
     current = (floor.get("input_noise") == opts.noise_floor_eps and "kl" in floor
                and floor.get("weights_fingerprint") == fingerprint
                and floor.get("prompt_sha256") == sha256_array(setup.ids[:n_par]))
-    if opts.noise_floor_eps and rec["status"] in MEASURED and not current and n_par not in floors_tried:
+    if opts.noise_floor_eps and rec["parity"] and not current and n_par not in floors_tried:
       floors_tried.add(n_par)  # a floor that failed is retried by the next call, not by every configuration
       ref = exact.prefix_reference if n_par < exact.length else exact.reference
       floor = doc.setdefault("noise_floor", {})[str(n_par)] = noise_floor(prefixes, n_par, ref, opts.noise_floor_eps,

@@ -259,6 +259,56 @@ def test_prefix_parity_when_the_exact_path_runs_out_of_memory(tmp_path, tiny_mod
   assert on["status"] == "ok" and on["parity"]["prefix_tokens"] == 16
   assert "out of memory" in on["parity"]["prefix_reason"]
   assert any("EXACT PATH AT 32 TOKENS: out of memory" in s for s in lines)
+  # all_off is the exact path: its prefix parity is the stored exact prefix itself, with no run of its own.
+  off = recs[(32, "all_off")]["parity"]
+  assert off["nmse"] == 0.0 and off["kl"] == 0.0 and off["prefix_tokens"] == 16 and "exact path" in off[
+      "prefix_logits_from"]
+  assert [n for f, n in fake.calls if f == exact] == [32, 16]  # the failed full length, then the exact prefix once
+
+
+def test_out_of_memory_at_full_length_still_checks_the_prefix(tmp_path, tiny_model, monkeypatch):
+  """A configuration that runs out of memory at full length is timed nowhere but checked on the parity prefix;
+  another failure (not memory) is not, and a prefix that fails too says so in the error."""
+  def fail(f, n):
+    switches = (f.moe_compact_queue, f.moe_persistent, f.moe_fused_combine)
+    if switches == (True, False, True) and n > 16:  # kill_moe_persistent: fits only on the prefix
+      return RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 5.00GiB")
+    if switches == (True, True, False):  # kill_moe_fused_combine: out of memory at every length
+      return RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.00GiB")
+    if switches == (False, False, True) and n > 16:  # kill_moe_compact_queue: not a memory error
+      return ValueError("unsupported shape")
+    return None
+
+  fake = FakePrefill(fail)
+  doc, lines = run(options(tmp_path), tiny_model, fake, monkeypatch)
+  recs = by_key(doc)
+  fits = recs[(32, "kill_moe_persistent")]
+  assert fits["status"] == "failed" and fits["error_kind"] == "oom" and fits["timing"] is None
+  p = fits["parity"]
+  assert p["prefix_tokens"] == 16 and "ran out of memory" in p["prefix_reason"]
+  assert "separate 16-token run" in p["prefix_logits_from"]
+  ids = q.prompt_ids(options(tmp_path), config.tiny_window())[0][:16]
+  conf = {c.name: c for c in q.matrix(features.resolve("cpu_interpret", ON))}["kill_moe_persistent"]
+  want = q.parity_metrics(FakePrefill.logits(ids, conf.features),
+                          FakePrefill.logits(ids, q.exact_features("cpu_interpret")), 0.006)
+  assert want["kl"] > 0.01 and p["kl"] == pytest.approx(want["kl"], rel=1e-6)
+  never = recs[(32, "kill_moe_fused_combine")]
+  assert never["parity"] is None
+  assert "; parity on the 16-token prefix: RuntimeError: RESOURCE_EXHAUSTED" in never["error"]
+  other = recs[(32, "kill_moe_compact_queue")]
+  assert other["error_kind"] == "ValueError" and other["parity"] is None
+  assert not [n for f, n in fake.calls if n == 16 and not f.moe_compact_queue and f.moe_fused_combine]
+  table = open(q.markdown_path(options(tmp_path).out)).read()
+  row = next(line for line in table.splitlines() if "| kill_moe_persistent |" in line)
+  assert "| out of memory (wanted 5.00GiB); parity " in row and row.endswith("(prefix 16) |")
+  assert f"| {want['kl']:.2e} |" in row
+  assert "| out of memory (wanted 9.00GiB) |" in table
+  assert any("FAILED" in s and "; parity: NMSE" in s for s in lines)
+  # A failed record with parity outranks one without in a merge; both are retried by --append.
+  assert q._rank(fits) == 1 and q._rank(never) == 0 and q._rank(recs[(32, "all_on")]) == 3
+  again, _ = run(options(tmp_path, append=True), tiny_model, FakePrefill(), monkeypatch)
+  assert sorted(map(tuple, again["invocations"][-1]["plan"])) == [
+      (32, "kill_moe_compact_queue"), (32, "kill_moe_fused_combine"), (32, "kill_moe_persistent")]
 
 
 def test_table_names_out_of_memory_inside_autotuner_errors():
