@@ -67,16 +67,14 @@ def variants(base: features_lib.Features) -> dict[str, features_lib.Features]:
 def _update_errors(out, ref, x_in):
   d = (out - ref).astype(jnp.float32)
   u = (ref - x_in).astype(jnp.float32)
-  num, den = jnp.sum(d * d), jnp.sum(u * u)
-  nmse = jnp.where(den > 0, num / jnp.where(den > 0, den, 1), jnp.where(num > 0, jnp.inf, 0.0))  # as q.nmse
-  return nmse, jnp.max(jnp.abs(d))
+  return jnp.sum(d * d), jnp.sum(u * u), jnp.max(jnp.abs(d))
 
 
 def update_errors(out, ref, x_in) -> tuple[float, float]:
   """(NMSE of a layer's update (out - x_in) against the exact update (ref - x_in), max abs of out - ref), on the
   device: the differences of f32 streams are exact where they are close, so f32 sums suffice."""
-  nmse, max_abs = _update_errors(out, ref, x_in)
-  return float(nmse), float(max_abs)
+  num, den, max_abs = _update_errors(out, ref, x_in)
+  return q.nmse_of_sums(float(num), float(den)), float(max_abs)
 
 
 def per_layer(m, ids: np.ndarray, exact: features_lib.Features, runs: dict, log,

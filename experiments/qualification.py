@@ -220,7 +220,11 @@ def exact_features(device_cls: str) -> Features:
 def nmse(a, b) -> float:
   """sum((a - b)^2) / sum(b^2), b the reference."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  num, den = float(np.sum((a - b) ** 2)), float(np.sum(b ** 2))
+  return nmse_of_sums(float(np.sum((a - b) ** 2)), float(np.sum(b ** 2)))
+
+
+def nmse_of_sums(num: float, den: float) -> float:
+  """num / den, where a zero reference gives 0 for a zero error and inf otherwise."""
   if den == 0.0:
     return 0.0 if num == 0.0 else math.inf
   return num / den

@@ -27,6 +27,10 @@ def test_update_nmse_ignores_the_residual():
   upd = rng.normal(size=(8, 4))
   nmse, max_abs = pbs.update_errors(*(jnp.asarray(a, jnp.float32) for a in (x + 1.1 * upd, x + upd, x)))
   assert nmse == pytest.approx(0.01, rel=1e-3) and max_abs == pytest.approx(0.1 * np.abs(upd).max(), rel=1e-3)
+  # A layer whose exact update is zero: no error is 0, any error is inf (as the qualification's NMSE).
+  same = jnp.asarray(x, jnp.float32)
+  assert pbs.update_errors(same, same, same)[0] == 0.0
+  assert pbs.update_errors(same + jnp.asarray(upd, jnp.float32), same, same)[0] == np.inf
 
 
 def test_per_layer_errors_are_local():
