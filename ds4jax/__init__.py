@@ -1,1 +1,1 @@
-import kernels_pallas  # noqa: F401  (registers Pallas' tracing option before any jit runs; see its docstring)
+"""ds4jax: the DeepSeek-V4-Flash model, its prefill optimizations as switches, and their qualification."""

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 attention (deepseek-v4.md §4): the dense masked reference and the Pallas fast paths.
+"""DeepSeek-V4 attention (docs/model.md §4): the dense masked reference and the Pallas fast paths.
 
 One shared K=V latent head; the key set of a query is its 128-token window plus compressed rows (all complete ones
 on HCA layers, the indexer's top-k on CSA layers). The reference scores every key and masks the keys outside the
@@ -17,42 +17,20 @@ from flax import nnx
 
 from ds4jax import compressor as comp
 from ds4jax import layer_cache, rope
-from ds4jax.compressor import Compressor, visible_rows
+from ds4jax.compressor import Compressor
 from ds4jax.config import Attention as Kind
 from ds4jax.config import DeepseekV4Config
 from ds4jax.features import REFERENCE, Features
 from ds4jax.indexer import Indexer
 from ds4jax.layer_cache import LayerCache
-from ds4jax.layers import F32, Linear, RMSNorm, dense, einsum, matmul_dtype, normal, rms_normalize
+from ds4jax.layers import F32, Linear, RMSNorm, dense, normal, rms_normalize
 from ds4jax.quant.policy import POLICIES, QuantPolicy
+from kernels_pallas import mla
+from kernels_pallas.indexer import handoff
+from kernels_pallas.mla.reference import apply_rope, selected_bias, sink_attention, visible_rows, window_bias
+from kernels_pallas.precision import einsum
 
 KERNEL_KIND = {Kind.WINDOW: "window", Kind.CSA: "csa", Kind.HCA: "hca"}
-
-
-def window_bias(q_pos: jnp.ndarray, k_pos: jnp.ndarray, window: int) -> jnp.ndarray:
-  """[Sq, Sk] additive mask: key j is in query t's window iff t - window < j <= t (and j >= 0: a real position)."""
-  d = q_pos[:, None] - k_pos[None, :]
-  return jnp.where((d >= 0) & (d < window) & (k_pos[None, :] >= 0), 0.0, -jnp.inf).astype(F32)
-
-
-def selected_bias(topk: jnp.ndarray, n_rows: int) -> jnp.ndarray:
-  """[S, n_rows] additive mask from [S, k] row ids (-1 = none): 0 at selected rows, -inf elsewhere."""
-  safe = jnp.where(topk >= 0, topk, n_rows)  # -1 goes to a spill column that is dropped
-  hit = jnp.zeros((topk.shape[0], n_rows + 1), bool).at[jnp.arange(topk.shape[0])[:, None], safe].set(True)
-  return jnp.where(hit[:, :n_rows], 0.0, -jnp.inf).astype(F32)
-
-
-def sink_attention(q: jnp.ndarray, keys: jnp.ndarray, bias: jnp.ndarray, sink: jnp.ndarray,
-                   scale: float) -> jnp.ndarray:
-  """Softmax over keys and a per-head sink logit jointly; values are the keys (K = V).
-
-  q: [S, H, d]; keys: [N, d]; bias: [S, N] (0 or -inf); sink: [H]. Returns [S, H, d] in f32.
-  """
-  s = einsum("thd,nd->thn", q.astype(F32), keys.astype(F32)) * scale + bias[:, None, :]
-  m = jnp.maximum(jnp.max(s, axis=-1), sink[None, :])  # the sink joins the running max too
-  p = jnp.exp(s - m[..., None])
-  denom = jnp.sum(p, axis=-1) + jnp.exp(sink[None, :] - m)  # the sink adds mass but no value
-  return einsum("thn,nd->thd", p / denom[..., None], keys.astype(F32))
 
 
 def query_chunks(n: int, chunk: int) -> int:
@@ -68,11 +46,9 @@ def kernel_row_list(indices: jnp.ndarray, n_rows: int, features: Features) -> jn
   """The [S, k] row list the streaming kernel reads, k padded to a power of two with -1.
 
   Both handoffs deliver the rows in ascending physical order, so the kernel reduces in the same order and the
-  output is byte-identical (lucebox-stack.md §1.3): the direct path sorts the indexer's ids (the Pallas indexer
+  output is byte-identical (docs/upstream.md §3): the direct path sorts the indexer's ids (the Pallas indexer
   already returns them sorted); the mask path builds the dense [S, n_rows] additive mask and scans it back.
   """
-  from kernels_pallas.indexer import handoff  # pylint: disable=import-outside-toplevel
-
   k = 1 << max(indices.shape[1] - 1, 0).bit_length()
   if k != indices.shape[1]:
     indices = jnp.pad(indices, ((0, 0), (0, k - indices.shape[1])), constant_values=-1)
@@ -117,29 +93,30 @@ class Attention(nnx.Module):
     """x: [B, D] normed input at positions [s0, s0+B) (s0 may be traced). Returns ([B, D], the new cache)."""
     cfg = self.cfg
     B, H, d, G = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.o_groups
+    dt = features.matmul_dtype  # every matmul of the layer; norms, softmax and RoPE stay f32
     positions = s0 + jnp.arange(B, dtype=jnp.int32)
     freqs = rope.layer_inv_freq(cfg, self.kind)
-    qr = self.q_norm(self.wq_a(x))  # [B, q_lora]; the indexer reuses it
-    q = rms_normalize(self.wq_b(qr).reshape(B, H, d), cfg.rms_norm_eps)  # per-head norm, no weight
-    q = rope.apply(q, positions, freqs)
-    kv = rope.apply(self.kv_norm(self.wkv(x)), positions, freqs)  # [B, d]
+    qr = self.q_norm(self.wq_a(x, dt))  # [B, q_lora]; the indexer reuses it
+    q = rms_normalize(self.wq_b(qr, dt).reshape(B, H, d), cfg.rms_norm_eps)  # per-head norm, no weight
+    q = apply_rope(q, positions, freqs)
+    kv = apply_rope(self.kv_norm(self.wkv(x, dt)), positions, freqs)  # [B, d]
     raw = jnp.concatenate([cache.kv_tail, kv])  # positions [s0 - W + 1, s0 + B)
     new = dict(kv_tail=raw[B:])
     rows = indices = None
     if self.compressor is not None:
       m = self.compressor.ratio
       ext, a = comp.extend(cache.x_tail, x, s0, m)
-      rows = comp.write_rows(cache.rows, self.compressor.pool(ext, a // m, freqs), a // m)
+      rows = comp.write_rows(cache.rows, self.compressor.pool(ext, a // m, freqs, dt), a // m)
       new.update(x_tail=comp.next_tail(ext, a, s0 + B, m), rows=rows)
       if self.indexer is not None:
-        keys = comp.write_rows(cache.index_rows, self.indexer.compressor.pool(ext, a // m, freqs), a // m)
+        keys = comp.write_rows(cache.index_rows, self.indexer.compressor.pool(ext, a // m, freqs, dt), a // m)
         new["index_rows"] = keys
         indices = self.indexer.select(x, qr, positions, freqs, keys, features)
     o = self.attend(q, raw, rows, indices, s0, positions, freqs, features)  # [B, H, d], de-rotated
     # Grouped low-rank output: heads are grouped contiguously, each group has its own wo_a slice.
     wo_a = dense(self.wo_a.weight).reshape(G, cfg.o_lora_rank, H * d // G)
-    z = einsum("sgi,gri->sgr", o.reshape(B, G, H * d // G), wo_a).reshape(B, G * cfg.o_lora_rank)
-    return self.wo_b(z), LayerCache(**new)
+    z = einsum("sgi,gri->sgr", o.reshape(B, G, H * d // G), wo_a, operand_dtype=dt).reshape(B, G * cfg.o_lora_rank)
+    return self.wo_b(z, dt), LayerCache(**new)
 
   def attend(self, q, raw, rows, indices, s0, positions, freqs, features: Features):
     """The joint sink softmax over each query's key set, then the output de-rotation: [B, H, d] f32.
@@ -153,25 +130,26 @@ class Attention(nnx.Module):
     ratio = self.compressor.ratio if self.compressor is not None else 1
     if indices is not None and features.mla_stream_topk:
       indices = kernel_row_list(indices, rows.shape[0], features)
-    dt = matmul_dtype()  # bf16 q/KV (`bf16_matmul`): one bf16 dot per tile instead of the split-bf16 f32 emulation
+    dt = features.matmul_dtype  # bf16 q/KV: one bf16 dot per tile instead of the split-bf16 f32 emulation
+    kind = KERNEL_KIND[self.kind]
+    config = mla.Config.default(cfg.num_heads, d, kind, platform=features.platform)
 
     def one_chunk(args):
       qc, pc, ic = args
       if features.mla_stream_topk:
-        from kernels_pallas.mla import sparse_mla  # pylint: disable=import-outside-toplevel
         cast = lambda a: None if a is None else a.astype(dt)
-        return sparse_mla(cast(qc), cast(raw), cast(rows), self.attn_sink[...], q_start=pc[0], raw_start=raw_start,
-                          kind=KERNEL_KIND[self.kind], ratio=ratio, window=W, inv_freq=freqs, indices=ic,
-                          f32_stage=features.mla_stream_f32_stage, fast_exp=features.mla_stream_fast_exp,
-                          interpret=features.interpret)
+        return mla.sparse_mla(cast(qc), cast(raw), cast(rows), self.attn_sink[...], q_start=pc[0],
+                              raw_start=raw_start, kind=kind, ratio=ratio, window=W, inv_freq=freqs, indices=ic,
+                              f32_stage=features.mla_stream_f32_stage, fast_exp=features.mla_stream_fast_exp,
+                              config=config, interpret=features.interpret)
       keys = raw if rows is None else jnp.concatenate([raw, rows])
       bias = window_bias(pc, raw_start + jnp.arange(raw.shape[0]), W)
       if rows is not None:
         row_bias = (jnp.where(visible_rows(pc, rows.shape[0], ratio), 0.0, -jnp.inf) if ic is None
                     else selected_bias(ic, rows.shape[0]))
         bias = jnp.concatenate([bias, row_bias.astype(F32)], axis=1)
-      o = sink_attention(qc, keys, bias, self.attn_sink[...], d ** -0.5)
-      return rope.apply(o, pc, freqs, inverse=True)  # V carries rotated dims: rotate back by -t
+      o = sink_attention(qc, keys, bias, self.attn_sink[...], d ** -0.5, dt)
+      return apply_rope(o, pc, freqs, inverse=True)  # V carries rotated dims: rotate back by -t
 
     if n == 1:
       return one_chunk((q, positions, indices))

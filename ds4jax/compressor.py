@@ -1,4 +1,4 @@
-"""Gated-pooling KV compressor (deepseek-v4.md §5): one row per complete window of `ratio` tokens.
+"""Gated-pooling KV compressor (docs/model.md §5): one row per complete window of `ratio` tokens.
 
 Prefill may arrive in bands (ds4jax/prefill.py). A band at positions [s0, s0+B) is pooled from an extended input
 `ext` that starts one window before a = (s0 // ratio) * ratio, the start of the window in progress:
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ds4jax import rope
 from ds4jax.layers import F32, Linear, RMSNorm, normal
+from kernels_pallas.mla.reference import apply_rope
 
 
 def extend(x_tail: jnp.ndarray, x: jnp.ndarray, s0, ratio: int) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -55,16 +55,17 @@ class Compressor(nnx.Module):
     self.ape = normal(rngs, (ratio, width), 0.1, F32)  # per-slot position bias of the gate logits
     self.norm = RMSNorm(dim, eps)
 
-  def pool(self, ext: jnp.ndarray, first, freqs: np.ndarray) -> jnp.ndarray:
+  def pool(self, ext: jnp.ndarray, first, freqs: np.ndarray, operand_dtype=F32) -> jnp.ndarray:
     """Rows of windows first, first+1, ... from `ext` (window 0 of ext is window first-1, the previous one).
 
     Returns [n, dim] with n = len(ext) // ratio - 1; rows of windows that are not complete in ext are garbage
-    and must stay invisible (they are, by position) until a later band rewrites them.
+    and must stay invisible (they are, by position) until a later band rewrites them. The two projections take
+    `operand_dtype` operands.
     """
     m, c = self.ratio, self.dim
     nwin = ext.shape[0] // m
-    kv = self.wkv(ext[: nwin * m]).reshape(nwin, m, -1)
-    gate = self.wgate(ext[: nwin * m]).reshape(nwin, m, -1) + self.ape[...]
+    kv = self.wkv(ext[: nwin * m], operand_dtype).reshape(nwin, m, -1)
+    gate = self.wgate(ext[: nwin * m], operand_dtype).reshape(nwin, m, -1) + self.ape[...]
     if self.overlap:
       # Slots 0..m-1 come from the previous window (value 0, logit -inf before window 0).
       before_start = (first + jnp.arange(nwin - 1) - 1 < 0)[:, None, None]
@@ -75,7 +76,7 @@ class Compressor(nnx.Module):
     else:
       kv, gate = kv[1:], gate[1:]
     pooled = jnp.sum(jax.nn.softmax(gate, axis=1) * kv, axis=1)  # softmax over slots, per channel
-    return rope.apply(self.norm(pooled), (first + jnp.arange(nwin - 1)) * m, freqs)
+    return apply_rope(self.norm(pooled), (first + jnp.arange(nwin - 1)) * m, freqs)
 
   def __call__(self, x: jnp.ndarray, freqs: np.ndarray) -> jnp.ndarray:
     """x: [S, hidden] (the prompt from position 0) -> [S // ratio, dim], rotated at each window start."""
@@ -83,7 +84,3 @@ class Compressor(nnx.Module):
     ext, _ = extend(jnp.zeros((2 * self.ratio, x.shape[1]), x.dtype), x, 0, self.ratio)
     return self.pool(ext, 0, freqs)[:n] if n else jnp.zeros((0, self.dim), F32)
 
-
-def visible_rows(positions: jnp.ndarray, n_rows: int, ratio: int) -> jnp.ndarray:
-  """[S, n_rows] bool: row w is complete, hence visible, at query position t iff w < (t+1) // ratio."""
-  return jnp.arange(n_rows)[None, :] < ((positions + 1) // ratio)[:, None]

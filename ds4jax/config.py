@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 
 class Attention(enum.Enum):
-  """Key set of a layer, beyond its sliding window (deepseek-v4.md §4)."""
+  """Key set of a layer, beyond its sliding window (docs/model.md §4)."""
 
   WINDOW = "sliding_attention"  # window only
   CSA = "compressed_sparse_attention"  # + ratio-4 compressed rows picked by the indexer
@@ -310,7 +310,7 @@ def v4_pro(**overrides) -> DeepseekV4Config:
 
 
 def _tiny(overrides: dict, **preset) -> DeepseekV4Config:
-  """Small dims shared by the tiny presets (those of deepseek-v4.md §13); `preset` then `overrides` win."""
+  """Small dims shared by the tiny presets (those of docs/model.md §11); `preset` then `overrides` win."""
   base = dict(vocab_size=256, hidden_size=64, num_heads=4, head_dim=160, rope_head_dim=32, q_lora_rank=32,
               o_groups=2, o_lora_rank=16, sliding_window=8, hca_ratio=8, index_n_heads=4, index_head_dim=64,
               index_topk=3, yarn=Yarn(factor=4.0, original_max_position_embeddings=32),

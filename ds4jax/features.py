@@ -1,6 +1,6 @@
 """Prefill optimizations as separately killable switches, with per-device defaults from a capability table.
 
-Each optimization is one absl flag (defined by `define_flags`, used by the experiments' entry points) and
+Each optimization is one absl flag (defined by experiments/flags.py for the entry points) and
 one field of the frozen `Features` that the model receives. Library code and tests never read FLAGS.
 
     flag (ds4jax)          upstream switch (Lucebox)                      what it selects
@@ -11,7 +11,7 @@ one field of the frozen `Features` that the model receives. Library code and tes
     moe_compact_queue      (AMD llama.cpp #63 compacted MoE tiling)       grid over real (expert, tile) work items only
     moe_persistent         GGML_CUDA_MMQ_MOE_PERSISTENT                   fixed programs loop over the work queue
     moe_programs_per_core  GGML_CUDA_MMQ_MOE_PERSISTENT_BLOCKS_PER_CU     persistent programs per core
-    moe_fused_combine      DFLASH_MOE_FUSED_COMBINE                       weight + sum the top-k outputs + shared expert in one pass
+    moe_fused_combine      DFLASH_MOE_FUSED_COMBINE                       weight + sum the top-k outputs + shared expert in one kernel
     indexer_score_kernel   GGML_DS4_INDEXER_M32 / GGML_DS4_TOPK_BLOCK_RADIX  tiled Pallas indexer scoring + query-blocked top-k
     direct_indexer_topk    DFLASH_DS4_DIRECT_INDEXER_TOPK                 top-k indices go straight into attention (no dense mask)
     mla_stream_topk        GGML_CUDA_MLA_STREAM_TOPK                      streaming sparse MLA attention kernel
@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 
 # Boolean switches: name -> (upstream name, help, switches it requires).
 SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -42,8 +43,8 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "moe_compact_queue": ("AMD llama.cpp PR #63", "MoE grid over real (expert, row-tile) items only.", ()),
     "moe_persistent": ("GGML_CUDA_MMQ_MOE_PERSISTENT", "Fixed MoE programs loop over the compact queue.",
                        ("moe_compact_queue",)),
-    "moe_fused_combine": ("DFLASH_MOE_FUSED_COMBINE", "Down projection + weighted top-k combine + shared add in one pass.",
-                          ()),
+    "moe_fused_combine": ("DFLASH_MOE_FUSED_COMBINE", "Weighted top-k combine + shared add in one kernel after the down "
+                          "projection.", ()),
     "indexer_score_kernel": ("GGML_DS4_INDEXER_M32 + GGML_DS4_TOPK_BLOCK_RADIX",
                              "Tiled Pallas indexer scoring kernel with query-blocked top-k.", ()),
     # Only the streaming kernel consumes an index list; the dense reference always masks.
@@ -98,6 +99,12 @@ class Features:
     if self.interpret:
       return "cpu"
     return "rocm" if self.device_class in ("gfx1151", "rdna35_other", "rocm_other") else "cuda"
+
+  @property
+  def matmul_dtype(self):
+    """The operand dtype of the attention and expert matmuls: bfloat16 under `bf16_matmul`, else float32 (exact).
+    Accumulation and outputs stay f32; norms, routing, hyper-connections and the head never see it."""
+    return jnp.bfloat16 if self.bf16_matmul else jnp.float32
 
   @property
   def moe_kernels(self) -> bool:
@@ -214,19 +221,6 @@ def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None) -> Feat
   return Features(device_class=device_cls, **values)
 
 
-def define_flags(flag_values=None) -> None:
-  """Defines one absl flag per switch and knob (default None = the capability table's default)."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-
-  fv = flags.FLAGS if flag_values is None else flag_values  # an empty FlagValues is falsy
-  for s, (upstream, text, requires) in SWITCHES.items():
-    need = f" Requires {', '.join(requires)}." if requires else ""
-    flags.DEFINE_boolean(s, None, f"{text} Upstream: {upstream}.{need} Default: the device capability table.",
-                         flag_values=fv)
-  for k, (upstream, text, default) in KNOBS.items():
-    flags.DEFINE_integer(k, None, f"{text} Upstream: {upstream}. Default: {default}.", flag_values=fv)
-
-
 def pallas_calls(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
   """(name, grid) of every pallas_call that `fn(*args)` would run, in order: how tests see which path ran."""
   found = []
@@ -245,8 +239,3 @@ def pallas_calls(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
   walk(jax.make_jaxpr(fn)(*args).jaxpr)
   return found
 
-
-def from_flags(flag_values, device_cls: str | None = None) -> Features:
-  """Resolves the features from parsed absl flags (for entry points only)."""
-  overrides = {k: getattr(flag_values, k) for k in list(SWITCHES) + list(KNOBS)}
-  return resolve(device_cls or device_class(), overrides)

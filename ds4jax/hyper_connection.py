@@ -1,4 +1,4 @@
-"""mHC hyper-connections (deepseek-v4.md §8): 4 residual streams mixed by a Sinkhorn-projected matrix."""
+"""mHC hyper-connections (docs/model.md §8): 4 residual streams mixed by a Sinkhorn-projected matrix."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ds4jax.layers import F32, einsum, normal, rms_normalize
+from ds4jax.layers import F32, normal, rms_normalize
+from kernels_pallas.precision import einsum
 
 
 def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:

@@ -1,4 +1,4 @@
-"""Lightning indexer of CSA layers (deepseek-v4.md §6): scores compressed rows, keeps the top-k per query."""
+"""Lightning indexer of CSA layers (docs/model.md §6): scores compressed rows, keeps the top-k per query."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ds4jax import rope
-from ds4jax.compressor import Compressor, visible_rows
+from ds4jax.compressor import Compressor
 from ds4jax.config import DeepseekV4Config
 from ds4jax.features import REFERENCE, Features
-from ds4jax.layers import F32, Linear, einsum, matmul_dtype
+from ds4jax.layers import F32, Linear
 from ds4jax.quant.policy import POLICIES, QuantPolicy
+from kernels_pallas import indexer as indexer_kernels
+from kernels_pallas.mla.reference import apply_rope, visible_rows
+from kernels_pallas.precision import einsum
 
 
 # Rows scored at once by the reference: bounds its [S, Hi, rows] f32 product (4 GiB for a band of 8192 queries
@@ -30,19 +32,20 @@ class Indexer(nnx.Module):
     self.compressor = Compressor(cfg.hidden_size, self.head_dim, cfg.csa_ratio, True, cfg.rms_norm_eps,
                                  rngs=rngs, dtype=dtype)
 
-  def queries(self, x, qr, positions, freqs) -> tuple[jnp.ndarray, jnp.ndarray]:
+  def queries(self, x, qr, positions, freqs, operand_dtype=F32) -> tuple[jnp.ndarray, jnp.ndarray]:
     """(q [S, Hi, ci] rotated, per-head weights w [S, Hi] with the ci^-0.5 · Hi^-0.5 scale folded in)."""
-    q = rope.apply(self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim), positions, freqs)
-    return q, self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+    q = apply_rope(self.wq_b(qr, operand_dtype).reshape(x.shape[0], self.n_heads, self.head_dim), positions, freqs)
+    return q, self.weights_proj(x, operand_dtype) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 
   def scores(self, x, qr, positions, freqs: np.ndarray, keys: jnp.ndarray | None = None, *,
-             row_block: int = SCORE_ROW_BLOCK) -> jnp.ndarray:
+             row_block: int = SCORE_ROW_BLOCK, operand_dtype=F32) -> jnp.ndarray:
     """score[t, s] = sum_h w[t,h] * relu(q[t,h] . k[s]) in f32; -inf where row s is not yet visible.
     `keys` [R, ci] default to the compressor's rows of x (a prompt from position 0). More than `row_block` rows
     are scored a block at a time (each score is computed alone, so blocking does not change it)."""
     keys = self.compressor(x, freqs) if keys is None else keys
-    q, w = self.queries(x, qr, positions, freqs)
-    score = lambda k: einsum("th,thr->tr", w, jax.nn.relu(einsum("thc,rc->thr", q, k)))
+    q, w = self.queries(x, qr, positions, freqs, operand_dtype)
+    dot = lambda spec, a, b: einsum(spec, a, b, operand_dtype=operand_dtype)
+    score = lambda k: dot("th,thr->tr", w, jax.nn.relu(dot("thc,rc->thr", q, k)))
     R = keys.shape[0]
     if R <= row_block:
       s = score(keys)
@@ -62,16 +65,16 @@ class Indexer(nnx.Module):
     Reference: XLA scores + top_k, best first, k = min(topk, R). `indexer_score_kernel`: the Pallas scoring
     kernel with query-blocked top-k (kernels_pallas/indexer), ascending ids, k = topk (a power of two).
     """
+    dt = features.matmul_dtype
     if features.indexer_score_kernel:
-      from kernels_pallas import indexer as indexer_kernels  # pylint: disable=import-outside-toplevel
-      q, w = self.queries(x, qr, positions, freqs)
+      q, w = self.queries(x, qr, positions, freqs, dt)
       # Dots in the model's matmul dtype: f32 keeps the exact selection; bf16 (`bf16_matmul`) may swap near-ties.
       config = indexer_kernels.Config.default(
           x.shape[0], keys.shape[0], self.n_heads, self.head_dim, platform=features.platform,
-          compute_dtype=jnp.dtype(matmul_dtype()).name)
+          compute_dtype=jnp.dtype(dt).name)
       return indexer_kernels.topk(q, w, keys, q_start=positions[0], k=self.topk, ratio=self.ratio, config=config,
                                   interpret=features.interpret)
-    s = self.scores(x, qr, positions, freqs, keys)
+    s = self.scores(x, qr, positions, freqs, keys, operand_dtype=dt)
     k = min(self.topk, s.shape[1])
     if k == 0:
       return jnp.zeros((x.shape[0], 0), jnp.int32)

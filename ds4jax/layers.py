@@ -5,8 +5,6 @@ Weights use the checkpoint's [out, in] layout.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
 import jax
@@ -15,6 +13,7 @@ from flax import nnx
 
 from ds4jax.quant import formats
 from ds4jax.quant import policy as quant_policy
+from kernels_pallas.precision import matmul_t
 
 F32 = jnp.float32
 
@@ -25,40 +24,6 @@ def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> nnx.Param:
   n = math.prod(shape)
   draw = jax.random.normal(rngs.params(), (1 << max(n - 1, 0).bit_length(),), F32)[:n]
   return nnx.Param((std * draw.reshape(shape)).astype(dtype))
-
-
-# The dtype matmul operands are rounded to (the `bf16_matmul` switch sets it for a layer's attention and experts,
-# while it is traced). Accumulation and every output stay f32.
-_MATMUL_INPUTS: contextvars.ContextVar = contextvars.ContextVar("matmul_inputs", default=F32)
-
-
-@contextlib.contextmanager
-def matmul_inputs(bf16: bool):
-  """Within the block, `einsum`/`matmul_t`/`Linear` round their operands to bf16 if `bf16` (f32 accumulation)."""
-  token = _MATMUL_INPUTS.set(jnp.bfloat16 if bf16 else F32)
-  try:
-    yield
-  finally:
-    _MATMUL_INPUTS.reset(token)
-
-
-def matmul_dtype():
-  """The operand dtype matmuls use here: float32 (exact), or bfloat16 inside `matmul_inputs(True)`."""
-  return _MATMUL_INPUTS.get()
-
-
-def einsum(spec: str, *operands) -> jnp.ndarray:
-  """f32 einsum at full f32 precision (the reference must not pick up TF32/bf16 passes on GPUs), or with bf16
-  operands and f32 accumulation inside `matmul_inputs(True)`."""
-  dt = matmul_dtype()
-  if dt == F32:
-    return jnp.einsum(spec, *(o.astype(F32) for o in operands), precision=jax.lax.Precision.HIGHEST)
-  return jnp.einsum(spec, *(o.astype(dt) for o in operands), preferred_element_type=F32)
-
-
-def matmul_t(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
-  """x @ w.T, f32 out (w is [out, in]), whatever the storage dtypes; operands as `einsum` rounds them."""
-  return einsum("...i,oi->...o", x, w)
 
 
 class QuantStorage(nnx.Variable):
@@ -99,8 +64,9 @@ class Linear(nnx.Module):
   def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype=F32, std: float = 0.02, fmt: str = "bf16"):
     self.weight = make_weight(rngs, (d_out, d_in), std, dtype, fmt)
 
-  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-    return matmul_t(x, dense(self.weight))
+  def __call__(self, x: jnp.ndarray, operand_dtype=F32) -> jnp.ndarray:
+    """f32 out; operands in `operand_dtype` (f32 exact, bf16 under `bf16_matmul`)."""
+    return matmul_t(x, dense(self.weight), operand_dtype)
 
 
 def rms_normalize(x: jnp.ndarray, eps: float) -> jnp.ndarray:

@@ -14,7 +14,6 @@ from ds4jax.attention import Attention
 from ds4jax.config import DeepseekV4Config
 from ds4jax.features import REFERENCE, Features
 from ds4jax.hyper_connection import HyperConnection, HyperHead
-from ds4jax import layers
 from ds4jax.layer_cache import LayerCache
 from ds4jax.layers import F32, Linear, RMSNorm, normal
 from ds4jax.moe import MoE
@@ -42,9 +41,8 @@ class Block(nnx.Module):
 
   def band(self, X: jnp.ndarray, tokens: jnp.ndarray, s0, cache: LayerCache, features: Features = REFERENCE):
     """X [B, n, D] streams of positions [s0, s0+B) -> (new streams, the attention layer's new cache)."""
-    h, post, comb = self.hc_attn(X)
-    with layers.matmul_inputs(features.bf16_matmul):  # hyper-connections stay f32
-      y, cache = self.attn.band(self.attn_norm(h), s0, cache, features)
+    h, post, comb = self.hc_attn(X)  # hyper-connections stay f32 whatever `bf16_matmul` says
+    y, cache = self.attn.band(self.attn_norm(h), s0, cache, features)
     X = HyperConnection.merge(X, y, post, comb)
     h, post, comb = self.hc_ffn(X)
     return HyperConnection.merge(X, self.ffn(self.ffn_norm(h), tokens, features), post, comb), cache

@@ -1,4 +1,4 @@
-"""MoE of every layer (deepseek-v4.md §7): sqrt-softplus router, hash or top-k routing, clamped SwiGLU."""
+"""MoE of every layer (docs/model.md §7): sqrt-softplus router, hash or top-k routing, clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -8,18 +8,14 @@ from flax import nnx
 
 from ds4jax.config import DeepseekV4Config, Routing
 from ds4jax.features import REFERENCE, Features
-from ds4jax.layers import F32, Linear, QuantizedWeight, make_weight, matmul_dtype, matmul_inputs, matmul_t, normal
-from ds4jax.quant import formats
+from ds4jax.layers import F32, Linear, QuantizedWeight, dense, make_weight, matmul_t, normal
 from ds4jax.quant.policy import POLICIES, QuantPolicy
+from kernels_pallas import moe as moe_kernels
+from kernels_pallas.moe.reference import moe_reference, swiglu_expert
 
 
 class Buffer(nnx.Variable):
   """A non-trainable array that is part of the checkpoint (the hash routing table)."""
-
-
-def clamped_swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
-  """silu(min(gate, L)) * clip(up, -L, L): the gate is clamped from above only."""
-  return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
 class Router(nnx.Module):
@@ -46,11 +42,6 @@ class Router(nnx.Module):
     return w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * self.scale, idx.astype(jnp.int32)
 
 
-def _expert_dense(w, fmt: str | None) -> jnp.ndarray:
-  """One expert's f32 weight from its slice: a plain array, or a dict of storage arrays in `fmt`."""
-  return w.astype(F32) if fmt is None else formats.get(fmt).dequantize(**w)
-
-
 class Experts(nnx.Module):
   """The routed experts, stacked: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down)."""
 
@@ -61,27 +52,25 @@ class Experts(nnx.Module):
     self.w2 = make_weight(rngs, (E, D, I), 0.02, dtype, policy.down)
     self.w3 = make_weight(rngs, (E, I, D), 0.02, dtype, policy.gate_up)
 
-  def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
-    """y[t] = sum_k weights[t,k] * E_{idx[t,k]}(x[t]).
+  def kernel_weights(self, dtype, quantized: bool) -> tuple:
+    """(w1, w2, w3) as the kernels' `ExpertWeights`: quantized storage as is (`quantized`, decoded in-kernel), or
+    dense stacks in `dtype` (a quantized stack decoded first, in XLA: "dequantize-then-matmul")."""
+    def one(w):
+      if not isinstance(w, QuantizedWeight):  # f32 operands read the stored dtype as is
+        return moe_kernels.DenseWeights(w[...] if dtype == F32 else w[...].astype(dtype))
+      if quantized:
+        return moe_kernels.QuantizedExpertWeights.from_storage(w.format, w.storage(), w.logical_shape)
+      return moe_kernels.DenseWeights(w.dequantize().astype(dtype))  # the cast fuses into the decode
+    return tuple(one(w) for w in (self.w1, self.w2, self.w3))
 
-    Dense reference: every expert runs on every token (one expert at a time, to bound memory)
-    and is weighted by the token's combine weight, 0 where not routed. Exact, and O(E) slow.
-    """
-    S = x.shape[0]
-    combine = jnp.zeros((S, self.n_experts), F32).at[jnp.arange(S)[:, None], idx].add(weights)
-    x = x.astype(F32)
-
-    def one_expert(acc, expert):
-      w1, w2, w3 = (_expert_dense(w, fmt) for w, fmt in zip(expert[:3], formats_))
-      c = expert[3]
-      h = clamped_swiglu(matmul_t(x, w1), matmul_t(x, w3), self.limit)
-      return acc + c[:, None] * matmul_t(h, w2), None
-
-    # Quantized experts are decoded one expert at a time inside the scan: never all of them at once.
-    weights_ = [w.storage() if isinstance(w, QuantizedWeight) else w[...] for w in (self.w1, self.w2, self.w3)]
-    formats_ = [w.format if isinstance(w, QuantizedWeight) else None for w in (self.w1, self.w2, self.w3)]
-    y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, F32), (*weights_, combine.T))
-    return y
+  def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, shared=None,
+               operand_dtype=F32) -> jnp.ndarray:
+    """y[t] = shared[t] + sum_k weights[t,k] * E_{idx[t,k]}(x[t]), by the exact reference
+    (kernels_pallas/moe/reference.py: every expert on every token, quantized experts decoded one at a time)."""
+    stacks = [moe_kernels.QuantizedExpertWeights.from_storage(w.format, w.storage(), w.logical_shape)
+              if isinstance(w, QuantizedWeight) else w[...] for w in (self.w1, self.w2, self.w3)]
+    return moe_reference(x, weights, idx, *stacks, swiglu_limit=self.limit, shared=shared,
+                         operand_dtype=operand_dtype)
 
 
 class SharedExpert(nnx.Module):
@@ -94,8 +83,8 @@ class SharedExpert(nnx.Module):
     self.w2 = Linear(I, D, **q)
     self.w3 = Linear(D, I, **q)
 
-  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-    return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+  def __call__(self, x: jnp.ndarray, operand_dtype=F32) -> jnp.ndarray:
+    return swiglu_expert(x, *(dense(w.weight) for w in (self.w1, self.w2, self.w3)), self.limit, operand_dtype)
 
 
 class MoE(nnx.Module):
@@ -108,21 +97,20 @@ class MoE(nnx.Module):
 
   def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray, features: Features = REFERENCE) -> jnp.ndarray:
     weights, idx = self.gate(x, tokens)  # routing stays f32 (bf16 scores could pick other experts)
-    with matmul_inputs(features.bf16_matmul):
-      if not features.moe_kernels:
-        return self.experts(x, weights, idx) + self.shared_experts(x)
-      return routed_with_kernels(self.experts, x, weights, idx, self.shared_experts(x), features)
+    dt = features.matmul_dtype
+    shared = self.shared_experts(x, dt)
+    if not features.moe_kernels:
+      return self.experts(x, weights, idx, shared, dt)
+    return routed_with_kernels(self.experts, x, weights, idx, shared, features)
 
 
-def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: int):
+def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: int) -> moe_kernels.Config:
   """The grouped-MoE kernel knobs that the feature switches select."""
-  from kernels_pallas import moe as moe_kernels  # pylint: disable=import-outside-toplevel (cycle)
-
   E, I, D = experts.n_experts, experts.intermediate, experts.hidden
   forced = dict(block_m=features.moe_tile_rows, adaptive_tile=False) if features.moe_tile_rows else {}
   return moe_kernels.Config.default(
       num_tokens=x.shape[0], top_k=top_k, num_experts=E, hidden=D, intermediate=I, dtype=x.dtype,
-      platform="rocm" if features.device_class in ("gfx1151", "rdna35_other", "rocm_other") else "cuda",
+      platform=features.platform,
       **(dict(adaptive_tile=features.moe_adaptive_tile, compact_queue=features.moe_compact_queue,
               persistent=features.moe_persistent, programs_per_core=features.moe_programs_per_core,
               fused_combine=features.moe_fused_combine) | forced))
@@ -133,21 +121,11 @@ def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Fea
 
   `moe_sparse_gate_up` feeds the quantized storage to the kernels, which dequantize each tile in-kernel;
   without it the stacked weights are dequantized first (in XLA, by the same canonical decode) and the
-  kernels read bf16/f32 ("dequantize-then-matmul").
+  kernels read bf16/f32 ("dequantize-then-matmul"). f32 operands make exact IEEE f32 dots; bf16
+  (`bf16_matmul`) tensor-core dots.
   """
-  from kernels_pallas import moe as moe_kernels  # pylint: disable=import-outside-toplevel (cycle)
-
-  dt = matmul_dtype()  # f32 operands: exact IEEE f32 dots; bf16 (`bf16_matmul`): tensor-core dots
-
-  def kernel_weight(w):
-    if not isinstance(w, QuantizedWeight):
-      return moe_kernels.DenseWeights(w[...] if dt == F32 else w[...].astype(dt))
-    if features.moe_sparse_gate_up:
-      return moe_kernels.QuantizedExpertWeights.from_storage(w.format, w.storage(), w.logical_shape)
-    return moe_kernels.DenseWeights(w.dequantize().astype(dt))  # the cast fuses into the decode
-
-  x = x.astype(dt)
-  return moe_kernels.moe(x, weights, idx, *(kernel_weight(w) for w in (experts.w1, experts.w2, experts.w3)),
+  x = x.astype(features.matmul_dtype)
+  return moe_kernels.moe(x, weights, idx, *experts.kernel_weights(x.dtype, features.moe_sparse_gate_up),
                          swiglu_limit=experts.limit, shared=shared,
                          config=kernel_config(features, x, experts, idx.shape[1]),
                          interpret=features.interpret, validate_routes=False)

@@ -1,4 +1,4 @@
-"""Layer-major banded prefill (lucebox-stack.md §1.2, upstream #684) with the layer state carried across bands.
+"""Layer-major banded prefill (docs/upstream.md §2, upstream #684) with the layer state carried across bands.
 
     logits = prefill_logits(model, tokens, features)        # final position, f32 [vocab]
 

@@ -1,10 +1,13 @@
-"""Interleaved partial RoPE on the last `rope_head_dim` dims, with DeepSeek's YaRN (no mscale)."""
+"""RoPE frequencies of each layer, with DeepSeek's YaRN (no mscale) (docs/model.md §3).
+
+The rotation itself, `apply_rope`, lives with the attention reference (kernels_pallas/mla/reference.py): the model
+and the kernels share it.
+"""
 
 from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.config import Attention, DeepseekV4Config, Yarn
@@ -35,20 +38,3 @@ def layer_inv_freq(cfg: DeepseekV4Config, kind: Attention) -> np.ndarray:
     return inv_freq(cfg.rope_head_dim, cfg.rope_theta, None)
   return inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.yarn)
 
-
-def apply(x: jnp.ndarray, positions: jnp.ndarray, freqs: np.ndarray, inverse: bool = False) -> jnp.ndarray:
-  """Rotates dims (2i, 2i+1) of the last 2*len(freqs) dims of x by angle pos*f_i.
-
-  x: [S, d] or [S, heads, d]; positions: [S]. The rotation is computed in f32 and cast back.
-  `inverse` rotates by -pos (used to de-rotate the attention output).
-  """
-  r = 2 * len(freqs)
-  angle = positions.astype(jnp.float32)[:, None] * jnp.asarray(freqs)[None, :]  # [S, r/2]
-  if inverse:
-    angle = -angle
-  angle = angle.reshape(angle.shape[:1] + (1,) * (x.ndim - 2) + angle.shape[1:])  # over a head axis
-  cos, sin = jnp.cos(angle), jnp.sin(angle)
-  nope, rope = x[..., :-r], x[..., -r:].astype(jnp.float32)
-  even, odd = rope[..., 0::2], rope[..., 1::2]
-  rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rope.shape)
-  return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import run_record
-from kernels_pallas import mla
-from kernels_pallas.moe import bench as kernel_bench
+from ds4jax.metrics import nmse
+from experiments import run_record, timing
+from kernels_pallas import indexer, mla
 
 _QUERIES = flags.DEFINE_integer("queries", 8192, "Queries per chunk (T).")
 _CONTEXTS = flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "Context lengths L (chunk ends at L).")
@@ -46,7 +46,7 @@ PRECISE = "stream_f32_stage"
 
 def timeit(f, *args, n):
   """Median ms of n warm calls."""
-  return kernel_bench.timeit(f, *args, n=n)
+  return timing.timeit(f, *args, n=n)
 
 
 def compiled_bytes(f, *args) -> int | None:
@@ -79,7 +79,6 @@ def main(argv):
     if _OUT.value:
       run_record.write_json(_OUT.value, record)
 
-  from kernels_pallas import indexer  # pylint: disable=import-outside-toplevel
   for L in contexts:
     q_start = max(L - T, 0)
     Tq = L - q_start
@@ -123,14 +122,14 @@ def main(argv):
         save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
     if PRECISE in outs:
       for name, o in outs.items():
-        save(base | dict(contender=name, nmse_vs_precise=mla.nmse(o, outs[PRECISE]),
+        save(base | dict(contender=name, nmse_vs_precise=nmse(o, outs[PRECISE]),
                          max_abs_vs_precise=float(jnp.max(jnp.abs(o - outs[PRECISE])))))
       # The dense reference on the last ref_queries queries (its [T, N + R] scores do not fit at full T).
       m = min(_REF_QUERIES.value, Tq)
       sl = slice(Tq - m, Tq)
       want = mla.sparse_mla_reference(q[sl], raw_kv, comp_kv, sink, q_start=q_start + Tq - m, raw_start=raw_start,
                                       kind="csa", ratio=ratio, window=W, inv_freq=freqs, indices=indices[sl])
-      save(base | dict(contender=PRECISE, ref_queries=m, nmse_vs_dense_reference=mla.nmse(outs[PRECISE][sl], want)))
+      save(base | dict(contender=PRECISE, ref_queries=m, nmse_vs_dense_reference=nmse(outs[PRECISE][sl], want)))
     dense = jax.jit(lambda a, b, c, d, e: mla.sparse_mla_reference(
         a, b, c, d, q_start=q_start, raw_start=raw_start, kind="csa", ratio=ratio, window=W, inv_freq=freqs,
         indices=e))

@@ -23,8 +23,7 @@ from absl import app, flags
 
 from ds4jax.quant import bitplanes, rocmfp2, rocmfp2_mix, rocmfp3, rocmfp3_mix, ue4m3
 from ds4jax.quant.rocmfp_layout import HALF
-from experiments import run_record
-from kernels_pallas.moe import bench as kernel_bench
+from experiments import run_record, timing
 
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per variant (median).")
@@ -102,7 +101,7 @@ def main(argv):
                storage_bytes=sum(int(a.size) * a.dtype.itemsize for a in storage.values()),
                bit_identical=bit_identical(fmt, uniform_level, unpack, storage), ms={})
     for vname, f in variants(fmt, uniform_level, unpack).items():
-      rec["ms"][vname] = kernel_bench.timeit(f, storage, n=_REPEATS.value)
+      rec["ms"][vname] = timing.timeit(f, storage, n=_REPEATS.value)
     rec["write_TB_per_s"] = {v: rec["bf16_bytes"] / (ms * 1e-3) / 1e12 for v, ms in rec["ms"].items()}
     out["weights"][name] = rec
     print(f"{name} {shape}: " + ", ".join(f"{v} {ms:.2f} ms" for v, ms in rec["ms"].items())

@@ -19,10 +19,9 @@ from absl import app, flags
 
 from ds4jax.quant import formats
 from ds4jax.quant import policy as quant_policy
-from experiments import run_record
+from experiments import run_record, timing
 from kernels_pallas import moe as moe_kernels
 from kernels_pallas.moe import api, gate_up, routing
-from kernels_pallas.moe import bench as kernel_bench
 
 _TOKENS = flags.DEFINE_list("tokens", ["512", "2048", "8192", "32768"], "Token counts.")
 _ROUTINGS = flags.DEFINE_list("routings", ["uniform", "zipf"], "Routing distributions.")
@@ -46,7 +45,7 @@ def route_ids(key, S, E, K, kind):
 
 def timeit(f, *args, n):
   """Median seconds of n warm calls (the kernels' own tuning sweep's timer, which returns ms)."""
-  return kernel_bench.timeit(f, *args, n=n) / 1e3
+  return timing.timeit(f, *args, n=n) / 1e3
 
 
 def torch_grouped_mm_seconds(x_sorted, w13, group_sizes, n):

@@ -18,6 +18,7 @@ from absl import app, flags
 
 from ds4jax import config, model
 from ds4jax.quant import policy as quant_policy
+from experiments import flags as flags_lib
 from experiments import run_record
 
 _PRESET = flags.DEFINE_string("preset", "v4_flash", "Model preset.")
@@ -25,7 +26,7 @@ _LAYERS = flags.DEFINE_integer("layers", 4, "Keep the first N layers of the pres
 _TOKENS = flags.DEFINE_list("tokens", ["512", "2048", "4096"], "Prompt lengths.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per length after the compile run.")
 _OUT = flags.DEFINE_string("out", None, "Results JSON (rewritten after every length).")
-quant_policy.define_flag()
+flags_lib.define_quant_policy_flag()
 
 
 def main(argv):

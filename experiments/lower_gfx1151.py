@@ -18,7 +18,7 @@ lowers the CUDA configs and compiles them for sm_90 (recorded only). Covered (`-
 
 Each package case is (label, fn, args) at V4-Flash shapes with the config its `Config.default(..., platform=...)`
 ships; the table's config column is the kernel's launch knobs (w = warps, s = stages, grid) and the JSON records
-the package Configs. See kernels_pallas/lowering.py and /work/shared/reference/pallas-notes.md §8. Writes OUT.json
+the package Configs. See kernels_pallas/lowering.py and docs/lowering.md §3. Writes OUT.json
 and OUT.md and prints the tables.
 
 Exits 1, naming kernel, case and config, when a shipped `--arch` kernel of any covered package needs more than
@@ -46,6 +46,8 @@ from absl import app, flags  # noqa: E402
 
 from experiments import run_record  # noqa: E402
 from kernels_pallas import lowering  # noqa: E402
+from kernels_pallas.moe import plan  # noqa: E402
+from kernels_pallas.moe.quantized_weights import QUANTIZED_FORMATS  # noqa: E402
 
 _ARCH = flags.DEFINE_string("arch", "gfx1151", "AMD target whose limits gate the run (exit 1 on a violation).")
 _RECORD_ARCH = flags.DEFINE_list("record_arch", ["gfx1150"], "More AMD targets, recorded but not gating.")
@@ -67,10 +69,6 @@ CUDA_COLS = ("smem B", "regs", "spill st/ld B", "MMA", "compile s", "status")
 
 
 def formats(names) -> list[str]:
-  try:
-    from kernels_pallas.moe.quantized_weights import QUANTIZED_FORMATS  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    QUANTIZED_FORMATS = ()
   if list(names) == ["all"]:
     return ["bf16", *QUANTIZED_FORMATS]
   bad = [n for n in names if n != "bf16" and n not in QUANTIZED_FORMATS]
@@ -81,8 +79,6 @@ def formats(names) -> list[str]:
 
 def lower_moe_case(case: lowering.Case):
   """Lowers an MoE case and checks its kernels against kernels_pallas.moe.plan (names and grids)."""
-  from kernels_pallas.moe import plan  # pylint: disable=import-outside-toplevel
-
   kernels = lowering.lower_kernels(case.fn, case.args, case.platform)
   s = lowering.V4_FLASH_MOE
   p = plan(num_tokens=case.tokens, top_k=s["top_k"], num_experts=s["num_experts"], hidden=s["hidden"],

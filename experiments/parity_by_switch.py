@@ -31,6 +31,7 @@ import numpy as np
 from absl import app, flags
 
 from ds4jax import features as features_lib
+from ds4jax import metrics
 from ds4jax import prefill as prefill_lib
 from experiments import qualification as q
 from experiments import run_record
@@ -74,7 +75,7 @@ def update_errors(out, ref, x_in) -> tuple[float, float]:
   """(NMSE of a layer's update (out - x_in) against the exact update (ref - x_in), max abs of out - ref), on the
   device: the differences of f32 streams are exact where they are close, so f32 sums suffice."""
   num, den, max_abs = _update_errors(out, ref, x_in)
-  return q.nmse_of_sums(float(num), float(den)), float(max_abs)
+  return metrics.nmse_of_sums(float(num), float(den)), float(max_abs)
 
 
 def per_layer(m, ids: np.ndarray, exact: features_lib.Features, runs: dict, log,

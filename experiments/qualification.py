@@ -49,16 +49,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax import config as config_lib
+from ds4jax.checkpoint import mapping
 from ds4jax import features as features_lib
 from ds4jax import model as model_lib
 from ds4jax import prefill as prefill_lib
 from ds4jax.features import KNOBS, SWITCHES, FeatureError, Features
+from ds4jax.metrics import kl_divergence, nmse
 from ds4jax.quant import policy as quant_policy
+from experiments import flags as flags_lib
 from experiments import run_record
 
 
 SCHEMA = "ds4jax.prefill_qualification/1"
-KL_GATE = 0.006  # upstream's preregistered teacher-forced mean-KL gate (lucebox-stack.md §3.5)
+KL_GATE = 0.006  # upstream's preregistered teacher-forced mean-KL gate (docs/upstream.md §7.4)
 # A KL above the gate is "unresolved" rather than a failure when the noise floor is above the gate too and the KL
 # is within this factor of it: the floor is one sample of a chaotic quantity (on the random V4-Flash two runs of
 # the same f32 kernels measured KL 0.006 and 0.048 against the same exact logits).
@@ -153,8 +156,8 @@ def define_flags(flag_values=None) -> None:
                      flag_values=fv)
   flags.DEFINE_boolean("append", d.append, "Keep the records in --out; skip (length, config) pairs already done with "
                        "the same weights and prompt; retry failed ones.", flag_values=fv)
-  quant_policy.define_flag(fv)
-  features_lib.define_flags(fv)
+  flags_lib.define_quant_policy_flag(fv)
+  flags_lib.define_feature_flags(fv)
 
 
 def options_from_flags(fv) -> Options:
@@ -216,33 +219,7 @@ def exact_features(device_cls: str) -> Features:
   return dataclasses.replace(features_lib.REFERENCE, device_class=device_cls)
 
 
-# ---- parity metrics (float64) ----
-def nmse(a, b) -> float:
-  """sum((a - b)^2) / sum(b^2), b the reference."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return nmse_of_sums(float(np.sum((a - b) ** 2)), float(np.sum(b ** 2)))
-
-
-def nmse_of_sums(num: float, den: float) -> float:
-  """num / den, where a zero reference gives 0 for a zero error and inf otherwise."""
-  if den == 0.0:
-    return 0.0 if num == 0.0 else math.inf
-  return num / den
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-  x = np.asarray(x, np.float64)
-  z = x - x.max()
-  return z - np.log(np.sum(np.exp(z)))
-
-
-def kl_divergence(p_logits, q_logits) -> float:
-  """KL(softmax(p) || softmax(q)) in float64: p the exact path, q the configuration. Never negative: rounding can
-  make the sum a few ulps below 0 for nearly equal logits."""
-  lp, lq = _log_softmax(p_logits), _log_softmax(q_logits)
-  return max(float(np.sum(np.exp(lp) * (lp - lq))), 0.0)  # NaN stays NaN
-
-
+# ---- parity metrics (float64; ds4jax/metrics.py) ----
 def parity_metrics(logits, exact, kl_gate: float = KL_GATE) -> dict[str, Any]:
   """Final-position logits of a configuration against the exact path's."""
   a, b = np.asarray(logits, np.float64), np.asarray(exact, np.float64)
@@ -369,8 +346,6 @@ def prompt_ids(opts: Options, cfg: config_lib.DeepseekV4Config) -> tuple[np.ndar
 def build_model(opts: Options, cfg: config_lib.DeepseekV4Config, log: Callable[[str], None] = print):
   dtype = DTYPES[opts.dtype]
   if opts.checkpoint is not None:
-    from ds4jax.checkpoint import mapping  # pylint: disable=import-outside-toplevel
-
     return mapping.load_checkpoint(opts.checkpoint, cfg, dtype=dtype, policy=opts.quant_policy, log=log)
   return model_lib.init_random(cfg, opts.seed, dtype=dtype, policy=opts.quant_policy)
 

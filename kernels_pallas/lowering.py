@@ -5,7 +5,7 @@
       stats = compile_hip(k.ttir, "gfx1151", num_warps=k.num_warps, num_stages=k.num_stages)
       print(k.name, stats["lds_bytes"], stats["vgpr"], check(stats))   # check → [] when within limits
 
-The recipe (/work/shared/reference/pallas-notes.md §8):
+The recipe (docs/lowering.md §3):
   1. Lower `jax.jit(fn)` for an abstract GPU (`AbstractDevice(device_kind="gfx1151", platform="rocm")`); `args` are
      `jax.ShapeDtypeStruct`s, nothing is allocated.
   2. Every Pallas-Triton kernel is a `stablehlo.custom_call @__gpu$xla.gpu.triton` whose `mhlo.backend_config`
@@ -44,6 +44,11 @@ import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
+
+from ds4jax.quant import formats
+from kernels_pallas.moe import Config, moe
+from kernels_pallas.moe.quantized_weights import QuantizedExpertWeights
 
 TRITON_VERSION = "3.9.0"
 INSTALL_HINT = "pip install -e '.[lowering]'  (installs triton==3.9.0)"
@@ -401,10 +406,6 @@ def moe_case(fmt: str = "bf16", tokens: int = 8192, platform: str = "rocm", *, c
   weights ("bf16" or a quantized format of kernels_pallas.moe.quantized_weights), bf16 activations and the shared
   expert's output precomputed (as ds4jax.moe passes it). `config=None` takes what ds4jax would ship for the
   platform: `Config.default(..., platform=...)` (+ `config_overrides`)."""
-  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp
-  from kernels_pallas.moe import Config, moe
-
   s = dict(V4_FLASH_MOE, **(shapes or {}))
   S, K, E, D, I = tokens, s["top_k"], s["num_experts"], s["hidden"], s["intermediate"]
   x_dtype = jnp.dtype(x_dtype or jnp.bfloat16)
@@ -416,8 +417,6 @@ def moe_case(fmt: str = "bf16", tokens: int = 8192, platform: str = "rocm", *, c
     w13, w2 = sds((E, I, D), jnp.bfloat16), sds((E, D, I), jnp.bfloat16)
     wrap = lambda w, shape: w
   else:
-    from ds4jax.quant import formats
-    from kernels_pallas.moe.quantized_weights import QuantizedExpertWeights
     storage = lambda shape: {n: sds(sh, dt) for n, (sh, dt) in formats.get(fmt).storage(shape).items()}
     w13, w2 = storage((E, I, D)), storage((E, D, I))
     wrap = lambda w, shape: QuantizedExpertWeights.from_storage(fmt, w, shape)

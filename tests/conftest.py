@@ -1,18 +1,48 @@
-"""Shared fixtures. Tests never read absl FLAGS: configs are passed explicitly."""
+"""Shared fixtures. Tests never read absl FLAGS: configs are passed explicitly.
+
+Random inputs are seeded per test: the seed is a hash of the test's id, so a failure in CI reproduces locally, and
+DS4JAX_TEST_SEED=<int> replaces it for every test (to replay or to explore other draws). A failing test that drew
+from `rng` or `seed` prints its seed in the report.
+"""
+
+import os
+import zlib
 
 import numpy as np
 import pytest
 
+SEED_ENV = "DS4JAX_TEST_SEED"
+
+
+def seed_of(nodeid: str) -> int:
+  """The seed of one test: DS4JAX_TEST_SEED if set, else a stable hash of the test id."""
+  override = os.environ.get(SEED_ENV)
+  return int(override) if override else zlib.crc32(nodeid.encode())
+
 
 @pytest.fixture
-def rng():
-  """A generator with a fresh seed per test; the seed is printed so a failure can be replayed."""
-  seed = np.random.SeedSequence().entropy
-  print(f"rng seed: {seed}")  # pytest shows this when the test fails
+def rng(request):
+  """A numpy generator seeded for this test (see the module docstring)."""
+  seed = seed_of(request.node.nodeid)
+  request.node.user_properties.append(("seed", seed))
   return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def module_seed(request):
+  """The seed of a module-scoped fixture (a model shared by a file's tests): its module's id, hashed."""
+  return seed_of(request.node.nodeid) % 2**31
 
 
 @pytest.fixture
 def seed(rng):
-  """A fresh integer seed for jax / nnx.Rngs."""
+  """An integer seed for jax / nnx.Rngs, drawn from this test's `rng`."""
   return int(rng.integers(0, 2**31 - 1))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  report = (yield).get_result()
+  seeds = [v for k, v in item.user_properties if k == "seed"]
+  if report.failed and seeds:
+    report.sections.append(("seed", f"{SEED_ENV}={seeds[0]} reproduces this test's random inputs"))

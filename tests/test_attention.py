@@ -1,4 +1,4 @@
-"""Attention (deepseek-v4.md §4): masks, the sink softmax, and whole layers of each kind against a per-query loop.
+"""Attention (docs/model.md §4): masks, the sink softmax, and whole layers of each kind against a per-query loop.
 
 The loop reference gathers each query's key set explicitly (window rows t-W < j <= t, plus every visible compressed
 row on HCA layers or the indexer's picks on CSA layers), runs one joint softmax with the per-head sink (denominator
@@ -13,7 +13,8 @@ import numpy as np
 from flax import nnx
 
 from ds4jax import config
-from ds4jax.attention import Attention, selected_bias, sink_attention, window_bias
+from ds4jax.attention import Attention
+from kernels_pallas.mla.reference import selected_bias, sink_attention, window_bias
 from ds4jax.config import Attention as Kind
 
 S = 37

@@ -1,4 +1,4 @@
-"""Gated-pooling compressor (deepseek-v4.md §5) against a per-window, per-channel numpy loop.
+"""Gated-pooling compressor (docs/model.md §5) against a per-window, per-channel numpy loop.
 
 Covers the overlapping CSA form (ratio 4; FIRST `dim` channels = PREVIOUS window; window 0's previous
 slots have value 0 and logit -inf) and the non-overlapping HCA form, incomplete trailing windows, S < ratio,
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ds4jax.compressor import Compressor, visible_rows
+from ds4jax.compressor import Compressor
+from kernels_pallas.mla.reference import visible_rows
 
 HIDDEN, DIM, EPS = 16, 12, 1e-6
 FREQS = (100.0 ** -(np.arange(4) / 4)).astype(np.float32)  # r = 8: rope on the last 8 of 12 dims

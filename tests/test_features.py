@@ -3,7 +3,6 @@
 import types
 
 import pytest
-from absl import flags
 
 from ds4jax import features
 from ds4jax.features import CAPABILITIES, FeatureError, SWITCHES
@@ -69,15 +68,6 @@ def test_unsupported_switch_is_an_error_not_a_fallback():
   assert unsupported, "nothing to check"
   with pytest.raises(FeatureError, match=rf"--{unsupported[0]} .* is not supported on rocm_other"):
     features.resolve("rocm_other", {unsupported[0]: True})
-
-
-def test_flags_map_to_features():
-  fv = flags.FlagValues()
-  features.define_flags(fv)
-  fv(["prog", "--nomoe_fused_combine", "--prefill_band_tokens=4096"])
-  f = features.from_flags(fv, "cpu_interpret")
-  assert f.prefill_band_tokens == 4096 and not f.moe_fused_combine
-  assert "GGML_CUDA_MLA_STREAM_FAST_EXP" in fv["mla_stream_fast_exp"].help
 
 
 def test_readme_maps_every_flag_to_its_upstream_name():

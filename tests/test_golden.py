@@ -11,6 +11,7 @@ import pytest
 
 from ds4jax import model
 from ds4jax.checkpoint.mapping import load_checkpoint
+from ds4jax.metrics import nmse
 
 GOLDENS = pathlib.Path(__file__).parent / "goldens"
 ATOL = 1e-4  # f32, every position
@@ -23,10 +24,6 @@ def golden(request):
   g = dict(np.load(d / "golden.npz"))
   logits, streams = model.forward(m, g["input_ids"], return_streams=True)
   return request.param, g, np.asarray(logits), np.asarray(streams), m
-
-
-def nmse(a, b):
-  return float(np.sum((a - b) ** 2) / np.sum(b ** 2))
 
 
 def test_logits_match_transformers_at_every_position(golden):

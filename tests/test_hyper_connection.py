@@ -1,4 +1,4 @@
-"""mHC hyper-connections (deepseek-v4.md §8) against numpy loop references.
+"""mHC hyper-connections (docs/model.md §8) against numpy loop references.
 
 `sinkhorn`: softmax over the last axis + eps, a column normalisation, then iters-1 rounds of rows/cols (each with +eps
 in the denominator). A full HC site: mix = unweighted-rmsnorm(flattened streams) @ fn^T, [pre | post | comb] in that

@@ -1,4 +1,4 @@
-"""Lightning indexer (deepseek-v4.md §6) against a numpy loop reference.
+"""Lightning indexer (docs/model.md §6) against a numpy loop reference.
 
 score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]), w = weights_proj(x) * ci^-0.5 * Hi^-0.5, q rotated at t with the
 compressed-layer table, k from the indexer's own overlapping ratio-4 compressor (dim index_head_dim); -inf for

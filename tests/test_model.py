@@ -11,8 +11,8 @@ from ds4jax.moe import Buffer
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
-  return model.init_random(config.tiny(), seed=int(np.random.SeedSequence().entropy % 2**31), dtype=jnp.float32)
+def tiny_model(module_seed):
+  return model.init_random(config.tiny(), seed=module_seed, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("tokens, message", [

@@ -9,14 +9,15 @@ import pytest
 
 from ds4jax import config, features, model
 from ds4jax.features import CAPABILITIES, SWITCHES, Features
+from ds4jax.metrics import nmse
 
 DEVICE = features.device_class()  # cpu_interpret here; sm_90 when the suite runs on an H200
 TOKENS = np.arange(2, 42)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-  m = model.init_random(config.tiny_sparse(), seed=int(np.random.SeedSequence().entropy % 2**31),
+def tiny(module_seed):
+  m = model.init_random(config.tiny_sparse(), seed=module_seed,
                         dtype=jnp.float32)
   return m, np.asarray(model.forward(m, TOKENS))
 
@@ -29,10 +30,6 @@ def alone(switch: str) -> Features:
 
 def kernel_names(m, f: Features) -> list[str]:
   return [name for name, _ in features.pallas_calls(lambda t: m(t, features=f), jnp.asarray(TOKENS))]
-
-
-def nmse(a, b):
-  return float(np.sum((a - b) ** 2) / np.sum(b ** 2))
 
 
 SUPPORTED = [s for s, cap in CAPABILITIES[DEVICE].items() if cap.supported]
@@ -110,12 +107,12 @@ def test_bf16_matmul_rounds_the_operands_and_stays_close(tiny):
 
 
 @pytest.mark.parametrize("policy", ["lucebox_mix"])  # MIX experts + FP4 dense; official is covered in kernels tests
-def test_quantized_model_fused_and_dequantize_first_paths(policy):
+def test_quantized_model_fused_and_dequantize_first_paths(policy, seed):
   """moe_sparse_gate_up feeds quantized tiles to the kernels (dequantized in-kernel); without it the
   stacked weights are dequantized first. Both must match the exact reference of the same quantized model."""
   if not CAPABILITIES[DEVICE]["moe_sparse_gate_up"].supported:
     pytest.skip(f"moe_sparse_gate_up is not advertised on {DEVICE}")
-  m = model.init_random(config.tiny(hidden_size=128), seed=int(np.random.SeedSequence().entropy % 2**31),
+  m = model.init_random(config.tiny(hidden_size=128), seed=seed,
                         dtype=jnp.float32, policy=policy)
   ref = np.asarray(model.forward(m, TOKENS))
   fused = features.resolve(DEVICE, {s: s in ("moe_sparse_gate_up", "moe_compact_queue") for s in SWITCHES})

@@ -1,4 +1,4 @@
-"""MoE (deepseek-v4.md §7) against per-token numpy loops.
+"""MoE (docs/model.md §7) against per-token numpy loops.
 
 Router: score = sqrt(softplus(logit)); selection by top-k of score + bias (or tid2eid[token] on hash layers); weights
 from the score WITHOUT bias, renormalised, times routed_scaling_factor. Experts: clamped SwiGLU (gate clamped from above
@@ -13,7 +13,8 @@ from flax import nnx
 
 from ds4jax import config
 from ds4jax.config import Routing
-from ds4jax.moe import MoE, Router, Experts, SharedExpert, clamped_swiglu
+from ds4jax.moe import MoE, Router, Experts, SharedExpert
+from kernels_pallas.moe.reference import clamped_swiglu
 
 S = 10
 HASH_LAYER, TOPK_LAYER = 0, 1  # in the tiny preset

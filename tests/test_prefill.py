@@ -10,10 +10,10 @@ S = 45  # not a multiple of any band below, nor of the ratios 4 and 8
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(module_seed):
   """The tiny model has every layer kind: window (W=8), CSA (ratio 4, top-3 indexer), HCA (ratio 8)."""
-  m = model.init_random(config.tiny(), seed=int(np.random.SeedSequence().entropy % 2**31), dtype=jnp.float32)
-  tokens = np.random.default_rng().integers(0, m.cfg.vocab_size, S)
+  m = model.init_random(config.tiny(), seed=module_seed, dtype=jnp.float32)
+  tokens = np.random.default_rng(module_seed).integers(0, m.cfg.vocab_size, S)
   return m, tokens, np.asarray(model.forward(m, tokens))
 
 
@@ -72,10 +72,10 @@ def test_short_prompt_band_rounds_up_to_whole_chunks():
                                                                         long_context_chunk=0))) == 45
 
 
-def test_banded_prefill_with_every_fast_path_matches_one_shot():
+def test_banded_prefill_with_every_fast_path_matches_one_shot(rng, seed):
   """The Pallas paths at traced band offsets: window tail before position 0, compressed rows of earlier bands."""
-  m = model.init_random(config.tiny_sparse(), seed=int(np.random.SeedSequence().entropy % 2**31), dtype=jnp.float32)
-  tokens = np.random.default_rng().integers(0, m.cfg.vocab_size, 37)
+  m = model.init_random(config.tiny_sparse(), seed=seed, dtype=jnp.float32)
+  tokens = rng.integers(0, m.cfg.vocab_size, 37)
   ref = np.asarray(model.forward(m, tokens))
   all_on = {s: True for s in features.SWITCHES if features.CAPABILITIES["cpu_interpret"][s].supported
             and s != "bf16_matmul"}  # the kernels compute the exact math; bf16 operands do not

@@ -1,4 +1,4 @@
-"""RoPE / YaRN (deepseek-v4.md §3) against an independent numpy reference.
+"""RoPE / YaRN (docs/model.md §3) against an independent numpy reference.
 
 The rotation reference is a complex multiplication: pair (x[2i], x[2i+1]) of the LAST r dims is read as
 x[2i] + i*x[2i+1] and multiplied by e^{i*p*f_i}. The YaRN table is recomputed from the formula in float64.
@@ -12,6 +12,7 @@ import pytest
 
 from ds4jax import config, rope
 from ds4jax.config import Attention, Yarn
+from kernels_pallas.mla.reference import apply_rope
 
 
 def ref_inv_freq(r, theta, yarn=None):
@@ -92,7 +93,7 @@ def test_apply_matches_complex_reference_last_dims_only(rng, shape):
   freqs = ref_inv_freq(8, 100.0).astype(np.float32)  # r = 8 of d = 24: nope dims are the first 16
   x = rng.standard_normal(shape).astype(np.float32)
   pos = rng.integers(0, 200, size=shape[0])
-  got = np.asarray(rope.apply(jnp.asarray(x), jnp.asarray(pos), freqs))
+  got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(pos), freqs))
   want = ref_rope(x, pos, freqs)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
   np.testing.assert_array_equal(got[..., :16], x[..., :16])  # nope dims untouched, bit for bit
@@ -103,10 +104,10 @@ def test_apply_inverse_undoes_rotation(rng):
   freqs = ref_inv_freq(16, 10000.0).astype(np.float32)
   x = rng.standard_normal((9, 2, 40)).astype(np.float32)
   pos = jnp.asarray(rng.integers(0, 500, size=9))
-  rot = rope.apply(jnp.asarray(x), pos, freqs)
-  np.testing.assert_allclose(np.asarray(rope.apply(rot, pos, freqs, inverse=True)), x, atol=2e-5)
+  rot = apply_rope(jnp.asarray(x), pos, freqs)
+  np.testing.assert_allclose(np.asarray(apply_rope(rot, pos, freqs, inverse=True)), x, atol=2e-5)
   # inverse is the rotation by -p, checked against the complex reference
-  np.testing.assert_allclose(np.asarray(rope.apply(jnp.asarray(x), pos, freqs, inverse=True)),
+  np.testing.assert_allclose(np.asarray(apply_rope(jnp.asarray(x), pos, freqs, inverse=True)),
                              ref_rope(x, np.asarray(pos), freqs, sign=-1.0), atol=2e-5, rtol=1e-5)
 
 
@@ -117,8 +118,8 @@ def test_relative_position_property(rng):
   k = rng.standard_normal((1, 24)).astype(np.float32)
 
   def dot(p1, p2):
-    a = rope.apply(jnp.asarray(q), jnp.asarray([p1]), freqs)
-    b = rope.apply(jnp.asarray(k), jnp.asarray([p2]), freqs)
+    a = apply_rope(jnp.asarray(q), jnp.asarray([p1]), freqs)
+    b = apply_rope(jnp.asarray(k), jnp.asarray([p2]), freqs)
     return float(jnp.sum(a * b))
 
   for p1, p2 in [(7, 3), (3, 7), (20, 20)]:

@@ -1,4 +1,4 @@
-"""FP4 E2M1 with per-32 UE8M0 scales: DeepSeek-V4's routed-expert weight format (deepseek-v4.md §12.1).
+"""FP4 E2M1 with per-32 UE8M0 scales: DeepSeek-V4's routed-expert weight format (docs/formats.md §3).
 
 A weight [out, in] is stored as int8 (safetensors I8; uint8 is accepted too) [out, in/2], two values per byte: the LOW
 nibble is the even (first) element, the high nibble the odd one. `.scale` is UE8M0 bytes [out, in/32]:

@@ -1,4 +1,4 @@
-"""FP8 E4M3 with 128×128 UE8M0 block scales: DeepSeek-V4's dense weight format (deepseek-v4.md §12.1).
+"""FP8 E4M3 with 128×128 UE8M0 block scales: DeepSeek-V4's dense weight format (docs/formats.md §2).
 
 A weight [out, in] is stored as float8_e4m3fn (safetensors F8_E4M3) plus `.scale` [ceil(out/128), ceil(in/128)] of UE8M0
 bytes (F8_E8M0):

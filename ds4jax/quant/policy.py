@@ -61,17 +61,6 @@ def get(spec: str) -> QuantPolicy:
   return QuantPolicy(spec, **roles)
 
 
-def define_flag(flag_values=None) -> None:
-  """The `--quant_policy` absl flag (entry points only; library code takes a QuantPolicy)."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-
-  flags.DEFINE_string(
-      "quant_policy", "bf16",
-      f"Weight format per tensor role: one of {sorted(POLICIES)}, or dense=FMT,gate_up=FMT,down=FMT with FMT in "
-      f"{list(formats.FORMATS)}. lucebox_mix = upstream's artifact (FP2/FP3 MIX experts, 4-bit dense).",
-      flag_values=flags.FLAGS if flag_values is None else flag_values)
-
-
 def check_shape(fmt: formats.Format, shape: tuple[int, ...], what: str) -> None:
   """Start-up check that a weight of `shape` can be stored in `fmt` (names the tensor and the rule)."""
   if shape[-1] % fmt.in_multiple:

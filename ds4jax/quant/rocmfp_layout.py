@@ -1,4 +1,4 @@
-"""Block geometry shared by the ROCmFP2/ROCmFP3 formats and their MIX variants (lucebox-stack.md §1.5).
+"""Block geometry shared by the ROCmFP2/ROCmFP3 formats and their MIX variants (docs/formats.md §5).
 
 Upstream stores 32 weights per block along `in`, as two 16-weight half-blocks with one scale byte each (element j of a
 block uses e[j >= 16]). ds4jax stores the same codes and scale bytes as separate planes (see each format module); this

@@ -1,4 +1,4 @@
-"""Per-expert codebooks of the ROCmFP MIX formats (Q2_1_ROCMFP2_MIX, Q3_1_ROCMFP3_MIX; lucebox-stack.md §1.5).
+"""Per-expert codebooks of the ROCmFP MIX formats (Q2_1_ROCMFP2_MIX, Q3_1_ROCMFP3_MIX; docs/formats.md §6).
 
 Each expert (each leading index of a stacked weight [..., out, in]) has a `mode` byte and two sorted BF16 codebooks,
 `books` [..., 2, K] (book 0 then book 1; K = 4 for FP2-MIX, 8 for FP3-MIX), strictly increasing and finite. Every

@@ -1,4 +1,4 @@
-"""UE4M3: the unsigned 7-bit scale byte of the ROCmFP2/ROCmFP3 formats and their MIX variants (lucebox-stack.md §1.5).
+"""UE4M3: the unsigned 7-bit scale byte of the ROCmFP2/ROCmFP3 formats and their MIX variants (docs/formats.md §4).
 
 A byte e in 0..0x7E has exp = e >> 3 and mant = e & 7:
 

@@ -1,4 +1,4 @@
-"""Lightning indexer of CSA layers as Pallas-Triton kernels (deepseek-v4.md §6, lucebox-stack.md §1.3)."""
+"""Lightning indexer of CSA layers as Pallas-Triton kernels (docs/model.md §6, docs/upstream.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The two ways the indexer's picks reach sparse attention (lucebox-stack.md §1.3, `DFLASH_DS4_DIRECT_INDEXER_TOPK`).
+"""The two ways the indexer's picks reach sparse attention (docs/upstream.md §3, `DFLASH_DS4_DIRECT_INDEXER_TOPK`).
 
 * direct path: the [T, k] int32 ids from `topk` (ascending, −1 tail) go straight to attention.
 * mask path (upstream default): the ids become an additive [T, n_rows] 0/−inf mask (`mask_from_topk`,

@@ -1,4 +1,4 @@
-"""Indexer scoring kernel (deepseek-v4.md §6; Lucebox `ggml_ds4_indexer_score_masked`), Pallas-Triton.
+"""Indexer scoring kernel (docs/model.md §6; Lucebox `ggml_ds4_indexer_score_masked`), Pallas-Triton.
 
     score[t, s] = Σ_h w[t,h] · relu(q[t,h] · k[s])    visible iff s < (q_start + t + 1) // ratio, else −inf
 

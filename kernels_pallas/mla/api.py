@@ -65,16 +65,13 @@ def sparse_mla(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio
   (None allowed for kind "window"); sink [H]; q_start / raw_start Python ints or traced int32 scalars (one
   compile serves every offset); kind "window" | "hca" | "csa"; indices [T, k] int32 for "csa" (ascending,
   −1 = empty); inv_freq numpy [rope_dim / 2]; scale defaults to D^−0.5.
-  impl "stream" | "grouped"; f32_stage / fast_exp are the streaming kernel's options (fast_exp needs stream and
-  f32_stage). config=None picks `Config.default` for the platform ("cpu" heuristics when interpret).
+  impl "stream" | "grouped"; f32_stage / fast_exp are the streaming kernel's options (any combination runs here;
+  the upstream rule that fast exp needs f32 staging is a feature rule, checked in ds4jax/features.py). config=None picks `Config.default` for the platform ("cpu" heuristics when interpret).
   """
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
   if fast_exp and impl != "stream":
     raise ValueError(f"fast_exp=True requires impl='stream' (got impl={impl!r})")
-  if fast_exp and not f32_stage:
-    raise ValueError("fast_exp=True requires f32_stage=True (as GGML_CUDA_MLA_STREAM_FAST_EXP requires the FP32 "
-                     "staging)")
   q, raw_kv, sink = jnp.asarray(q), jnp.asarray(raw_kv), jnp.asarray(sink)
   comp_kv = None if comp_kv is None else jnp.asarray(comp_kv)
   indices = None if indices is None else jnp.asarray(indices)
@@ -110,12 +107,6 @@ def _run(offsets, q, raw_kv, comp_kv, idx, sink, freq_cols, *, g, config, impl, 
 def kernel_name(impl: str = "stream", f32_stage: bool = True, fast_exp: bool = False) -> str:
   """The pallas_call name `sparse_mla` launches for these options."""
   return grouped_mod.NAME if impl == "grouped" else stream_mod.kernel_name(f32_stage, fast_exp)
-
-
-def nmse(got, want) -> float:
-  """Σ(got − want)² / Σ want² in float64."""
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.sum((got - want) ** 2) / max(np.sum(want ** 2), 1e-300))
 
 
 def lowering_cases(platform: str) -> list[tuple[str, object, tuple]]:
@@ -155,5 +146,5 @@ def lowering_cases(platform: str) -> list[tuple[str, object, tuple]]:
   return cases
 
 
-__all__ = ["Config", "IMPLS", "V4_FLASH_MLA", "kernel_name", "lowering_cases", "nmse", "sparse_mla",
+__all__ = ["Config", "IMPLS", "V4_FLASH_MLA", "kernel_name", "lowering_cases", "sparse_mla",
            "sparse_mla_reference"]

@@ -1,4 +1,4 @@
-"""Grouped sparse MLA attention: the baseline upstream measured streaming against (lucebox-stack.md §1.4,
+"""Grouped sparse MLA attention: the baseline upstream measured streaming against (docs/upstream.md §4,
 `ds4_flash_attn_d512_shared_kv_grouped_compact_kernel`), Pallas-Triton.
 
 Same programs and key stages as stream.py, but in two passes over the key set:

@@ -1,16 +1,17 @@
-"""Exact dense reference of one sparse MLA attention layer and the input checks the kernels share.
+"""Exact dense reference of one sparse MLA attention layer, the math it is built from, and the input checks the
+kernels share.
 
     o[t, h] = invrope_{p_t}( Σ_j softmax_j(q[t,h]·k_j·scale ; sink[h]) · k_j ),   p_t = q_start + t
 
-The key set of query t (deepseek-v4.md §4; one shared K = V latent head):
+The key set of query t (docs/model.md §4.1; one shared K = V latent head):
   raw rows      raw_kv[i] sits at position raw_start + i and is seen iff p_t − window < raw_start + i <= p_t and raw_start + i >= 0;
   compressed    "hca": every row w < (p_t + 1) // ratio; "csa": the rows in indices[t] (−1 = empty), which must
                 also satisfy that visibility test (checked analytically again); "window": none.
 One softmax per head over all its keys plus the sink logit (the sink adds mass, no value). The last rope_dim dims
 of the output are rotated back by −p_t (values carry rotated dims).
 
-`sparse_mla_reference` is the model's dense masked path (ds4jax/attention.py) generalised to q_start/raw_start
-offsets: concat([raw_kv, comp_kv]) with an additive 0/−inf bias, `sink_attention`, inverse `rope.apply`.
+The building blocks (`window_bias`, `selected_bias`, `visible_rows`, `sink_attention`, `apply_rope`) are also the
+model's exact attention path (ds4jax/attention.py): one definition serves both.
 """
 
 from __future__ import annotations
@@ -19,14 +20,63 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax import rope
-from ds4jax.attention import selected_bias, sink_attention, window_bias
-from ds4jax.compressor import visible_rows
 from kernels_pallas.mla.config import is_pow2
+from kernels_pallas.precision import einsum
 
 F32 = jnp.float32
 KINDS = ("window", "hca", "csa")
 FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def window_bias(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
+  """[Sq, Sk] additive mask: key j is in query t's window iff t - window < j <= t (and j >= 0: a real position)."""
+  d = q_pos[:, None] - k_pos[None, :]
+  return jnp.where((d >= 0) & (d < window) & (k_pos[None, :] >= 0), 0.0, -jnp.inf).astype(F32)
+
+
+def selected_bias(topk: jax.Array, n_rows: int) -> jax.Array:
+  """[S, n_rows] additive mask from [S, k] row ids (-1 = none): 0 at selected rows, -inf elsewhere."""
+  safe = jnp.where(topk >= 0, topk, n_rows)  # -1 goes to a spill column that is dropped
+  hit = jnp.zeros((topk.shape[0], n_rows + 1), bool).at[jnp.arange(topk.shape[0])[:, None], safe].set(True)
+  return jnp.where(hit[:, :n_rows], 0.0, -jnp.inf).astype(F32)
+
+
+def visible_rows(positions: jax.Array, n_rows: int, ratio: int) -> jax.Array:
+  """[S, n_rows] bool: compressed row w is complete, hence visible, at query position t iff w < (t+1) // ratio."""
+  return jnp.arange(n_rows)[None, :] < ((positions + 1) // ratio)[:, None]
+
+
+def sink_attention(q: jax.Array, keys: jax.Array, bias: jax.Array, sink: jax.Array, scale: float,
+                   operand_dtype=F32) -> jax.Array:
+  """Softmax over keys and a per-head sink logit jointly; values are the keys (K = V) (docs/model.md §4.2).
+
+  q: [S, H, d]; keys: [N, d]; bias: [S, N] (0 or -inf); sink: [H]. Returns [S, H, d] in f32. The two dots take
+  `operand_dtype` operands (kernels_pallas/precision.py); the softmax is f32.
+  """
+  s = einsum("thd,nd->thn", q.astype(F32), keys.astype(F32), operand_dtype=operand_dtype) * scale
+  s = s + bias[:, None, :]
+  m = jnp.maximum(jnp.max(s, axis=-1), sink[None, :])  # the sink joins the running max too
+  p = jnp.exp(s - m[..., None])
+  denom = jnp.sum(p, axis=-1) + jnp.exp(sink[None, :] - m)  # the sink adds mass but no value
+  return einsum("thn,nd->thd", p / denom[..., None], keys.astype(F32), operand_dtype=operand_dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray, inverse: bool = False) -> jax.Array:
+  """Rotates dims (2i, 2i+1) of the last 2*len(freqs) dims of x by angle pos*f_i (docs/model.md §3).
+
+  x: [S, d] or [S, heads, d]; positions: [S]. The rotation is computed in f32 and cast back.
+  `inverse` rotates by -pos (used to de-rotate the attention output).
+  """
+  r = 2 * len(freqs)
+  angle = positions.astype(jnp.float32)[:, None] * jnp.asarray(freqs)[None, :]  # [S, r/2]
+  if inverse:
+    angle = -angle
+  angle = angle.reshape(angle.shape[:1] + (1,) * (x.ndim - 2) + angle.shape[1:])  # over a head axis
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  nope, rope = x[..., :-r], x[..., -r:].astype(jnp.float32)
+  even, odd = rope[..., 0::2], rope[..., 1::2]
+  rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rope.shape)
+  return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)
 
 
 def _concrete_int(x):
@@ -105,7 +155,7 @@ def check_inputs(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind, ratio, w
 
 def sparse_mla_reference(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio: int, window: int,
                          inv_freq, indices=None, scale: float | None = None) -> jax.Array:
-  """f32 [T, H, D]: the dense masked attention of ds4jax.attention (all keys scored, bias 0/−inf) at the given
+  """f32 [T, H, D]: the model's dense masked attention (all keys scored, bias 0/−inf) at the given
   offsets. Dense [T, N + R] scores: an oracle for small problems (chunk the queries for large ones)."""
   check_inputs(q, raw_kv, comp_kv, sink, q_start=q_start, raw_start=raw_start, kind=kind, ratio=ratio,
                window=window, inv_freq=inv_freq, indices=indices)
@@ -121,4 +171,4 @@ def sparse_mla_reference(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: 
     keys = jnp.concatenate([keys, comp_kv.astype(F32)])
     bias = jnp.concatenate([bias, row_bias], axis=1)
   o = sink_attention(q, keys, bias, jnp.asarray(sink, F32), scale)
-  return rope.apply(o, positions, np.asarray(inv_freq, np.float32), inverse=True)
+  return apply_rope(o, positions, np.asarray(inv_freq, np.float32), inverse=True)

@@ -1,4 +1,5 @@
-"""Streaming sparse MLA attention (lucebox-stack.md §1.4, `ds4_flash_attn_d512_streaming_topk_kernel`), Pallas-Triton.
+"""Streaming sparse MLA attention (docs/upstream.md §4; upstream `ds4_flash_attn_d512_streaming_topk_kernel`),
+Pallas-Triton.
 
 One program = Tq queries × Hp heads (M rows) against their key set (keyset.py): it gathers the window rows, then
 the selected (CSA) or visible (HCA) compressed rows, kb rows per stage, and updates the online-softmax state
@@ -22,7 +23,8 @@ Options (lucebox switches):
              (upstream's unstaged kernel converts per use; here the operands are bf16 parts already, so the
              difference is the second load, an L1/L2 hit).
   fast_exp   (GGML_CUDA_MLA_STREAM_FAST_EXP): exp2 with log2 e folded into the scale and the sink (hardware ex2 /
-             v_exp_f32) instead of exp. Needs f32_stage (as upstream).
+             v_exp_f32) instead of exp. Upstream only ships it with f32 staging, a rule the feature switches
+             enforce (ds4jax/features.py); the kernel itself runs either way.
 """
 
 from __future__ import annotations
@@ -39,14 +41,11 @@ from kernels_pallas.mla.config import Config
 from kernels_pallas.mla.keyset import F32, LOG2E, Geometry
 
 NAMES = {(False, False): "mla_stream_topk", (True, False): "mla_stream_f32_stage",
-         (True, True): "mla_stream_fast_exp"}
+         (True, True): "mla_stream_fast_exp", (False, True): "mla_stream_unstaged_fast_exp"}
 
 
 def kernel_name(f32_stage: bool, fast_exp: bool) -> str:
-  if fast_exp and not f32_stage:
-    raise ValueError("fast_exp=True requires f32_stage=True (as GGML_CUDA_MLA_STREAM_FAST_EXP requires the FP32 "
-                     "staging)")
-  return NAMES[(f32_stage, fast_exp)]
+  return NAMES[(bool(f32_stage), bool(fast_exp))]
 
 
 def _kernel(off_ref, *refs, g: Geometry, f32_stage: bool, fast_exp: bool):

@@ -1,12 +1,13 @@
 """Grouped MoE (routed experts + shared expert) as Pallas-Triton kernels; see api.py."""
 
-from kernels_pallas.moe.api import Plan, SharedExpert, moe, moe_reference, nmse, plan
+from kernels_pallas.moe.api import Plan, SharedExpert, moe, plan
 from kernels_pallas.moe.config import Config
+from kernels_pallas.moe.reference import clamped_swiglu, moe_reference, swiglu_expert
 from kernels_pallas.moe.quantized_weights import (QUANTIZED_FORMATS, QuantizedExpertWeights, dequantize_to_dense,
                                                   expert_weights)
 from kernels_pallas.moe.routing import Routing, check_routes, route
 from kernels_pallas.moe.weights import DenseWeights, ExpertWeights, as_expert_weights
 
 __all__ = ["Config", "DenseWeights", "ExpertWeights", "Plan", "QUANTIZED_FORMATS", "QuantizedExpertWeights",
-           "Routing", "SharedExpert", "as_expert_weights", "check_routes", "dequantize_to_dense", "expert_weights",
-           "moe", "moe_reference", "nmse", "plan", "route"]
+           "Routing", "SharedExpert", "as_expert_weights", "check_routes", "clamped_swiglu", "dequantize_to_dense",
+           "expert_weights", "moe", "moe_reference", "plan", "route", "swiglu_expert"]

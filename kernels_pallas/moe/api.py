@@ -1,4 +1,4 @@
-"""Public entry of the grouped MoE: `moe` (Pallas-Triton kernels) and `moe_reference` (exact, plain jnp).
+"""Public entry of the grouped MoE: `moe` (Pallas-Triton kernels); its exact reference is reference.py.
 
     y[t] = shared(x[t]) + Σ_k w[t,k] · W2_e( silu(min(W1_e x_t, L)) · clip(W3_e x_t, −L, L) ),   e = ids[t,k]
 
@@ -19,16 +19,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ds4jax.layers import matmul_t
-from ds4jax.moe import clamped_swiglu
 from kernels_pallas.moe import _schedule
 from kernels_pallas.moe import down as down_mod
 from kernels_pallas.moe import gate_up as gate_up_mod
 from kernels_pallas.moe import routing as routing_mod
 from kernels_pallas.moe.config import Config
-from kernels_pallas.moe.weights import ExpertWeights, as_expert_weights
+from kernels_pallas.moe.weights import ExpertWeights, as_expert_weights, is_format
 
 
 F32 = jnp.float32
@@ -81,13 +78,9 @@ def plan(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermed
               kernels=tuple(kernels))
 
 
-def _is_format(w) -> bool:
-  return isinstance(w, ExpertWeights) and not isinstance(w, (jax.Array, np.ndarray))
-
-
 def _shared_shape(w) -> tuple[int, ...]:
   """[out, in] of a shared-expert weight: an array's shape, or a one-expert format's [1, out, in] without the 1."""
-  if _is_format(w):
+  if is_format(w):
     return tuple(w.shape[1:]) if w.shape[0] == 1 else tuple(w.shape)
   return tuple(jnp.shape(w))
 
@@ -197,36 +190,3 @@ def _moe(x, route_weights, route_ids, w1, w2, w3, shared, *, swiglu_limit, confi
   if config.fused_combine:
     return _combine(out, route_weights, r, shared, config=config, interpret=interpret)
   return _combine_xla(out, route_weights, r, shared)
-
-
-def moe_reference(x, route_weights, route_ids, w1, w2, w3, *, swiglu_limit: float, shared=None) -> jax.Array:
-  """Exact f32 reference: ds4jax.moe's dense formulation (every expert on every token, one expert at a time,
-  weighted by a combine matrix) at HIGHEST precision; masked routes (−1) and out-of-range ids are dropped from
-  the combine matrix. Weights go through their format's canonical `dequantize`."""
-  x = jnp.asarray(x).astype(F32)
-  S = x.shape[0]
-  w1, w2, w3 = (as_expert_weights(w, n).dequantize() for w, n in ((w1, "w1"), (w2, "w2"), (w3, "w3")))
-  E = w1.shape[0]
-  ids = jnp.asarray(route_ids).astype(jnp.int32)
-  valid = (ids >= 0) & (ids < E)
-  combine = jnp.zeros((S, E), F32).at[jnp.arange(S)[:, None], jnp.where(valid, ids, E)].add(
-      jnp.where(valid, jnp.asarray(route_weights, F32), 0.0), mode="drop")
-
-  def one_expert(acc, expert):
-    a, b, c, cw = expert
-    h = clamped_swiglu(matmul_t(x, a), matmul_t(x, c), swiglu_limit)
-    return acc + cw[:, None] * matmul_t(h, b), None
-
-  y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, F32), (w1, w2, w3, combine.T))
-  if isinstance(shared, (tuple, list)):
-    s1, s2, s3 = (w.dequantize()[0] if _is_format(w) else w for w in shared)
-    y = y + matmul_t(clamped_swiglu(matmul_t(x, s1), matmul_t(x, s3), swiglu_limit), s2)
-  elif shared is not None:
-    y = y + jnp.asarray(shared, F32)
-  return y
-
-
-def nmse(got, want) -> float:
-  """Σ(got − want)² / Σ want² in float64."""
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.sum((got - want) ** 2) / max(np.sum(want ** 2), 1e-300))

@@ -2,14 +2,14 @@
 
 Block sizes must be powers of two (Pallas-Triton tensors must have power-of-two sizes) and at least 16 where they
 are a dot dimension (Triton's `tl.dot` minimum). Which knob maps to which Lucebox switch
-(/work/shared/reference/lucebox-stack.md):
+(docs/upstream.md §5):
 
-* `adaptive_tile`  : §1.8 `GGML_CUDA_MMQ_MOE_ADAPTIVE_X` — the row tile follows the mean rows per expert.
-* `compact_queue`  : §1.9 — the grid covers only the (expert, row tile) items that hold rows, instead of every
+* `adaptive_tile`  : §5.2 `GGML_CUDA_MMQ_MOE_ADAPTIVE_X` — the row tile follows the mean rows per expert.
+* `compact_queue`  : §5.3 — the grid covers only the (expert, row tile) items that hold rows, instead of every
                      expert × the worst-case tile count with an early exit.
-* `persistent`     : §1.9 `GGML_CUDA_MMQ_MOE_PERSISTENT` — `programs_per_core × num_cores` programs loop over the
+* `persistent`     : §5.3 `GGML_CUDA_MMQ_MOE_PERSISTENT` — `programs_per_core × num_cores` programs loop over the
                      work list (`..._PERSISTENT_BLOCKS_PER_CU`).
-* `fused_combine`  : §1.10 `DFLASH_MOE_FUSED_COMBINE` — one kernel over tokens weights and sums the routed rows.
+* `fused_combine`  : §5.4 `DFLASH_MOE_FUSED_COMBINE` — one kernel over tokens weights and sums the routed rows.
 """
 
 from __future__ import annotations
@@ -113,12 +113,13 @@ class Config:
   def default(cls, *, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
               dtype=jnp.bfloat16, platform: str = "cuda", **overrides) -> "Config":
     """Heuristic starting point, checked on one H200 (jax 0.11.2, bf16, V4-Flash D 4096 / I 2048 / E 256 / top-6,
-    uniform routing; see bench.py): 8192 tokens 6.8 ms (≈360 useful TFLOP/s), 2048 tokens 3.9 ms. Of the
+    uniform routing; experiments/tune_moe.py): 8192 tokens 6.8 ms (≈360 useful TFLOP/s), 2048 tokens 3.9 ms. Of the
     variants tried there, block_m 64, block_n 64, block_k 128 or 32 and 4 stages were slower or no better.
 
     Row tile: adaptive, capped at 128 (V4-Flash at 8K tokens has ~192 rows per expert). f32 dots get smaller
     K tiles (register pressure; the f32 path is the exact-parity path, not the fast one). ROCm gets one pipeline
-    stage (Pallas' ROCm default), CUDA three; gfx1151 numbers do not exist yet.
+    stage (Pallas' ROCm default), CUDA three. The rocm configs are checked by the offline lowering only: nothing
+    has run on gfx1151 hardware.
     """
     f32 = jnp.dtype(dtype) == jnp.dtype(jnp.float32)
     bk_cap = 32 if f32 else 64

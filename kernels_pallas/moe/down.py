@@ -1,4 +1,4 @@
-"""Grouped down projection and the combine (deepseek-v4.md §7), Pallas-Triton.
+"""Grouped down projection and the combine (docs/model.md §7), Pallas-Triton.
 
 `down`: out[r] = h[r] · W2_e^T for sorted row r of expert e (h [S·K, I] → out [S·K, D] f32). Same work list,
 grid and masking as gate_up.py; the activation tile is a contiguous slice of h (rows are already in expert order).

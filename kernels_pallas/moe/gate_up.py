@@ -1,4 +1,4 @@
-"""Grouped gate/up projection with the clamped-SwiGLU epilogue (deepseek-v4.md §7), Pallas-Triton.
+"""Grouped gate/up projection with the clamped-SwiGLU epilogue (docs/model.md §7), Pallas-Triton.
 
     h[r] = silu(min(x[tok(r)] · W1_e^T, L)) * clip(x[tok(r)] · W3_e^T, −L, L)      e = expert of sorted row r
 

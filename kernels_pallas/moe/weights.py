@@ -93,9 +93,14 @@ class DenseWeights:
     return DenseWeights(self.w[None])
 
 
+def is_format(w) -> bool:
+  """An `ExpertWeights` object rather than a plain array."""
+  return isinstance(w, ExpertWeights) and not isinstance(w, (jax.Array, np.ndarray))
+
+
 def as_expert_weights(w, name: str, *, ndim: int = 3) -> ExpertWeights:
   """Wraps a float array as `DenseWeights`; passes an `ExpertWeights` format through; rejects anything else."""
-  if isinstance(w, ExpertWeights) and not isinstance(w, (jax.Array, np.ndarray)):
+  if is_format(w):
     if len(w.shape) != 3:
       raise ValueError(f"{name}: expert weight format must have logical shape [E, N, K], got {w.shape}")
     return w

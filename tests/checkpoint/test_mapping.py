@@ -17,8 +17,8 @@ CFG = config.tiny()
 
 
 @pytest.fixture(scope="module")
-def tiny():
-  return model.init_random(CFG, seed=int(np.random.SeedSequence().entropy % 2**31), dtype=jnp.float32)
+def tiny(module_seed):
+  return model.init_random(CFG, seed=module_seed, dtype=jnp.float32)
 
 
 @pytest.fixture

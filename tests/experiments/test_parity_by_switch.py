@@ -21,8 +21,7 @@ def test_variants_split_the_switches():
   assert set(v["attention_f32"].on()) | set(v["moe_f32"].on()) == set(v["all_on_f32"].on())
 
 
-def test_update_nmse_ignores_the_residual():
-  rng = np.random.default_rng()
+def test_update_nmse_ignores_the_residual(rng):
   x = rng.normal(size=(8, 4)) * 100
   upd = rng.normal(size=(8, 4))
   nmse, max_abs = pbs.update_errors(*(jnp.asarray(a, jnp.float32) for a in (x + 1.1 * upd, x + upd, x)))
@@ -33,12 +32,12 @@ def test_update_nmse_ignores_the_residual():
   assert pbs.update_errors(same + jnp.asarray(upd, jnp.float32), same, same)[0] == np.inf
 
 
-def test_per_layer_errors_are_local():
+def test_per_layer_errors_are_local(rng, seed):
   """f32 kernels: every layer's own error is tiny; bf16 operands: every layer's is real, and small where no discrete
   choice flips (a token whose expert choice flips under the rounding lifts a layer's error to ~1e-3..1e-2; seen in
   about 1 layer in 12 here, so only one small layer is required)."""
-  m = model.init_random(config.tiny_sparse(), seed=int(np.random.SeedSequence().entropy % 2**31), dtype=jnp.float32)
-  ids = np.random.default_rng().integers(0, m.cfg.vocab_size, 37).astype(np.int32)
+  m = model.init_random(config.tiny_sparse(), seed=seed, dtype=jnp.float32)
+  ids = rng.integers(0, m.cfg.vocab_size, 37).astype(np.int32)
   v = pbs.variants(features.resolve("cpu_interpret", ALL))
   lines = []
   rows = pbs.per_layer(m, ids, features.REFERENCE, {k: v[k] for k in ("all_on_f32", "reference_bf16")},

@@ -27,7 +27,7 @@ DECODE_PREFIX = 13  # prefill length before token-by-token decode; not a multipl
                     # compressor buffers carry a partial window from prefill into decode
 
 CONFIGS = {
-    # Exactly the tiny config of deepseek-v4.md section 13: [SWA, CSA(4), HCA(8), CSA(4)], one hash layer.
+    # Exactly the tiny config of docs/model.md §11: [SWA, CSA(4), HCA(8), CSA(4)], one hash layer.
     "mixed": dict(
         seq_len=41,
         cfg=dict(
@@ -144,7 +144,7 @@ TO_OFFICIAL = [
     (r"\.o_b_proj\.", ".wo_b."),
 ]
 
-# Official -> HF, written independently (the table of deepseek-v4.md 12.3) for the round-trip self-check.
+# Official -> HF, written independently (the table of docs/model.md §10.3) for the round-trip self-check.
 TO_HF = [
     (r"^embed\.weight$", "model.embed_tokens.weight"),
     (r"^head\.weight$", "lm_head.weight"),

@@ -1,4 +1,4 @@
-"""Offline gfx1151 lowering check (kernels_pallas/lowering.py; pallas-notes.md §8): the Pallas kernels ds4jax ships
+"""Offline gfx1151 lowering check (kernels_pallas/lowering.py; docs/lowering.md §3): the Pallas kernels ds4jax ships
 for ROCm, lowered for an abstract gfx1151 and compiled by triton 3.9.0's HIP backend, must fit the hardware:
 LDS ≤ 65,536 bytes per workgroup and no VGPR spills / scratch. No GPU needed.
 

@@ -1,6 +1,6 @@
 """Test helpers: an independent numpy decoder of UPSTREAM ROCmFP blocks, random bytes, random weights.
 
-The oracle reads the block layout exactly as lucebox-stack.md §1.5 words it (Python ints for the 96-bit FP3 codes,
+The oracle reads the block layout exactly as docs/formats.md §5 words it (Python ints for the 96-bit FP3 codes,
 float64 tables, invalid scale bytes decode to 0) and shares no code with ds4jax.quant.
 """
 

@@ -117,10 +117,3 @@ def test_custom_policy_spec():
   with pytest.raises(ValueError, match="unknown weight format 'fp1'"):
     quant_policy.get("dense=fp1")
 
-
-def test_quant_policy_flag():
-  from absl import flags
-  fv = flags.FlagValues()
-  quant_policy.define_flag(fv)
-  fv(["prog", "--quant_policy=lucebox_mix"])
-  assert quant_policy.get(fv.quant_policy) is quant_policy.POLICIES["lucebox_mix"]

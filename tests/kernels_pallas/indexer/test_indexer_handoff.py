@@ -1,4 +1,4 @@
-"""Direct indexer top-k handoff vs the mask path (kernels_pallas/indexer/handoff.py, lucebox-stack.md §1.3): the
+"""Direct indexer top-k handoff vs the mask path (kernels_pallas/indexer/handoff.py, docs/upstream.md §3): the
 mask path's scan rebuilds exactly the direct path's ascending row list, so attention sees the same rows in the same
 order and gives byte-identical output."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ds4jax.attention import selected_bias
+from kernels_pallas.mla.reference import selected_bias
 from kernels_pallas.indexer import (Config, mask_from_topk, rows_from_mask, selected_rows, topk,
                                     topk_reference)
 from indexer_inputs import INTERPRET, make_inputs
@@ -28,7 +28,7 @@ def test_round_trip_on_topk_output():
 
 
 def test_mask_values_match_ds4jax_attention():
-  """The mask is 0/−inf at exactly the listed rows, the same as ds4jax.attention.selected_bias; f16 works too."""
+  """The mask is 0/−inf at exactly the listed rows, the same as the attention reference's selected_bias; f16 works too."""
   rng = np.random.default_rng(22)
   R, k = 40, 8
   rows = []

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ds4jax.compressor import visible_rows
+from kernels_pallas.mla.reference import visible_rows
 from ds4jax.features import pallas_calls
 from kernels_pallas.indexer import Config, lowering_cases, scores, scores_reference
 from indexer_inputs import INTERPRET, make_inputs
@@ -39,7 +39,7 @@ def test_scores_match_reference_f32(T, Hi, c, R, q_start, bq, br):
   got = scores(q, w, keys, q_start=q_start, config=cfg(bq, br), interpret=INTERPRET)
   want = scores_reference(q, w, keys, q_start=q_start)
   assert_scores_close(got, want)
-  # visibility is ds4jax.compressor.visible_rows at the absolute positions
+  # visibility is the attention reference's visible_rows at the absolute positions
   vis = visible_rows(q_start + jnp.arange(T), R, 4)
   np.testing.assert_array_equal(np.isfinite(np.asarray(got)), np.asarray(vis))
 

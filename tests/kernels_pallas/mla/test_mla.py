@@ -1,7 +1,7 @@
 """Sparse MLA attention kernels (kernels_pallas/mla) against the dense reference, in Pallas interpret mode on CPU
 and compiled (Pallas-Triton) on a GPU: the same cases run on both (INTERPRET follows the default backend).
 
-Parity follows Lucebox's streaming-attention differential test (lucebox-stack.md §3.3): every element within
+Parity follows Lucebox's streaming-attention differential test (docs/upstream.md §7.2): every element within
 |a − b| <= 5e-4 + 5e-4·max(|a|, |b|) of `sparse_mla_reference`, for the streaming kernel with every
 (f32_stage, fast_exp) combination and for the grouped baseline; positions near 0, on window and compression
 boundaries (ratio 4 and 128), far out (131000), 4 / 12 / 16 / 64 heads (D 512 once), f32 and bf16 KV, k larger
@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.mla import Config, default_platform, kernel_name, nmse, sparse_mla, sparse_mla_reference
+from ds4jax.metrics import nmse
+from kernels_pallas.mla import Config, default_platform, kernel_name, sparse_mla, sparse_mla_reference
+from kernels_pallas.mla.reference import apply_rope
 
 INTERPRET = jax.default_backend() == "cpu"
 PLATFORM = "cpu" if INTERPRET else default_platform()
@@ -151,10 +153,20 @@ def test_parity(rng, case):
     np.testing.assert_array_equal(outs[("stream", True, False)], outs[("stream", False, False)])
 
 
+def test_unstaged_fast_exp_runs_and_equals_the_staged_one(rng):
+  """Fast exp without f32 staging is a kernel option like any other (the upstream rule that pairs them is checked
+  once, by the feature switches): it matches the reference and, staging moving no arithmetic, the staged kernel."""
+  p = make_problem(rng, CASES[0])
+  staged, unstaged = (run(p, f32_stage=stage, fast_exp=True) for stage in (True, False))
+  assert_close(unstaged, reference(p))
+  np.testing.assert_array_equal(unstaged, staged)
+  names = {kernel_name("stream", stage, fast) for stage in (True, False) for fast in (True, False)}
+  assert len(names) == 4  # each variant is its own, named kernel
+
+
 def test_output_rope_dims_are_derotated(rng):
   """Keys that are all one row v: the output is exactly v de-rotated by −p (checks the in-kernel inverse RoPE
-  against rope.apply, independent of the softmax)."""
-  from ds4jax import rope  # pylint: disable=import-outside-toplevel
+  against apply_rope, independent of the softmax)."""
   c = Case("rope", "window", T=4, H=4, D=64, q_start=1000, window=4, rope_dim=64)
   p = make_problem(rng, c)
   v = rng.standard_normal(c.D).astype(np.float32)
@@ -162,7 +174,7 @@ def test_output_rope_dims_are_derotated(rng):
   p["sink"] = jnp.full((c.H,), -1e4, jnp.float32)  # no sink mass
   got = run(p)
   pos = jnp.arange(c.q_start, c.q_start + c.T)
-  want = np.asarray(rope.apply(jnp.broadcast_to(jnp.asarray(v), (c.T, c.H, c.D)), pos, freqs(64), inverse=True))
+  want = np.asarray(apply_rope(jnp.broadcast_to(jnp.asarray(v), (c.T, c.H, c.D)), pos, freqs(64), inverse=True))
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
   assert np.abs(got - v).max() > 0.1  # the rotation did something
 
@@ -251,7 +263,6 @@ def _base(rng):
     (lambda p: dict(p, q=p["q"].astype(jnp.float16)), r"float16"),
     (lambda p: dict(p, impl="dense"), r"impl='dense'"),
     (lambda p: dict(p, impl="grouped", fast_exp=True), r"fast_exp=True requires impl='stream'"),
-    (lambda p: dict(p, f32_stage=False, fast_exp=True), r"fast_exp=True requires f32_stage=True"),
     (lambda p: dict(p, config=Config(heads_per_program=12)), r"heads_per_program=12"),
 ])
 def test_rejects(rng, change, match):

@@ -1,7 +1,7 @@
 """Grouped MoE kernels (kernels_pallas/moe) against the exact reference, in Pallas interpret mode on CPU and
 compiled (Pallas-Triton) on a GPU: the same tests run on both (INTERPRET follows the default backend).
 
-Parity follows Lucebox's grouped-MoE test (lucebox-stack.md §3.2): token widths {2, 4, 8, 9, 16, 32, 48, 64}; for
+Parity follows Lucebox's grouped-MoE test (docs/upstream.md §7.1): token widths {2, 4, 8, 9, 16, 32, 48, 64}; for
 widths >= 32 every 5th route is masked (−1) and a token with all routes masked must come out exactly +0.0 (sign
 bit checked); every output finite. Tolerance NMSE <= 1e-6 for f32 compute (f32 or bf16 weights computed in f32).
 The sweep gives each width one (adaptive_tile, compact_queue, persistent) combination and runs it with the fused
@@ -22,8 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ds4jax.features import pallas_calls
-from kernels_pallas.moe import (Config, SharedExpert, api, down, gate_up, moe, moe_reference, nmse,
-                                plan, routing)
+from ds4jax.metrics import nmse
+from kernels_pallas.moe import Config, SharedExpert, api, down, gate_up, moe, moe_reference, plan, routing
 
 INTERPRET = jax.default_backend() == "cpu"
 LIMIT = 2.0

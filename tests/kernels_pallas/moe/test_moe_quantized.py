@@ -37,7 +37,8 @@ import pytest
 
 import test_moe_kernels as base
 from ds4jax.quant import formats, fp4_e2m1, rocmfp2_mix, rocmfp3_mix, ue4m3, ue8m0
-from kernels_pallas.moe import Config, api, moe, nmse
+from ds4jax.metrics import nmse
+from kernels_pallas.moe import Config, api, moe, moe_reference
 from kernels_pallas.moe import quantized_weights as qw
 from kernels_pallas.moe.weights import DenseWeights
 
@@ -154,7 +155,7 @@ def width_problem(rng, fmt, S):
   return p, p_ref, (ids < 0).all(axis=1)
 
 
-_reference = jax.jit(api.moe_reference, static_argnames=("swiglu_limit",))
+_reference = jax.jit(moe_reference, static_argnames=("swiglu_limit",))
 
 
 def reference(p_ref):

@@ -1,7 +1,9 @@
-"""Grouped-MoE timings at V4-Flash shapes (D 4096, I 2048, E 256, top-6), bf16, uniform random routing.
+"""The grouped-MoE tuning sweep: config variants at V4-Flash shapes (D 4096, I 2048, E 256, top-6), bf16, uniform
+random routing.
 
-    python -m kernels_pallas.moe.bench [--tokens 2048,8192] [--variants default,n,...] [--no_parity]
-    python -m kernels_pallas.moe.bench --formats fp4_e2m1,rocmfp2_mix,... [--tokens ...] [--variants default]
+    python -m experiments.tune_moe [--tokens 2048,8192] [--variants default,n,...] [--noparity]
+    python -m experiments.tune_moe --formats fp4_e2m1,rocmfp2_mix,... [--tokens ...]
+    python -m experiments.tune_moe --smoke      # tiny shapes in interpret mode on a CPU, to check this script
 
 Prints one line per (tokens, config): median ms of the whole `moe` call and of each stage, and the useful
 TFLOP/s (2 · S·K · D · I · 3 over the whole call). Also checks compiled parity against `moe_reference` at a small
@@ -15,129 +17,133 @@ alone, "dq+moe" = both).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 
+from ds4jax.metrics import nmse
 from ds4jax.quant import formats, policy
-from kernels_pallas.moe import Config, api, down, gate_up, moe, moe_reference, nmse, routing
+from experiments.timing import timeit
+from kernels_pallas.moe import Config, api, down, gate_up, moe, moe_reference, routing
 from kernels_pallas.moe import quantized_weights as qw
 
-D, I, E, K, LIMIT = 4096, 2048, 256, 6, 10.0
-INTERPRET = False  # --smoke: tiny shapes in interpret mode on a CPU, to check this script
+_TOKENS = flags.DEFINE_list("tokens", ["2048", "8192"], "Token counts to time.")
+_VARIANTS = flags.DEFINE_list("variants", [], "Config variants to time (default: all).")
+_PARITY = flags.DEFINE_boolean("parity", True, "Check compiled parity against moe_reference first.")
+_PARITY_TOKENS = flags.DEFINE_integer("parity_tokens", 256, "Tokens of the parity check.")
+_FORMATS = flags.DEFINE_list("formats", [], "Weight formats (bf16, fp8_e4m3, ...) instead of the bf16 sweep.")
+_SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes in interpret mode (CPU), to check the script.")
+
+K, LIMIT = 6, 10.0
 
 
-def problem(S, seed=0, dtype=jnp.bfloat16, fmt=None):
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """The MoE dimensions swept, and whether the kernels run in interpret mode."""
+  D: int
+  I: int
+  E: int
+  interpret: bool = False
+
+
+V4_FLASH = Shape(D=4096, I=2048, E=256)
+SMOKE = Shape(D=256, I=128, E=8, interpret=True)
+
+
+def problem(sh, S, seed=0, dtype=jnp.bfloat16, fmt=None):
   ks = jax.random.split(jax.random.key(seed), 6)
-  x = jax.random.normal(ks[0], (S, D), jnp.float32).astype(dtype)
-  ids = jnp.argsort(jax.random.uniform(ks[1], (S, E)), axis=1)[:, :K].astype(jnp.int32)
+  x = jax.random.normal(ks[0], (S, sh.D), jnp.float32).astype(dtype)
+  ids = jnp.argsort(jax.random.uniform(ks[1], (S, sh.E)), axis=1)[:, :K].astype(jnp.int32)
   w = jax.random.uniform(ks[2], (S, K), jnp.float32)
   if fmt is not None:
-    return (x, w, ids) + quantized_weights(fmt, seed)
-  w1 = (jax.random.normal(ks[3], (E, I, D), jnp.float32) * 2 / D**0.5).astype(dtype)
-  w3 = (jax.random.normal(ks[4], (E, I, D), jnp.float32) * 2 / D**0.5).astype(dtype)
-  w2 = (jax.random.normal(ks[5], (E, D, I), jnp.float32) / I**0.5).astype(dtype)
+    return (x, w, ids) + quantized_weights(sh, fmt, seed)
+  w1 = (jax.random.normal(ks[3], (sh.E, sh.I, sh.D), jnp.float32) * 2 / sh.D**0.5).astype(dtype)
+  w3 = (jax.random.normal(ks[4], (sh.E, sh.I, sh.D), jnp.float32) * 2 / sh.D**0.5).astype(dtype)
+  w2 = (jax.random.normal(ks[5], (sh.E, sh.D, sh.I), jnp.float32) / sh.I**0.5).astype(dtype)
   return x, w, ids, w1, w2, w3
 
 
 _WEIGHTS = {}
 
 
-def quantized_weights(fmt, seed=0):
+def quantized_weights(sh, fmt, seed=0):
   """(w1, w2, w3) in format `fmt` (random valid storage drawn on the device), built once per (fmt, seed)."""
   if (fmt, seed) not in _WEIGHTS:
     _WEIGHTS.clear()  # one format's stacks at a time in HBM
     ks = jax.random.split(jax.random.key(100 + seed), 3)
     out = []
-    for key, shape, std in ((ks[0], (E, I, D), 2 / D**0.5), (ks[1], (E, D, I), 1 / I**0.5),
-                            (ks[2], (E, I, D), 2 / D**0.5)):
+    gate_up_shape, down_shape = (sh.E, sh.I, sh.D), (sh.E, sh.D, sh.I)
+    for key, shape, std in ((ks[0], gate_up_shape, 2 / sh.D**0.5), (ks[1], down_shape, 1 / sh.I**0.5),
+                            (ks[2], gate_up_shape, 2 / sh.D**0.5)):
       st = jax.jit(lambda k, shape=shape, std=std: policy.random_storage(formats.get(fmt), shape, k, std))(key)
       out.append(qw.expert_weights(fmt, st, shape))
     _WEIGHTS[(fmt, seed)] = tuple(out)
   return _WEIGHTS[(fmt, seed)]
 
 
-def format_checks(fmt):
+def format_checks(sh, fmt):
   """Compiled in-kernel dequantization == canonical dequantization (bit for bit) for one expert-stack slice, at the
   default gate/up and down tiles."""
-  w1, w2, _ = quantized_weights(fmt)
+  w1, w2, _ = quantized_weights(sh, fmt)
   if fmt == "bf16":
     return
   for name, w, (bn, bk) in (("w1", w1, (128, 64)), ("w2", w2, (128, 64)), ("w1", w1, (64, 32))):
     sub = qw.QuantizedExpertWeights(tuple(a[:4] for a in w.arrays), w.fmt_name, (4,) + w.shape[1:])
-    got = qw.dequantize_tiles(sub, block_n=bn, block_k=bk, interpret=INTERPRET)
+    got = qw.dequantize_tiles(sub, block_n=bn, block_k=bk, interpret=sh.interpret)
     want = jax.jit(lambda s: s.dequantize())(sub)
     bits = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint32)
     same = bool(jnp.all(bits(got) == bits(want)))
     print(f"{fmt}: in-kernel dequantization of {name}[:4] with {bn}x{bk} tiles bit-identical: {same}", flush=True)
 
 
-def timeit(f, *args, n=10):
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(n):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t)
-  return 1e3 * statistics.median(ts)
-
-
-def stages(cfg, args):
+def stages(sh, cfg, args):
   x, w, ids, w1, w2, w3 = args
-  bm = cfg.row_tile(ids.size, E)
+  bm = cfg.row_tile(ids.size, sh.E)
   kcfg = api._kernel_config(cfg)
-  route = jax.jit(lambda i: routing.route(i, E, bm))
+  route = jax.jit(lambda i: routing.route(i, sh.E, bm))
   r = route(ids)
-  gu = jax.jit(lambda x, a, b, r: gate_up.gate_up(x, a, b, r, swiglu_limit=LIMIT, config=kcfg, interpret=INTERPRET))
+  gu = jax.jit(lambda x, a, b, r: gate_up.gate_up(x, a, b, r, swiglu_limit=LIMIT, config=kcfg,
+                                                  interpret=sh.interpret))
   h = gu(x, w1, w3, r)
-  dn = jax.jit(lambda h, a, r: down.down(h, a, r, config=kcfg, interpret=INTERPRET))
+  dn = jax.jit(lambda h, a, r: down.down(h, a, r, config=kcfg, interpret=sh.interpret))
   out = dn(h, w2, r)
-  cb = jax.jit(lambda o, w, r: down.combine(o, w, r, config=cfg, interpret=INTERPRET) if cfg.fused_combine
+  cb = jax.jit(lambda o, w, r: down.combine(o, w, r, config=cfg, interpret=sh.interpret) if cfg.fused_combine
                else down.combine_xla(o, w, r))
   return dict(route=timeit(route, ids), gate_up=timeit(gu, x, w1, w3, r), down=timeit(dn, h, w2, r),
               combine=timeit(cb, out, w, r))
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--tokens", default="2048,8192")
-  ap.add_argument("--variants", default="", help="comma-separated variant names (default: all)")
-  ap.add_argument("--no_parity", action="store_true")
-  ap.add_argument("--parity_tokens", type=int, default=256)
-  ap.add_argument("--formats", default="", help="comma-separated weight formats (bf16, fp8_e4m3, ...); see docstring")
-  ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU), to check the script")
-  a = ap.parse_args()
-  if a.smoke:
-    global D, I, E, INTERPRET  # pylint: disable=global-statement
-    D, I, E, INTERPRET = 256, 128, 8, True
+def main(argv):
+  del argv
+  sh = SMOKE if _SMOKE.value else V4_FLASH
   print(jax.devices())
+  tokens = [int(t) for t in _TOKENS.value]
 
-  if a.formats:
-    for fmt in a.formats.split(","):
-      bench_format(fmt, a)
+  if _FORMATS.value:
+    for fmt in _FORMATS.value:
+      bench_format(sh, fmt, tokens)
     return
 
   # Compiled parity at V4-Flash width, f32 activations (exact f32 dots) and bf16 (bf16 dots).
-  for dtype, tol in () if a.no_parity else ((jnp.float32, 1e-6), (jnp.bfloat16, 5e-4)):
-    args = problem(a.parity_tokens, seed=1, dtype=jnp.bfloat16)
+  pt = _PARITY_TOKENS.value
+  for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 5e-4)) if _PARITY.value else ():
+    args = problem(sh, pt, seed=1, dtype=jnp.bfloat16)
     args = (args[0].astype(dtype),) + args[1:]
     want = moe_reference(*args, swiglu_limit=LIMIT)
-    for cfg in (Config.default(num_tokens=a.parity_tokens, top_k=K, num_experts=E, hidden=D, intermediate=I,
+    for cfg in (Config.default(num_tokens=pt, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I,
                                dtype=dtype),
                 Config(persistent=True, compact_queue=True, fused_combine=False, tile_order="n")):
-      y = moe(*args, swiglu_limit=LIMIT, config=cfg)
+      y = moe(*args, swiglu_limit=LIMIT, config=cfg, interpret=sh.interpret)
       err = nmse(y, want)
-      print(f"parity S={a.parity_tokens} x={jnp.dtype(dtype).name} persistent={cfg.persistent}: NMSE {err:.2e} "
+      print(f"parity S={pt} x={jnp.dtype(dtype).name} persistent={cfg.persistent}: NMSE {err:.2e} "
             f"{'OK' if err <= tol else 'FAIL'} finite={bool(jnp.isfinite(y).all())}", flush=True)
 
-  for S in (int(s) for s in a.tokens.split(",")):
-    args = problem(S)
-    flops = 2 * S * K * D * I * 3
-    base = Config.default(num_tokens=S, top_k=K, num_experts=E, hidden=D, intermediate=I)
+  for S in tokens:
+    args = problem(sh, S)
+    flops = 2 * S * K * sh.D * sh.I * 3
+    base = Config.default(num_tokens=S, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I)
     r = dataclasses.replace
     variants = {
         "default": base,
@@ -157,45 +163,47 @@ def main():
         "n_down256": r(base, tile_order="n", down_block_n=256),
         "n_bk32": r(base, tile_order="n", block_k=32, down_block_k=32, num_stages=4),
     }
-    if a.variants:
-      variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}
+    if _VARIANTS.value:
+      variants = {k: v for k, v in variants.items() if k in _VARIANTS.value}
     for name, cfg in variants.items():
       try:
-        f = jax.jit(lambda *args, cfg=cfg: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg, interpret=False))
+        f = jax.jit(lambda *args, cfg=cfg: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg,
+                                                   interpret=sh.interpret))
         ms = timeit(f, *args)
-        st = stages(cfg, args)
+        st = stages(sh, cfg, args)
         print(f"S={S} {name:18s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s | "
-              + " ".join(f"{k} {v:.3f}" for k, v in st.items()) + f" | bm={cfg.row_tile(S * K, E)} {cfg}",
+              + " ".join(f"{k} {v:.3f}" for k, v in st.items()) + f" | bm={cfg.row_tile(S * K, sh.E)} {cfg}",
               flush=True)
       except Exception as e:  # keep going through the sweep
         print(f"S={S} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
 
 
-def bench_format(fmt, a):
+def bench_format(sh, fmt, tokens):
   """Parity, loader bit-identity and timings of one weight format (default config, bf16 activations)."""
   try:
-    format_checks(fmt)
-    if not a.no_parity:
+    format_checks(sh, fmt)
+    if _PARITY.value:
+      pt = _PARITY_TOKENS.value
       for dtype, tol in ((jnp.float32, 1e-6 if fmt == "bf16" else 5e-4), (jnp.bfloat16, 5e-4)):
-        args = problem(a.parity_tokens, seed=1, dtype=dtype, fmt=fmt)
+        args = problem(sh, pt, seed=1, dtype=dtype, fmt=fmt)
         want = moe_reference(*args, swiglu_limit=LIMIT)
-        cfg = Config.default(num_tokens=a.parity_tokens, top_k=K, num_experts=E, hidden=D, intermediate=I,
+        cfg = Config.default(num_tokens=pt, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I,
                              dtype=dtype)
-        y = moe(*args, swiglu_limit=LIMIT, config=cfg, interpret=INTERPRET)
+        y = moe(*args, swiglu_limit=LIMIT, config=cfg, interpret=sh.interpret)
         err = nmse(y, want)
-        print(f"{fmt} parity S={a.parity_tokens} x={jnp.dtype(dtype).name}: NMSE {err:.2e} "
+        print(f"{fmt} parity S={pt} x={jnp.dtype(dtype).name}: NMSE {err:.2e} "
               f"{'OK' if err <= tol else 'FAIL'} finite={bool(jnp.isfinite(y).all())}", flush=True)
   except Exception as e:  # keep going through the formats
     print(f"{fmt} checks: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
-  for S in (int(s) for s in a.tokens.split(",")):
+  for S in tokens:
     try:
-      args = problem(S, fmt=fmt)
-      flops = 2 * S * K * D * I * 3
-      cfg = Config.default(num_tokens=S, top_k=K, num_experts=E, hidden=D, intermediate=I)
+      args = problem(sh, S, fmt=fmt)
+      flops = 2 * S * K * sh.D * sh.I * 3
+      cfg = Config.default(num_tokens=S, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I)
       f = jax.jit(lambda *args, cfg=cfg: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg,
-                                                 interpret=INTERPRET))
+                                                 interpret=sh.interpret))
       ms = timeit(f, *args)
-      st = stages(cfg, args)
+      st = stages(sh, cfg, args)
       line = (f"{fmt:12s} S={S} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s | "
               + " ".join(f"{k} {v:.3f}" for k, v in st.items()))
       if fmt != "bf16":
@@ -205,10 +213,10 @@ def bench_format(fmt, a):
         t_dense = timeit(f, *args[:3], *dense)
         line += f" | dq {t_dq:.3f} dq+moe {t_dq + t_dense:.3f} (moe on bf16 copy {t_dense:.3f})"
         del dense
-      print(line + f" | bm={cfg.row_tile(S * K, E)}", flush=True)
+      print(line + f" | bm={cfg.row_tile(S * K, sh.E)}", flush=True)
     except Exception as e:  # keep going through the sweep
       print(f"{fmt} S={S}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

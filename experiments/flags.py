@@ -1,0 +1,39 @@
+"""The absl flags every entry point shares: one per feature switch and knob, and --quant_policy.
+
+Library code never sees a flag: entry points parse them and hand `Features` / a `QuantPolicy` down.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from ds4jax import features as features_lib
+from ds4jax.features import KNOBS, SWITCHES, Features
+from ds4jax.quant import formats
+from ds4jax.quant import policy as quant_policy
+
+
+def define_feature_flags(flag_values: flags.FlagValues | None = None) -> None:
+  """One flag per switch and knob (default None = the device capability table's default)."""
+  fv = flags.FLAGS if flag_values is None else flag_values  # an empty FlagValues is falsy
+  for s, (upstream, text, requires) in SWITCHES.items():
+    need = f" Requires {', '.join(requires)}." if requires else ""
+    flags.DEFINE_boolean(s, None, f"{text} Upstream: {upstream}.{need} Default: the device capability table.",
+                         flag_values=fv)
+  for k, (upstream, text, default) in KNOBS.items():
+    flags.DEFINE_integer(k, None, f"{text} Upstream: {upstream}. Default: {default}.", flag_values=fv)
+
+
+def features_from_flags(flag_values: flags.FlagValues, device_cls: str | None = None) -> Features:
+  """The resolved features from parsed flags (FeatureError names an impossible combination)."""
+  overrides = {k: getattr(flag_values, k) for k in list(SWITCHES) + list(KNOBS)}
+  return features_lib.resolve(device_cls or features_lib.device_class(), overrides)
+
+
+def define_quant_policy_flag(flag_values: flags.FlagValues | None = None) -> None:
+  """--quant_policy: a named policy or dense=FMT,gate_up=FMT,down=FMT (ds4jax/quant/policy.py)."""
+  flags.DEFINE_string(
+      "quant_policy", "bf16",
+      f"Weight format per tensor role: one of {sorted(quant_policy.POLICIES)}, or dense=FMT,gate_up=FMT,down=FMT "
+      f"with FMT in {list(formats.FORMATS)}. lucebox_mix = upstream's artifact (FP2/FP3 MIX experts, 4-bit dense).",
+      flag_values=flags.FLAGS if flag_values is None else flag_values)

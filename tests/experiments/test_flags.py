@@ -1,0 +1,22 @@
+"""experiments/flags.py: the shared flags map onto Features and a QuantPolicy."""
+
+from absl import flags
+
+from ds4jax.quant import policy as quant_policy
+from experiments import flags as flags_lib
+
+
+def test_flags_map_to_features():
+  fv = flags.FlagValues()
+  flags_lib.define_feature_flags(fv)
+  fv(["prog", "--nomoe_fused_combine", "--prefill_band_tokens=4096"])
+  f = flags_lib.features_from_flags(fv, "cpu_interpret")
+  assert f.prefill_band_tokens == 4096 and not f.moe_fused_combine
+  assert "GGML_CUDA_MLA_STREAM_FAST_EXP" in fv["mla_stream_fast_exp"].help
+
+
+def test_quant_policy_flag():
+  fv = flags.FlagValues()
+  flags_lib.define_quant_policy_flag(fv)
+  fv(["prog", "--quant_policy=lucebox_mix"])
+  assert quant_policy.get(fv.quant_policy) is quant_policy.POLICIES["lucebox_mix"]
