@@ -23,7 +23,7 @@ from ds4jax.config import DeepseekV4Config
 from ds4jax.features import REFERENCE, Features
 from ds4jax.indexer import Indexer
 from ds4jax.layer_cache import LayerCache
-from ds4jax.layers import F32, Linear, RMSNorm, dense, normal, rms_normalize
+from ds4jax.layers import F32, RESIDUAL_GAIN, Linear, RMSNorm, dense, normal, rms_normalize
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 from kernels_pallas import mla
 from kernels_pallas.indexer import handoff
@@ -74,7 +74,7 @@ class Attention(nnx.Module):
     self.wkv = Linear(D, d, **q)
     self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
     self.wo_a = Linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, **q)
-    self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, **q)
+    self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, gain=RESIDUAL_GAIN, **q)  # writes the residual
     self.attn_sink = normal(rngs, (H,), 0.5, F32)
     self.compressor = None if self.kind is Kind.WINDOW else Compressor(
         D, d, cfg.compress_ratio(layer), self.kind is Kind.CSA, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
@@ -89,8 +89,11 @@ class Attention(nnx.Module):
     del positions  # a one-shot prompt starts at 0
     return self.band(x, 0, self.empty_cache(x.shape[0], x.shape[0]), features)[0]
 
-  def band(self, x: jnp.ndarray, s0, cache: LayerCache, features: Features = REFERENCE):
-    """x: [B, D] normed input at positions [s0, s0+B) (s0 may be traced). Returns ([B, D], the new cache)."""
+  def band(self, x: jnp.ndarray, s0, cache: LayerCache, features: Features = REFERENCE, pinned_rows=None,
+           record_scores: bool = False):
+    """x: [B, D] normed input at positions [s0, s0+B) (s0 may be traced). Returns ([B, D], the new cache, the
+    indexer's picks [B, k] (CSA layers, else None), their f32 reference scores [B, R] if `record_scores`).
+    `pinned_rows` imposes the picks (ds4jax/decisions.py)."""
     cfg = self.cfg
     B, H, d, G = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.o_groups
     dt = features.matmul_dtype  # every matmul of the layer; norms, softmax and RoPE stay f32
@@ -102,7 +105,7 @@ class Attention(nnx.Module):
     kv = apply_rope(self.kv_norm(self.wkv(x, dt)), positions, freqs)  # [B, d]
     raw = jnp.concatenate([cache.kv_tail, kv])  # positions [s0 - W + 1, s0 + B)
     new = dict(kv_tail=raw[B:])
-    rows = indices = None
+    rows = indices = index_scores = None
     if self.compressor is not None:
       m = self.compressor.ratio
       ext, a = comp.extend(cache.x_tail, x, s0, m)
@@ -111,12 +114,14 @@ class Attention(nnx.Module):
       if self.indexer is not None:
         keys = comp.write_rows(cache.index_rows, self.indexer.compressor.pool(ext, a // m, freqs, dt), a // m)
         new["index_rows"] = keys
-        indices = self.indexer.select(x, qr, positions, freqs, keys, features)
+        indices = self.indexer.select(x, qr, positions, freqs, keys, features, pinned_rows)
+        if record_scores:
+          index_scores = self.indexer.scores(x, qr, positions, freqs, keys)
     o = self.attend(q, raw, rows, indices, s0, positions, freqs, features)  # [B, H, d], de-rotated
     # Grouped low-rank output: heads are grouped contiguously, each group has its own wo_a slice.
     wo_a = dense(self.wo_a.weight).reshape(G, cfg.o_lora_rank, H * d // G)
     z = einsum("sgi,gri->sgr", o.reshape(B, G, H * d // G), wo_a, operand_dtype=dt).reshape(B, G * cfg.o_lora_rank)
-    return self.wo_b(z, dt), LayerCache(**new)
+    return self.wo_b(z, dt), LayerCache(**new), indices, index_scores
 
   def attend(self, q, raw, rows, indices, s0, positions, freqs, features: Features):
     """The joint sink softmax over each query's key set, then the output de-rotation: [B, H, d] f32.

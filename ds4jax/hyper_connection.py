@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ds4jax.layers import F32, normal, rms_normalize
+
+# Random init near the identity-like values a trained model holds (docs/model.md §12): the mixing logits vary little
+# with the input (MIX_STD), post ~ 1 (each stream takes the sublayer's update), comb ~ the identity (each stream
+# keeps itself), each with a small random spread so the streams do not stay copies of one another.
+MIX_STD = 0.1
+COMB_DIAGONAL = 4.0
+BASE_SPREAD = 0.1
 from kernels_pallas.precision import einsum
 
 
@@ -31,8 +40,9 @@ class HyperConnection(nnx.Module):
 
   def __init__(self, hidden: int, n: int, iters: int, eps: float, norm_eps: float, *, rngs: nnx.Rngs):
     self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
-    self.fn = normal(rngs, ((2 + n) * n, n * hidden), 0.02, F32)
-    self.base = normal(rngs, ((2 + n) * n,), 0.1, F32)
+    self.fn = normal(rngs, ((2 + n) * n, n * hidden), MIX_STD / math.sqrt(n * hidden), F32)
+    identity = jnp.concatenate([jnp.zeros((2 * n,), F32), COMB_DIAGONAL * jnp.eye(n, dtype=F32).reshape(-1)])
+    self.base = nnx.Param(identity + normal(rngs, ((2 + n) * n,), BASE_SPREAD, F32)[...])
     self.scale = nnx.Param(1.0 + 0.1 * jax.random.normal(rngs.params(), (3,), F32))
 
   def __call__(self, X: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
@@ -57,8 +67,8 @@ class HyperHead(nnx.Module):
 
   def __init__(self, hidden: int, n: int, eps: float, norm_eps: float, *, rngs: nnx.Rngs):
     self.eps, self.norm_eps = eps, norm_eps
-    self.fn = normal(rngs, (n, n * hidden), 0.02, F32)
-    self.base = normal(rngs, (n,), 0.1, F32)
+    self.fn = normal(rngs, (n, n * hidden), MIX_STD / math.sqrt(n * hidden), F32)
+    self.base = normal(rngs, (n,), BASE_SPREAD, F32)
     self.scale = nnx.Param(jnp.ones((1,), F32))
 
   def __call__(self, X: jnp.ndarray) -> jnp.ndarray:

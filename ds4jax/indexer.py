@@ -59,13 +59,19 @@ class Indexer(nnx.Module):
     """[S, min(topk, R)] int32 row ids, best first; -1 marks a slot with no visible row (a prompt from 0)."""
     return self.select(x, qr, positions, freqs, self.compressor(x, freqs), REFERENCE)
 
-  def select(self, x, qr, positions, freqs, keys, features: Features) -> jnp.ndarray:
+  def select(self, x, qr, positions, freqs, keys, features: Features, pinned=None) -> jnp.ndarray:
     """Row ids [S, k] of each query's best visible rows among `keys` [R, ci], -1 for empty slots.
 
     Reference: XLA scores + top_k, best first, k = min(topk, R). `indexer_score_kernel`: the Pallas scoring
     kernel with query-blocked top-k (kernels_pallas/indexer), ascending ids, k = topk (a power of two).
+    `pinned` (the reference's ids of another run, decisions.py) replaces the choice, in this path's layout.
     """
     dt = features.matmul_dtype
+    if pinned is not None:
+      if not features.indexer_score_kernel:
+        return pinned
+      pad = self.topk - pinned.shape[1]
+      return indexer_kernels.sort_ids(jnp.pad(pinned, ((0, 0), (0, pad)), constant_values=-1) if pad else pinned)
     if features.indexer_score_kernel:
       q, w = self.queries(x, qr, positions, freqs, dt)
       # Dots in the model's matmul dtype: f32 keeps the exact selection; bf16 (`bf16_matmul`) may swap near-ties.

@@ -17,6 +17,11 @@ from kernels_pallas.precision import matmul_t
 
 F32 = jnp.float32
 
+# Random weights are drawn as trained transformers are conditioned (docs/model.md §12): a matmul keeps the scale of
+# its input (std 1/sqrt(fan_in)), and the projections that write into the residual streams (attention output,
+# expert and shared-expert down) are scaled by RESIDUAL_GAIN, so that one layer's update is a fraction of the stream.
+RESIDUAL_GAIN = 0.3
+
 
 def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> nnx.Param:
   """A N(0, std^2) parameter. Draws a power-of-two sized vector and reshapes it: eager random
@@ -61,8 +66,8 @@ def dense(w) -> jnp.ndarray:
 class Linear(nnx.Module):
   """y = x @ W^T with W stored [out, in], as in the checkpoint. No bias anywhere in DeepSeek-V4."""
 
-  def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype=F32, std: float = 0.02, fmt: str = "bf16"):
-    self.weight = make_weight(rngs, (d_out, d_in), std, dtype, fmt)
+  def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype=F32, gain: float = 1.0, fmt: str = "bf16"):
+    self.weight = make_weight(rngs, (d_out, d_in), gain / math.sqrt(d_in), dtype, fmt)  # random init: fan-in
 
   def __call__(self, x: jnp.ndarray, operand_dtype=F32) -> jnp.ndarray:
     """f32 out; operands in `operand_dtype` (f32 exact, bf16 under `bf16_matmul`)."""

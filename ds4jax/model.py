@@ -12,6 +12,7 @@ from flax import nnx
 
 from ds4jax.attention import Attention
 from ds4jax.config import DeepseekV4Config
+from ds4jax.decisions import Decisions
 from ds4jax.features import REFERENCE, Features
 from ds4jax.hyper_connection import HyperConnection, HyperHead
 from ds4jax.layer_cache import LayerCache
@@ -19,6 +20,11 @@ from ds4jax.layers import F32, Linear, RMSNorm, normal
 from ds4jax.moe import MoE
 from ds4jax.quant import policy as quant_policy
 from ds4jax.quant.policy import QuantPolicy
+
+
+# The random head's logits have this std (its input is RMS-normed): a peaked next-token distribution, as a trained
+# model's, rather than the near-uniform one a small head gives (docs/model.md §12).
+LOGIT_STD = 3.0
 
 
 class Block(nnx.Module):
@@ -39,13 +45,20 @@ class Block(nnx.Module):
     del positions
     return self.band(X, tokens, 0, self.attn.empty_cache(X.shape[0], X.shape[0]), features)[0]
 
-  def band(self, X: jnp.ndarray, tokens: jnp.ndarray, s0, cache: LayerCache, features: Features = REFERENCE):
-    """X [B, n, D] streams of positions [s0, s0+B) -> (new streams, the attention layer's new cache)."""
+  def band(self, X: jnp.ndarray, tokens: jnp.ndarray, s0, cache: LayerCache, features: Features = REFERENCE,
+           pinned: Decisions | None = None, record_scores: bool = False):
+    """X [B, n, D] streams of positions [s0, s0+B) -> (new streams, the attention layer's new cache, the layer's
+    Decisions). `pinned` imposes another run's decisions; `record_scores` adds the f32 scores behind them."""
     h, post, comb = self.hc_attn(X)  # hyper-connections stay f32 whatever `bf16_matmul` says
-    y, cache = self.attn.band(self.attn_norm(h), s0, cache, features)
+    y, cache, rows, index_scores = self.attn.band(self.attn_norm(h), s0, cache, features,
+                                                  None if pinned is None else pinned.index_rows, record_scores)
     X = HyperConnection.merge(X, y, post, comb)
     h, post, comb = self.hc_ffn(X)
-    return HyperConnection.merge(X, self.ffn(self.ffn_norm(h), tokens, features), post, comb), cache
+    x = self.ffn_norm(h)
+    y, route_ids = self.ffn.route_and_mix(x, tokens, features, None if pinned is None else pinned.route_ids)
+    decisions = Decisions(route_ids, rows, self.ffn.gate.selection_scores(x) if record_scores else None,
+                          index_scores)
+    return HyperConnection.merge(X, y, post, comb), cache, decisions
 
 
 class DeepseekV4(nnx.Module):
@@ -60,7 +73,7 @@ class DeepseekV4(nnx.Module):
     self.layers = nnx.List([Block(cfg, i, rngs=rngs, dtype=dtype, policy=policy) for i in range(cfg.num_layers)])
     self.hc_head = HyperHead(D, n, cfg.hc_eps, cfg.rms_norm_eps, rngs=rngs)
     self.norm = RMSNorm(D, cfg.rms_norm_eps)
-    self.head = Linear(D, cfg.vocab_size, rngs=rngs, dtype=dtype)
+    self.head = Linear(D, cfg.vocab_size, rngs=rngs, dtype=dtype, gain=LOGIT_STD)
 
   def __call__(self, tokens: jnp.ndarray, *, return_streams: bool = False, features: Features = REFERENCE):
     """With `return_streams`, also returns the [L+1, S, n, D] streams: the embedding, then each layer's output.

@@ -8,7 +8,7 @@ from flax import nnx
 
 from ds4jax.config import DeepseekV4Config, Routing
 from ds4jax.features import REFERENCE, Features
-from ds4jax.layers import F32, Linear, QuantizedWeight, dense, make_weight, matmul_t, normal
+from ds4jax.layers import F32, RESIDUAL_GAIN, Linear, QuantizedWeight, dense, make_weight, matmul_t, normal
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 from kernels_pallas import moe as moe_kernels
 from kernels_pallas.moe.reference import moe_reference, swiglu_expert
@@ -24,17 +24,28 @@ class Router(nnx.Module):
   def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32):
     self.routing, self.k, self.scale = cfg.routing[layer], cfg.experts_per_token, cfg.routed_scaling_factor
     E = cfg.n_routed_experts
-    self.weight = normal(rngs, (E, cfg.hidden_size), 0.02, dtype)
+    self.weight = normal(rngs, (E, cfg.hidden_size), cfg.hidden_size ** -0.5, dtype)
     topk = self.routing is Routing.TOPK
     self.bias = normal(rngs, (E,), 0.02, F32) if topk else None  # used for selection only
     # Hash table with distinct experts per token: the top-k of a random key per (token, expert).
     self.tid2eid = None if topk else Buffer(
         jax.lax.top_k(jax.random.uniform(rngs.params(), (cfg.vocab_size, E)), self.k)[1].astype(jnp.int32))
 
-  def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Returns (weights [S, k] f32, expert ids [S, k] int32)."""
-    score = jnp.sqrt(jax.nn.softplus(matmul_t(x, self.weight[...])))  # [S, E]
-    if self.routing is Routing.HASH:
+  def scores(self, x: jnp.ndarray) -> jnp.ndarray:
+    """[S, E] f32 affinities sqrt(softplus(x . w_e))."""
+    return jnp.sqrt(jax.nn.softplus(matmul_t(x, self.weight[...])))
+
+  def selection_scores(self, x: jnp.ndarray) -> jnp.ndarray:
+    """[S, E] what top-k routing ranks: the affinities plus the bias (hash layers: the affinities)."""
+    return self.scores(x) + (0.0 if self.bias is None else self.bias[...])
+
+  def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray, pinned_ids: jnp.ndarray | None = None):
+    """Returns (weights [S, k] f32, expert ids [S, k] int32). `pinned_ids` replaces the choice (not the weights'
+    values: those are this path's affinities at the pinned experts)."""
+    score = self.scores(x)  # [S, E]
+    if pinned_ids is not None:
+      idx = pinned_ids
+    elif self.routing is Routing.HASH:
       idx = self.tid2eid[...][tokens]
     else:
       idx = jax.lax.top_k(score + self.bias[...], self.k)[1]
@@ -48,9 +59,9 @@ class Experts(nnx.Module):
   def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"]):
     E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     self.limit, self.n_experts, self.intermediate, self.hidden = cfg.swiglu_limit, E, I, D
-    self.w1 = make_weight(rngs, (E, I, D), 0.02, dtype, policy.gate_up)
-    self.w2 = make_weight(rngs, (E, D, I), 0.02, dtype, policy.down)
-    self.w3 = make_weight(rngs, (E, I, D), 0.02, dtype, policy.gate_up)
+    self.w1 = make_weight(rngs, (E, I, D), D ** -0.5, dtype, policy.gate_up)
+    self.w2 = make_weight(rngs, (E, D, I), RESIDUAL_GAIN * I ** -0.5, dtype, policy.down)  # writes the residual
+    self.w3 = make_weight(rngs, (E, I, D), D ** -0.5, dtype, policy.gate_up)
 
   def kernel_weights(self, dtype, quantized: bool) -> tuple:
     """(w1, w2, w3) as the kernels' `ExpertWeights`: quantized storage as is (`quantized`, decoded in-kernel), or
@@ -80,7 +91,7 @@ class SharedExpert(nnx.Module):
     self.limit = cfg.swiglu_limit
     q = dict(rngs=rngs, dtype=dtype, fmt=policy.dense)
     self.w1 = Linear(D, I, **q)
-    self.w2 = Linear(I, D, **q)
+    self.w2 = Linear(I, D, gain=RESIDUAL_GAIN, **q)
     self.w3 = Linear(D, I, **q)
 
   def __call__(self, x: jnp.ndarray, operand_dtype=F32) -> jnp.ndarray:
@@ -96,12 +107,17 @@ class MoE(nnx.Module):
     self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype, policy=policy)
 
   def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray, features: Features = REFERENCE) -> jnp.ndarray:
-    weights, idx = self.gate(x, tokens)  # routing stays f32 (bf16 scores could pick other experts)
+    return self.route_and_mix(x, tokens, features)[0]
+
+  def route_and_mix(self, x: jnp.ndarray, tokens: jnp.ndarray, features: Features = REFERENCE,
+                    pinned_ids: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(output [S, D], the expert ids [S, k] it routed to); `pinned_ids` imposes the ids (decisions.py)."""
+    weights, idx = self.gate(x, tokens, pinned_ids)  # routing stays f32 (bf16 scores could pick other experts)
     dt = features.matmul_dtype
     shared = self.shared_experts(x, dt)
     if not features.moe_kernels:
-      return self.experts(x, weights, idx, shared, dt)
-    return routed_with_kernels(self.experts, x, weights, idx, shared, features)
+      return self.experts(x, weights, idx, shared, dt), idx
+    return routed_with_kernels(self.experts, x, weights, idx, shared, features), idx
 
 
 def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: int) -> moe_kernels.Config:

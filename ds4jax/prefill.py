@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from ds4jax import model as model_lib
+from ds4jax.decisions import Decisions
 from ds4jax.features import REFERENCE, Features
 
 
@@ -44,17 +45,20 @@ def layer_features(features: Features, band: int) -> Features:
   return dataclasses.replace(features, prefill_band_tokens=0, long_context_chunk=chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "features"), donate_argnames=("X", "cache"))
-def _layer_step(graphdef, state, X, tokens, s0, cache, features: Features):
+@functools.partial(jax.jit, static_argnames=("graphdef", "features", "record_scores"),
+                   donate_argnames=("X", "cache"))
+def _layer_step(graphdef, state, X, tokens, s0, cache, features: Features, pinned=None, record_scores=False):
   """One layer over one band. Layers of one type have equal graphdefs, so they share this compile."""
-  return nnx.merge(graphdef, state).band(X, tokens, s0, cache, features)
+  return nnx.merge(graphdef, state).band(X, tokens, s0, cache, features, pinned, record_scores)
 
 
-def layer_step(block, X: jnp.ndarray, tokens: jnp.ndarray, s0, cache, features: Features):
-  """One layer over one band of X.shape[0] tokens through the program `prefill` runs -> (streams, cache).
-  X and cache are donated (pass copies to keep them)."""
+def layer_step(block, X: jnp.ndarray, tokens: jnp.ndarray, s0, cache, features: Features,
+               pinned: Decisions | None = None, record_scores: bool = False):
+  """One layer over one band of X.shape[0] tokens through the program `prefill` runs -> (streams, cache,
+  Decisions). X and cache are donated (pass copies to keep them). `pinned` / `record_scores`: Block.band."""
   gdef, state = nnx.split(block)
-  return _layer_step(gdef, state, X, tokens, jnp.int32(s0), cache, layer_features(features, X.shape[0]))
+  return _layer_step(gdef, state, X, tokens, jnp.int32(s0), cache, layer_features(features, X.shape[0]), pinned,
+                     record_scores)
 
 
 @functools.partial(jax.jit, static_argnames=("hc_mult",))
@@ -113,7 +117,7 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
     for i, block in enumerate(layers):
       if parts[i] is None:
         parts[i], caches[i] = nnx.split(block), block.attn.empty_cache(n_bands * B, B)
-      X, caches[i] = _layer_step(*parts[i], X, toks, jnp.int32(s0), caches[i], inner)
+      X, caches[i], _ = _layer_step(*parts[i], X, toks, jnp.int32(s0), caches[i], inner)
     if out_def is None:
       out_def, out_state = nnx.split(m.output())
     if all_logits:

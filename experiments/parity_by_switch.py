@@ -25,16 +25,16 @@ import dataclasses
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 from ds4jax import features as features_lib
-from ds4jax import metrics
 from ds4jax import prefill as prefill_lib
+from experiments import device_memory
 from experiments import qualification as q
 from experiments import run_record
+from experiments.verdicts import update_errors
 
 FLAGS = flags.FLAGS
 
@@ -64,20 +64,6 @@ def variants(base: features_lib.Features) -> dict[str, features_lib.Features]:
               attention_f32=only(attention), moe_f32=only(lambda s: s.startswith("moe_")))
 
 
-@jax.jit
-def _update_errors(out, ref, x_in):
-  d = (out - ref).astype(jnp.float32)
-  u = (ref - x_in).astype(jnp.float32)
-  return jnp.sum(d * d), jnp.sum(u * u), jnp.max(jnp.abs(d))
-
-
-def update_errors(out, ref, x_in) -> tuple[float, float]:
-  """(NMSE of a layer's update (out - x_in) against the exact update (ref - x_in), max abs of out - ref), on the
-  device: the differences of f32 streams are exact where they are close, so f32 sums suffice."""
-  num, den, max_abs = _update_errors(out, ref, x_in)
-  return metrics.nmse_of_sums(float(num), float(den)), float(max_abs)
-
-
 def per_layer(m, ids: np.ndarray, exact: features_lib.Features, runs: dict, log,
               on_row=lambda rows: None) -> list[dict]:
   """Each layer on the exact path's input streams, exact vs every variant: local update NMSE and max abs error.
@@ -89,10 +75,10 @@ def per_layer(m, ids: np.ndarray, exact: features_lib.Features, runs: dict, log,
   for i, block in enumerate(m.layers):
     t0 = time.perf_counter()
     cache = lambda blk=block: blk.attn.empty_cache(B, B)
-    ref, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), exact)
+    ref, _, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), exact)
     row = dict(layer=i, attention=m.cfg.attention[i].value, routing=m.cfg.routing[i].value, variants={})
     for name, f in runs.items():
-      out, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), f)
+      out, _, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), f)
       nmse, max_abs = update_errors(out, ref, X)
       row["variants"][name] = dict(update_nmse=nmse, max_abs=max_abs)
       del out
@@ -106,6 +92,7 @@ def per_layer(m, ids: np.ndarray, exact: features_lib.Features, runs: dict, log,
 
 def main(argv):
   del argv
+  device_memory.claim()  # before JAX starts its backend
   try:
     run(q.options_from_flags(FLAGS))
   except q.STARTUP_ERRORS as e:
@@ -123,6 +110,8 @@ def run(opts: q.Options) -> None:
   runs = {k: all_variants[k] for k in FLAGS.variants}
   ids, _ = q.prompt_ids(opts, cfg)
   n = FLAGS.tokens
+  if not 1 <= n <= len(ids):
+    raise q.StartupError(f"--tokens={n} lies outside the {len(ids)}-token prompt (1..{len(ids)})")
   t0 = time.perf_counter()
   m = q.build_model(opts, cfg)
   fingerprint = q.weights_fingerprint(m)

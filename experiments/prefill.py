@@ -8,25 +8,28 @@ Configurations: all_on (the flags' resolved features), kill_<switch> per switch 
 knobs, all_off (the exact path). Every configuration uses the same prompt ids and weights. Each one is written to
 --out (JSON, plus a .md table) as soon as it finishes; with --append, pairs already OK are skipped and failed ones
 retried, so a full matrix can be run in several bounded calls. The logic lives in experiments/qualification.py.
+The last line says `N pass, M fail, K not run`; the exit status is non-zero when any verdict is FAIL.
 """
 
 import sys
 
 from absl import app, flags
 
-from experiments import qualification
-
-qualification.define_flags(flags.FLAGS)
+from experiments import device_memory, qualification
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  device_memory.claim()  # before JAX starts its backend
   try:
-    qualification.run(qualification.options_from_flags(flags.FLAGS))
+    doc = qualification.run(qualification.options_from_flags(flags.FLAGS))
   except qualification.STARTUP_ERRORS as e:
     sys.exit(f"prefill: {e}")
+  if qualification.verdict_counts(doc)["failed"]:  # a script can tell: non-zero exit on any FAIL
+    sys.exit(f"prefill: {qualification.summary_line(doc)}")
 
 
 if __name__ == "__main__":
+  qualification.define_flags(flags.FLAGS)  # only as a program: tests import main
   app.run(main)

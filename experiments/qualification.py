@@ -481,6 +481,22 @@ def summary_rows(doc_or_records) -> list[dict[str, Any]]:
   return rows
 
 
+def verdict_counts(doc: dict[str, Any]) -> dict[str, int]:
+  """How many records of the document pass, FAIL, are unresolved, or have no parity verdict ("not run")."""
+  counts = dict(passed=0, failed=0, unresolved=0, not_run=0)
+  for row in summary_rows(doc):
+    key = {"pass": "passed", "FAIL": "failed", "unresolved": "unresolved"}.get(row["verdict"], "not_run")
+    counts[key] += 1
+  return counts
+
+
+def summary_line(doc: dict[str, Any]) -> str:
+  """`N pass, M fail, K not run` (and the unresolved ones, if any) over every record of the document."""
+  c = verdict_counts(doc)
+  return (f"{c['passed']} pass, {c['failed']} fail, {c['not_run']} not run"
+          + (f", {c['unresolved']} unresolved" if c["unresolved"] else ""))
+
+
 def _error_summary(error: str | None, kind: str | None) -> str:
   """One short line for the table: the allocation that failed for an out-of-memory error (XLA's GEMM autotuner
   reports it inside a NOT_FOUND or 'failed to get configs' error), else the error's first line."""
@@ -639,6 +655,8 @@ class _ExactPrefixes:
     os.replace(tmp, self.path)
 
   def _get(self, n: int, noise: float) -> np.ndarray:
+    if not 1 <= n <= len(self.ids):  # ids[:n] would be a shorter prompt stored under the wrong length
+      raise StartupError(f"a {n}-token prefix lies outside the {len(self.ids)}-token prompt")
     name = self._name(n, noise)
     what = f"exact path on the {n}-token prefix" + (f" with input noise {noise:.2e}" if noise else "")
     hit = self.computed.get(name)
@@ -1091,4 +1109,5 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None) 
   log("")
   log(markdown_table(doc))
   log(f"results: {opts.out} and {markdown_path(opts.out)}")
+  log(f"verdicts: {summary_line(doc)}")
   return doc

@@ -14,6 +14,7 @@ import pytest
 SEED_ENV = "DS4JAX_TEST_SEED"
 
 
+
 def seed_of(nodeid: str) -> int:
   """The seed of one test: DS4JAX_TEST_SEED if set, else a stable hash of the test id."""
   override = os.environ.get(SEED_ENV)

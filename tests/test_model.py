@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ds4jax import config, model
+from ds4jax import config, layers, model
 from ds4jax.moe import Buffer
 
 
@@ -70,3 +70,45 @@ def test_abstract_full_model_has_the_counted_parameters(preset):
   assert n == cfg.param_counts()["total"]
   tables = jax.tree.leaves(nnx.state(m, Buffer))
   assert len(tables) == 3 and tables[0].shape == (129280, 6)
+
+
+def init_statistics(m, tokens) -> tuple[np.ndarray, float, float]:
+  """(update / stream per layer, mean next-token entropy in nats, mean max probability) of a forward pass."""
+  logits, streams = model.forward(m, tokens, return_streams=True)
+  X = np.asarray(streams, np.float64)
+  ratios = np.array([np.linalg.norm(X[i + 1] - X[i]) / np.linalg.norm(X[i]) for i in range(len(X) - 1)])
+  logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)), np.float64)
+  p = np.exp(logp)
+  return ratios, float(np.mean(-(p * logp).sum(-1))), float(np.mean(p.max(-1)))
+
+
+def conditioned(ratios, entropy, max_p, vocab) -> bool:
+  """docs/model.md §12: each layer's update 0.1-0.3 of the stream; a peaked next-token distribution."""
+  return bool((ratios > 0.1).all() and (ratios < 0.3).all() and entropy < 0.6 * np.log(vocab) and max_p > 25 / vocab)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_csa", "tiny_hca"])
+def test_random_init_is_conditioned_like_a_trained_model(tiny_model, rng, preset):
+  m = tiny_model if preset == "tiny" else model.init_random(config.preset(preset), seed=int(rng.integers(2**31)),
+                                                           dtype=jnp.float32)
+  tokens = rng.integers(0, m.cfg.vocab_size, 32)
+  ratios, entropy, max_p = init_statistics(m, tokens)
+  print(f"{preset}: update/stream {np.round(ratios, 3)}, entropy {entropy:.2f} of {np.log(m.cfg.vocab_size):.2f}, "
+        f"max p {max_p:.3f}")
+  assert conditioned(ratios, entropy, max_p, m.cfg.vocab_size)
+
+
+def test_the_conditioning_check_fails_on_the_old_init(rng):
+  """Negative control: the earlier init's head (std 0.02: near-uniform logits) or its residual writes (std 0.02:
+  updates well under 0.1 of the stream) fail the check."""
+  m = model.init_random(config.tiny(), seed=int(rng.integers(2**31)), dtype=jnp.float32)
+  tokens = rng.integers(0, m.cfg.vocab_size, 32)
+  assert conditioned(*init_statistics(m, tokens), m.cfg.vocab_size)
+  head = m.head.weight[...]
+  m.head.weight[...] = head * (0.02 / (model.LOGIT_STD / m.cfg.hidden_size ** 0.5))
+  assert not conditioned(*init_statistics(m, tokens), m.cfg.vocab_size)
+  m.head.weight[...] = head
+  for block in m.layers:  # the residual writes at the old std 0.02 instead of RESIDUAL_GAIN / sqrt(fan_in)
+    for w in (block.attn.wo_b.weight, block.ffn.experts.w2, block.ffn.shared_experts.w2.weight):
+      w[...] = w[...] * (0.02 / (layers.RESIDUAL_GAIN / w[...].shape[-1] ** 0.5))
+  assert not conditioned(*init_statistics(m, tokens), m.cfg.vocab_size)

@@ -48,7 +48,7 @@ def test_final_logits_and_progress(tiny):
   lines = []
   last = prefill.prefill_logits(m, tokens, features.resolve("cpu_interpret", dict(prefill_band_tokens=16)),
                                 progress=lines.append)
-  np.testing.assert_allclose(np.asarray(last), ref[-1], atol=2e-6)
+  np.testing.assert_allclose(np.asarray(last), ref[-1], atol=2e-6 * max(1.0, np.abs(ref).max()))
   assert len(lines) == 3 and lines[-1].startswith("band 3/3")
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.indexer.config import Config, default_platform
 from kernels_pallas.indexer.handoff import mask_from_topk, rows_from_mask, selected_rows
-from kernels_pallas.indexer.reference import n_visible, scores_reference, topk_reference
+from kernels_pallas.indexer.reference import n_visible, scores_reference, sort_ids, topk_reference
 from kernels_pallas.indexer.scoring import scores
 from kernels_pallas.indexer.topk import topk
 
@@ -15,7 +15,7 @@ from kernels_pallas.indexer.topk import topk
 V4_FLASH_INDEXER = dict(n_heads=64, head_dim=128, k=512, ratio=4)
 
 __all__ = ["Config", "V4_FLASH_INDEXER", "default_platform", "lowering_cases", "mask_from_topk", "n_visible",
-           "rows_from_mask", "scores", "scores_reference", "selected_rows", "topk", "topk_reference"]
+           "rows_from_mask", "scores", "scores_reference", "selected_rows", "sort_ids", "topk", "topk_reference"]
 
 
 def lowering_cases(platform: str) -> list[tuple[str, object, tuple]]:

@@ -607,9 +607,12 @@ def test_noise_floor_is_measured_once_and_sorts_failures(tmp_path, tiny_model, m
 
 def test_no_noise_floor_when_eps_is_zero(tmp_path, tiny_model, monkeypatch):
   fake = FakePrefill()
-  doc, _ = run(options(tmp_path, configs=("all_on", "all_off"), noise_floor_eps=0.0), tiny_model, fake, monkeypatch)
+  doc, lines = run(options(tmp_path, configs=("all_on", "all_off"), noise_floor_eps=0.0), tiny_model, fake,
+                   monkeypatch)
   assert fake.noisy_calls == [] and doc.get("noise_floor", {}) == {}
   assert {r["config"]: r["verdict"] for r in q.summary_rows(doc)} == dict(all_off="pass", all_on="FAIL")
+  assert q.verdict_counts(doc) == dict(passed=1, failed=1, unresolved=0, not_run=0)
+  assert lines[-1] == "verdicts: 1 pass, 1 fail, 0 not run"
 
 
 def test_noise_floor_at_full_length_and_when_it_fails(tmp_path, tiny_model, monkeypatch):

@@ -1,0 +1,80 @@
+"""Planted bugs: configurations that compute one layer subtly wrong, which the verdicts must FAIL.
+
+Each mutation takes a layer's block and returns a changed copy (the model itself is untouched); `run_layer` turns
+it into the runner `verdicts.layer_verdicts` injects, mutating the chosen layers only. The bugs are in the exact
+math, the kind a kernel or a port gets wrong: an attention sink dropped, one expert's output scale one UE8M0 step
+off, the window off by one, the indexer keeping k - 1 rows, the routed scaling factor dropped from the combine
+weights, the compressor's per-slot gate bias dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ds4jax.layers import QuantizedWeight
+from experiments import verdicts
+
+
+def dropped_sink(block):
+  b = nnx.clone(block)
+  b.attn.attn_sink[...] = jnp.full_like(b.attn.attn_sink[...], -1e30)  # the sink takes no mass
+  return b
+
+
+def expert_scale_step(block):
+  """Expert 0's down projection doubled: one step of its UE8M0 scale."""
+  b = nnx.clone(block)
+  w2 = b.ffn.experts.w2
+  if isinstance(w2, QuantizedWeight):
+    raise ValueError("expert_scale_step mutates plain weights; quantized experts would need their scale bytes")
+  w2[...] = w2[...].at[0].multiply(2)
+  return b
+
+
+def window_off_by_one(block):
+  b = nnx.clone(block)
+  b.attn.cfg = dataclasses.replace(b.attn.cfg, sliding_window=b.attn.cfg.sliding_window - 1)
+  return b
+
+
+def index_topk_minus_one(block):
+  b = nnx.clone(block)
+  if b.attn.indexer is None:
+    raise ValueError("index_topk_minus_one needs a CSA layer")
+  b.attn.indexer.topk -= 1
+  return b
+
+
+def routed_scale_dropped(block):
+  b = nnx.clone(block)
+  b.ffn.gate.scale = 1.0  # combine weights no longer multiplied by routed_scaling_factor
+  return b
+
+
+def compressor_bias_dropped(block):
+  b = nnx.clone(block)
+  if b.attn.compressor is None:
+    raise ValueError("compressor_bias_dropped needs a compressed (CSA or HCA) layer")
+  b.attn.compressor.ape[...] = jnp.zeros_like(b.attn.compressor.ape[...])
+  return b
+
+
+MUTATIONS: dict[str, Callable] = {f.__name__: f for f in (
+    dropped_sink, expert_scale_step, window_off_by_one, index_topk_minus_one, routed_scale_dropped,
+    compressor_bias_dropped)}
+
+
+def run_layer(mutation: Callable, layers: set[int]) -> Callable:
+  """A `layer_verdicts` runner that runs the mutated copy of the blocks in `layers` (each mutated once)."""
+  mutated = {}
+
+  def run(i, block, X, tokens, cache, features, pinned):
+    if i in layers:
+      block = mutated.setdefault(i, mutation(block))
+    return verdicts.default_run_layer(i, block, X, tokens, cache, features, pinned)
+
+  return run
