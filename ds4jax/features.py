@@ -43,8 +43,8 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "moe_compact_queue": ("AMD llama.cpp PR #63", "MoE grid over real (expert, row-tile) items only.", ()),
     "moe_persistent": ("GGML_CUDA_MMQ_MOE_PERSISTENT", "Fixed MoE programs loop over the compact queue.",
                        ("moe_compact_queue",)),
-    "moe_fused_combine": ("DFLASH_MOE_FUSED_COMBINE", "Weighted top-k combine + shared add in one kernel after the down "
-                          "projection.", ()),
+    "moe_fused_combine": ("DFLASH_MOE_FUSED_COMBINE",
+                          "Weighted top-k combine + shared add in one kernel after the down projection.", ()),
     "indexer_score_kernel": ("GGML_DS4_INDEXER_M32 + GGML_DS4_TOPK_BLOCK_RADIX",
                              "Tiled Pallas indexer scoring kernel with query-blocked top-k.", ()),
     # Only the streaming kernel consumes an index list; the dense reference always masks.

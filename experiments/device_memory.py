@@ -2,7 +2,8 @@
 
 JAX takes 75% of a GPU's memory by default, which leaves no room next to V4-Flash's 104 GB of weights on an H200
 (the qualification ran out of memory at the weights fingerprint). The entry points call `claim` first thing in
-main, before JAX starts its backend: it sets XLA_PYTHON_CLIENT_MEM_FRACTION to 0.95 unless the user has set it, and says so.
+main, before JAX starts its backend: it sets XLA_PYTHON_CLIENT_MEM_FRACTION to 0.95 unless the user has set it,
+and says so.
 """
 
 from __future__ import annotations

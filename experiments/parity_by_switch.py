@@ -15,18 +15,15 @@ each variant:
 End to end: final-position logits against the exact path (NMSE, max abs, top-1, KL; the qualification's metrics).
 Also the noise floor (--noise_floor_eps): the exact path against itself with its input streams perturbed by one
 rounding.
---per_layer: each layer is fed the exact path's input streams and run under the exact features and under each
-variant, so the error it reports is that layer's own (nothing accumulated from earlier layers): the NMSE of the
-layer's update (output minus input streams) against the exact update. A kernel that is wrong at some shape shows up
-as one layer kind with a large local error; rounding shows up everywhere, small.
+--per_layer: each variant's per-layer verdicts (experiments/verdicts.py): every layer on the exact path's input
+streams, its decisions pinned to the exact path's, its update's NMSE against the exact update and the bound of its
+operand precision; unpinned, the routing and indexer choices that differ and whether each is a near-tie.
 """
 
 import dataclasses
 import sys
 import time
 
-import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 from ds4jax import features as features_lib
@@ -34,7 +31,7 @@ from ds4jax import prefill as prefill_lib
 from experiments import device_memory
 from experiments import qualification as q
 from experiments import run_record
-from experiments.verdicts import update_errors
+from experiments import verdicts
 
 FLAGS = flags.FLAGS
 
@@ -62,32 +59,6 @@ def variants(base: features_lib.Features) -> dict[str, features_lib.Features]:
   return dict(all_on=base, all_on_f32=dataclasses.replace(base, bf16_matmul=False),
               reference_bf16=dataclasses.replace(exact, bf16_matmul=True),
               attention_f32=only(attention), moe_f32=only(lambda s: s.startswith("moe_")))
-
-
-def per_layer(m, ids: np.ndarray, exact: features_lib.Features, runs: dict, log,
-              on_row=lambda rows: None) -> list[dict]:
-  """Each layer on the exact path's input streams, exact vs every variant: local update NMSE and max abs error.
-  `on_row(rows)` runs after each layer (the program writes its results there)."""
-  toks = jnp.asarray(ids)
-  B = len(ids)
-  X = m.embed_streams(toks)
-  rows = []
-  for i, block in enumerate(m.layers):
-    t0 = time.perf_counter()
-    cache = lambda blk=block: blk.attn.empty_cache(B, B)
-    ref, _, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), exact)
-    row = dict(layer=i, attention=m.cfg.attention[i].value, routing=m.cfg.routing[i].value, variants={})
-    for name, f in runs.items():
-      out, _, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), f)
-      nmse, max_abs = update_errors(out, ref, X)
-      row["variants"][name] = dict(update_nmse=nmse, max_abs=max_abs)
-      del out
-    rows.append(row)
-    on_row(rows)
-    log(f"layer {i:2d} {row['attention']:6s} {row['routing']:4s}: " + "  ".join(
-        f"{k} {v['update_nmse']:.1e}" for k, v in row["variants"].items()) + f" ({time.perf_counter() - t0:.1f}s)")
-    X = ref
-  return rows
 
 
 def main(argv):
@@ -149,10 +120,12 @@ def run(opts: q.Options) -> None:
           f"({time.perf_counter() - t0:.1f}s)", flush=True)
     run_record.write_json(path, out)
   if FLAGS.per_layer:
-    def save(rows):
-      out["per_layer"] = rows
+    out["per_layer"] = {}
+    for name, f in runs.items():
+      clock.say(f"per-layer verdicts of {name}")
+      layers = verdicts.layer_verdicts(m, ids[:n], f, log=clock.say)
+      out["per_layer"][name] = [dict(dataclasses.asdict(v), passed=v.passed) for v in layers]
       run_record.write_json(path, out)
-    per_layer(m, ids[:n], exact_feats, runs, clock.say, on_row=save)
   print(f"results: {path}")
 
 

@@ -87,23 +87,15 @@ def conditioned(ratios, entropy, max_p, vocab) -> bool:
   return bool((ratios > 0.1).all() and (ratios < 0.3).all() and entropy < 0.6 * np.log(vocab) and max_p > 25 / vocab)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny_csa", "tiny_hca"])
-def test_random_init_is_conditioned_like_a_trained_model(tiny_model, rng, preset):
-  m = tiny_model if preset == "tiny" else model.init_random(config.preset(preset), seed=int(rng.integers(2**31)),
-                                                           dtype=jnp.float32)
+def test_random_init_is_conditioned_like_a_trained_model(tiny_model, rng):
+  """tiny has every layer kind (window, CSA, HCA; hash and top-k MoE). Negative control: the earlier init's head
+  (std 0.02: near-uniform logits) or its residual writes (std 0.02: updates well under 0.1 of the stream) fail."""
+  m = nnx.clone(tiny_model)
   tokens = rng.integers(0, m.cfg.vocab_size, 32)
   ratios, entropy, max_p = init_statistics(m, tokens)
-  print(f"{preset}: update/stream {np.round(ratios, 3)}, entropy {entropy:.2f} of {np.log(m.cfg.vocab_size):.2f}, "
+  print(f"tiny: update/stream {np.round(ratios, 3)}, entropy {entropy:.2f} of {np.log(m.cfg.vocab_size):.2f}, "
         f"max p {max_p:.3f}")
   assert conditioned(ratios, entropy, max_p, m.cfg.vocab_size)
-
-
-def test_the_conditioning_check_fails_on_the_old_init(rng):
-  """Negative control: the earlier init's head (std 0.02: near-uniform logits) or its residual writes (std 0.02:
-  updates well under 0.1 of the stream) fail the check."""
-  m = model.init_random(config.tiny(), seed=int(rng.integers(2**31)), dtype=jnp.float32)
-  tokens = rng.integers(0, m.cfg.vocab_size, 32)
-  assert conditioned(*init_statistics(m, tokens), m.cfg.vocab_size)
   head = m.head.weight[...]
   m.head.weight[...] = head * (0.02 / (model.LOGIT_STD / m.cfg.hidden_size ** 0.5))
   assert not conditioned(*init_statistics(m, tokens), m.cfg.vocab_size)
