@@ -151,7 +151,7 @@ def test_precompile_fills_the_persistent_cache(tiny, tmp_path):
   from jax import monitoring  # pylint: disable=import-outside-toplevel
 
   m, tokens, ref = tiny
-  f = features.resolve("cpu_interpret", dict(prefill_band_tokens=16, moe_compact_queue=True))
+  f = features.resolve("cpu_interpret", dict(prefill_band_tokens=16))
   old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
   jax.config.update("jax_compilation_cache_dir", None)
   with pytest.raises(ValueError, match="jax_compilation_cache_dir"):
