@@ -79,9 +79,13 @@ def _logits(graphdef, state, X):
 
 def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
             progress: Callable[[str], None] | None = None, all_logits: bool = False,
-            positions: Sequence[int] | None = None, input_noise: float = 0.0, noise_seed: int = 0) -> jnp.ndarray:
+            positions: Sequence[int] | None = None, input_noise: float = 0.0, noise_seed: int = 0,
+            pinned: Sequence[Decisions] | None = None, decisions: list | None = None) -> jnp.ndarray:
   """Banded prefill of a prompt from position 0: f32 logits [S, vocab] if `all_logits`, [len(positions), vocab] at
   the given `positions`, else [vocab] of the final position.
+
+  `pinned`: one Decisions per layer over the whole prompt (another run's, e.g. the exact path's), imposed band by
+  band; a list passed as `decisions` receives this run's, one per layer over the whole prompt (docs/model.md §13).
 
   The model is causal, so the logits at position p - 1 are those of the p-token prefix: one run at full length also
   gives a prefix's final logits (the qualification's parity check where the exact path only fits a prefix).
@@ -107,6 +111,9 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
   caches: list = [None] * len(layers)
   parts: list = [None] * len(layers)
   out_def, out_state = None, None
+  if pinned is not None and len(pinned) != len(layers):
+    raise ValueError(f"pinned holds {len(pinned)} layers' decisions; the model has {len(layers)}")
+  made_by_band: list[list[Decisions]] = [[] for _ in layers]
   out, t0 = {}, time.perf_counter()
   for b in range(n_bands):
     s0 = b * B
@@ -117,7 +124,10 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
     for i, block in enumerate(layers):
       if parts[i] is None:
         parts[i], caches[i] = nnx.split(block), block.attn.empty_cache(n_bands * B, B)
-      X, caches[i], _ = _layer_step(*parts[i], X, toks, jnp.int32(s0), caches[i], inner)
+      pin = None if pinned is None else _band_of(pinned[i], s0, B)
+      X, caches[i], made = _layer_step(*parts[i], X, toks, jnp.int32(s0), caches[i], inner, pin)
+      if decisions is not None:
+        made_by_band[i].append(made)
     if out_def is None:
       out_def, out_state = nnx.split(m.output())
     if all_logits:
@@ -128,9 +138,33 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
     if progress:
       jax.block_until_ready(X)
       progress(f"band {b + 1}/{n_bands}: tokens [{s0}, {min(s0 + B, S)}) done, {time.perf_counter() - t0:.1f}s")
+  if decisions is not None:
+    decisions[:] = [_joined(bands, S) for bands in made_by_band]
   if all_logits:
     return jnp.concatenate([out[b] for b in range(n_bands)])[:S]
   return out[S - 1] if positions is None else jnp.stack([out[p] for p in want])
+
+
+def _band_of(d: Decisions, s0: int, B: int) -> Decisions:
+  """The decisions of tokens [s0, s0 + B) of a whole-prompt Decisions; positions past its end (the last band's
+  padding) route to expert 0 and keep no row."""
+  def part(a, fill):
+    if a is None:
+      return None
+    a = a[s0:s0 + B]
+    return jnp.pad(a, ((0, B - a.shape[0]), (0, 0)), constant_values=fill) if a.shape[0] < B else a
+  return Decisions(part(d.route_ids, 0), part(d.index_rows, -1))
+
+
+def _joined(bands: list[Decisions], S: int) -> Decisions:
+  """One layer's per-band decisions as one over the prompt's S tokens (scores are not recorded here)."""
+  index = None if bands[0].index_rows is None else jnp.concatenate([d.index_rows for d in bands])[:S]
+  return Decisions(jnp.concatenate([d.route_ids for d in bands])[:S], index)
+
+
+def logits_of_streams(m: model_lib.DeepseekV4, X: jnp.ndarray) -> jnp.ndarray:
+  """[S, n, D] final streams -> [S, vocab] f32 logits, through the program `prefill` uses."""
+  return _logits(*nnx.split(m.output()), X)
 
 
 def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], workers: int = 8,

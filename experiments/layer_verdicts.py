@@ -22,7 +22,6 @@ from absl import app, flags
 from ds4jax import config as config_lib
 from ds4jax import features as features_lib
 from ds4jax import model as model_lib
-from ds4jax.config import Attention
 from ds4jax.quant import policy as quant_policy
 from experiments import device_memory, mutations, run_record, verdicts
 from experiments import flags as flags_lib
@@ -37,15 +36,8 @@ _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 flags_lib.define_quant_policy_flag()
 flags_lib.define_feature_flags()
 
-# The layer kinds each bug needs (None: any).
-NEEDS = dict(index_topk_minus_one={Attention.CSA}, compressor_bias_dropped={Attention.CSA, Attention.HCA})
-
-
 def mutation_layer(cfg, name: str) -> int:
-  if _MUTATION_LAYER.value >= 0:
-    return _MUTATION_LAYER.value
-  kinds = NEEDS.get(name)
-  return next(i for i, k in enumerate(cfg.attention) if kinds is None or k in kinds)
+  return _MUTATION_LAYER.value if _MUTATION_LAYER.value >= 0 else mutations.default_layer(cfg, name)
 
 
 def as_record(v: verdicts.LayerVerdict) -> dict:

@@ -26,7 +26,7 @@ def main(argv):
     doc = qualification.merge_results(_OUT.value, argv[1:])
   except qualification.StartupError as e:
     sys.exit(f"merge_qualification: {e}")
-  print(f"{_OUT.value}: {len(doc['records'])} records")
+  print(f"{_OUT.value}: {len(doc.records)} records")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ weights, the compressor's per-slot gate bias dropped.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Callable
 
 import jax.numpy as jnp
 from flax import nnx
 
+from ds4jax.config import Attention
 from ds4jax.layers import QuantizedWeight
 from experiments import verdicts
 
@@ -66,6 +68,22 @@ def compressor_bias_dropped(block):
 MUTATIONS: dict[str, Callable] = {f.__name__: f for f in (
     dropped_sink, expert_scale_step, window_off_by_one, index_topk_minus_one, routed_scale_dropped,
     compressor_bias_dropped)}
+# The layer kinds a bug lives in (absent: any layer).
+NEEDS = dict(index_topk_minus_one={Attention.CSA}, compressor_bias_dropped={Attention.CSA, Attention.HCA})
+
+
+def default_layer(cfg, name: str) -> int:
+  """The first layer of `cfg` whose kind the bug `name` lives in."""
+  kinds = NEEDS.get(name)
+  return next(i for i, k in enumerate(cfg.attention) if kinds is None or k in kinds)
+
+
+def mutated_model(m, mutation: Callable, layers: set[int]):
+  """`m` with the blocks in `layers` replaced by mutated copies; every other weight is shared, not copied (the full
+  V4-Flash has no room for a second one)."""
+  out = copy.copy(m)
+  out.layers = nnx.List([mutation(b) if i in layers else b for i, b in enumerate(m.layers)])
+  return out
 
 
 def run_layer(mutation: Callable, layers: set[int]) -> Callable:

@@ -7,8 +7,12 @@
 Configurations: all_on (the flags' resolved features), kill_<switch> per switch on, kill_<knob> for the chunk/band
 knobs, all_off (the exact path). Every configuration uses the same prompt ids and weights. Each one is written to
 --out (JSON, plus a .md table) as soon as it finishes; with --append, pairs already OK are skipped and failed ones
-retried, so a full matrix can be run in several bounded calls. The logic lives in experiments/qualification.py.
-The last line says `N pass, M fail, K not run`; the exit status is non-zero when any verdict is FAIL.
+retried, so a full matrix can be run in several bounded calls. The logic lives in experiments/qualification/. Each
+record has a verdict (PASS, FAIL or not run, with the reasons), taken on the first min(length, --verdict_tokens)
+tokens: per-layer pinned parity, decision accounting and the teacher-forced KL (docs/qualification.md);
+--mutations adds planted bugs, judged beside the matrix, each of which must FAIL.
+The last line says `N pass, M fail, K not run; planted bugs: X of Y caught`; the exit status is non-zero when a
+configuration FAILs or a planted bug passes.
 """
 
 import sys
@@ -26,7 +30,7 @@ def main(argv):
     doc = qualification.run(qualification.options_from_flags(flags.FLAGS))
   except qualification.STARTUP_ERRORS as e:
     sys.exit(f"prefill: {e}")
-  if qualification.verdict_counts(doc)["failed"]:  # a script can tell: non-zero exit on any FAIL
+  if qualification.failed(doc):  # a script can tell: non-zero exit on a FAIL or a planted bug that passes
     sys.exit(f"prefill: {qualification.summary_line(doc)}")
 
 

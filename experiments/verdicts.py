@@ -11,16 +11,24 @@ For each layer, on the exact path's input streams X_l (nothing accumulated from 
                   NEAR_TIE_ULPS roundings of the configuration's operand precision at that token's score scale.
                   Any other flip FAILs, named by layer, position and gap.
 
+End to end, with every layer's choices pinned to the exact path's:
+
+  teacher-forced KL  KL(exact || configuration) of the next-token distributions at every position of the prompt,
+                  averaged (upstream's gate is such a mean, docs/upstream.md §7.4), through the configuration's own
+                  banded prefill. PASS when at most KL_FACTOR times that of the reference math with bf16 operands.
+                  Upstream's absolute gate (0.006) is reported beside it, as information.
+
 A kernel that is wrong at some shape shows as a layer whose pinned error is far above the rounding of its operands;
-a wrong indexer or router as flips that are not near-ties. `run_layer` is the configuration under test, injectable
-(the mutation suite plants bugs there): run_layer(i, block, X, tokens, cache, features, pinned) -> (Y, cache,
-Decisions), by default the prefill's own layer program.
+a wrong indexer or router as flips that are not near-ties; a wrong carry between bands as a teacher-forced KL above
+the reference's. `run_layer` is the configuration under test, injectable (the mutation suite plants bugs there):
+run_layer(i, block, X, tokens, cache, features, pinned) -> (Y, cache, Decisions), by default the prefill's own layer
+program; end to end a planted bug runs as its own model (`models`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Collection, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +43,9 @@ BF16_FACTOR = 4.0
 F32_BOUND = 1e-9       # f32 operands: rounding only (the kernels measure ~1e-13 in interpret mode)
 ABS_CAP = 1e-3
 NEAR_TIE_ULPS = 16
+KL_FACTOR = 3.0
+UPSTREAM_KL_GATE = 0.006  # upstream's absolute teacher-forced mean-KL gate: reported, not judged
+KL_ROWS = 512          # positions per KL step on the device ([rows, vocab] f32 temporaries)
 OPERAND_EPS = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8}
 
 
@@ -114,48 +125,149 @@ def _strip(d: Decisions) -> Decisions:
   return dataclasses.replace(d, route_scores=None, index_scores=None)
 
 
+@dataclasses.dataclass(frozen=True)
+class TeacherForced:
+  tokens: int
+  mean_kl: float                # over every position, decisions pinned
+  max_kl: float
+  worst_position: int
+  reference_bf16_mean_kl: float
+  bound: float                  # KL_FACTOR x the reference's
+  upstream_gate: float = UPSTREAM_KL_GATE
+
+  @property
+  def passed(self) -> bool:
+    return self.mean_kl <= self.bound  # NaN fails
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+  """Every verdict of one configuration on one prompt."""
+  layers: tuple[LayerVerdict, ...]
+  teacher_forced: TeacherForced | None
+
+  @property
+  def passed(self) -> bool:
+    return all(v.passed for v in self.layers) and (self.teacher_forced is None or self.teacher_forced.passed)
+
+  def reasons(self) -> list[str]:
+    """Why it fails, one line per failed check (empty when it passes)."""
+    out = []
+    for v in self.layers:
+      if not v.update_nmse <= v.bound:
+        out.append(f"layer {v.layer} ({v.attention}, {v.routing}): pinned update NMSE {v.update_nmse:.2e} > bound "
+                   f"{v.bound:.2e}")
+      if v.bad_flips:
+        f = v.bad_flips[0]
+        out.append(f"layer {v.layer}: {len(v.bad_flips)} {f.kind} flips not near-ties (first at position "
+                   f"{f.position}: gap {f.gap:.2e} > {f.tolerance:.2e})")
+    t = self.teacher_forced
+    if t is not None and not t.passed:
+      out.append(f"teacher-forced KL {t.mean_kl:.2e} > {KL_FACTOR:g} x reference_bf16's {t.reference_bf16_mean_kl:.2e}")
+    return out
+
+
+def _layer_pass(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features], runners: Mapping[str, Callable],
+                log: Callable[[str], None], only: Mapping[str, set[int]]):
+  """Layer by layer on the exact path's streams: every configuration's verdict at each judged layer (all, or those
+  in `only[name]`). Returns (verdicts by configuration, the exact path's decisions per layer, its final streams)."""
+  dev_cls = next(iter(configs.values())).device_class
+  exact = dataclasses.replace(features_lib.REFERENCE, device_class=dev_cls)
+  bf16_reference = dataclasses.replace(exact, bf16_matmul=True)
+  toks = jnp.asarray(ids, jnp.int32)
+  B = len(ids)
+  X = m.embed_streams(toks)
+  out: dict[str, list[LayerVerdict]] = {name: [] for name in configs}
+  pinned_all = []
+  for i, block in enumerate(m.layers):
+    cache = lambda blk=block: blk.attn.empty_cache(B, B)
+    here = {name: c for name, c in configs.items() if name not in only or i in only[name]}
+    judged = bool(here)
+    ref, _, want = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), exact, record_scores=judged)
+    pinned = _strip(want)
+    pinned_all.append(pinned)
+    if not judged:
+      X = ref
+      continue
+    ref_bf16 = None
+    if any(c.bf16_matmul for c in here.values()):
+      y, _, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), bf16_reference, pinned)
+      ref_bf16, _ = update_errors(y, ref, X)
+    for name, config in here.items():
+      run_layer = runners.get(name, default_run_layer)
+      got, _, _ = run_layer(i, block, jnp.copy(X), toks, cache(), config, pinned)
+      nmse, _ = update_errors(got, ref, X)
+      bound = min(BF16_FACTOR * ref_bf16, ABS_CAP) if config.bf16_matmul else F32_BOUND
+      eps = OPERAND_EPS[jnp.dtype(config.matmul_dtype).name]
+      _, _, free = run_layer(i, block, jnp.copy(X), toks, cache(), config, None)
+      n_route, bad = flips(want.route_ids, want.route_scores, free.route_ids, eps, i, "route")
+      n_index = 0
+      if want.index_rows is not None:
+        n_index, bad_index = flips(want.index_rows, want.index_scores, free.index_rows, eps, i, "index")
+        bad += bad_index
+      v = LayerVerdict(i, m.cfg.attention[i].value, m.cfg.routing[i].value, nmse, bound,
+                       ref_bf16 if config.bf16_matmul else None, n_route, n_index, tuple(bad))
+      out[name].append(v)
+      log(f"{name + ': ' if len(configs) > 1 else ''}layer {i:2d} {v.attention:6s} {v.routing:4s}: pinned update "
+          f"NMSE {nmse:.1e} (bound {bound:.1e}), {n_route} route / {n_index} index flips, {len(bad)} not near-ties: "
+          f"{'PASS' if v.passed else 'FAIL'}")
+    X = ref
+  return out, pinned_all, X
+
+
 def layer_verdicts(m, ids: np.ndarray, config: features_lib.Features,
                    run_layer: Callable = default_run_layer, log: Callable[[str], None] = lambda s: None,
                    only: set[int] | None = None) -> list[LayerVerdict]:
   """The verdict of every layer of `m` (or of the layers in `only`) for `config` on the prompt `ids` (one band
   from position 0)."""
-  exact = dataclasses.replace(features_lib.REFERENCE, device_class=config.device_class)
-  bf16_reference = dataclasses.replace(exact, bf16_matmul=True)
-  eps = OPERAND_EPS[jnp.dtype(config.matmul_dtype).name]
-  toks = jnp.asarray(ids, jnp.int32)
-  B = len(ids)
-  X = m.embed_streams(toks)
-  out = []
-  for i, block in enumerate(m.layers):
-    cache = lambda blk=block: blk.attn.empty_cache(B, B)
-    judged = only is None or i in only
-    ref, _, want = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), exact, record_scores=judged)
-    if not judged:
-      X = ref
-      continue
-    pinned = _strip(want)
-    got, _, _ = run_layer(i, block, jnp.copy(X), toks, cache(), config, pinned)
-    nmse, _ = update_errors(got, ref, X)
-    ref_bf16 = None
-    if config.bf16_matmul:
-      y, _, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), bf16_reference, pinned)
-      ref_bf16, _ = update_errors(y, ref, X)
-      bound = min(BF16_FACTOR * ref_bf16, ABS_CAP)
-    else:
-      bound = F32_BOUND
-    _, _, free = run_layer(i, block, jnp.copy(X), toks, cache(), config, None)
-    n_route, bad = flips(want.route_ids, want.route_scores, free.route_ids, eps, i, "route")
-    n_index = 0
-    if want.index_rows is not None:
-      n_index, bad_index = flips(want.index_rows, want.index_scores, free.index_rows, eps, i, "index")
-      bad += bad_index
-    v = LayerVerdict(i, m.cfg.attention[i].value, m.cfg.routing[i].value, nmse, bound, ref_bf16, n_route, n_index,
-                     tuple(bad))
-    out.append(v)
-    log(f"layer {i:2d} {v.attention:6s} {v.routing:4s}: pinned update NMSE {nmse:.1e} (bound {bound:.1e}), "
-        f"{n_route} route / {n_index} index flips, {len(bad)} not near-ties: {'PASS' if v.passed else 'FAIL'}")
-    X = ref
-  return out
+  return _layer_pass(m, ids, {"config": config}, {"config": run_layer}, log,
+                     {} if only is None else {"config": only})[0]["config"]
+
+
+@jax.jit
+def _kl_rows(exact_logp, logits):
+  lq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.maximum(jnp.sum(jnp.exp(exact_logp) * (exact_logp - lq), axis=-1), 0.0)
+
+
+def kl_per_position(exact_logp: jnp.ndarray, logits: jnp.ndarray) -> np.ndarray:
+  """KL(exact || q) at each position, [S] float64, on the device KL_ROWS positions at a time."""
+  return np.concatenate([np.asarray(_kl_rows(exact_logp[s:s + KL_ROWS], logits[s:s + KL_ROWS]), np.float64)
+                         for s in range(0, exact_logp.shape[0], KL_ROWS)])
+
+
+def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
+          runners: Mapping[str, Callable] | None = None, models: Mapping[str, object] | None = None,
+          log: Callable[[str], None] = lambda s: None, only: Mapping[str, set[int]] | None = None,
+          end_to_end: Collection[str] | None = None) -> dict[str, Judgement]:
+  """Every configuration's per-layer verdicts and teacher-forced KL on the prompt `ids`, sharing one exact pass.
+  `runners` / `models`: a configuration's layer runner and model where they are not the defaults (planted bugs);
+  `only`: the layers judged per configuration where not all (a planted bug's own layer); `end_to_end`: the
+  configurations whose teacher-forced KL is measured (default all; each costs a prefill of its own)."""
+  runners, models, only = runners or {}, models or {}, only or {}
+  layers, pinned, X = _layer_pass(m, ids, configs, runners, log, only)
+  tf: dict[str, TeacherForced | None] = dict.fromkeys(configs)
+  end_to_end = list(configs) if end_to_end is None else [n for n in configs if n in end_to_end]
+  if end_to_end:
+    exact_logp = jax.nn.log_softmax(prefill_lib.logits_of_streams(m, X), axis=-1)
+    del X
+    dev_cls = next(iter(configs.values())).device_class
+    bf16_reference = dataclasses.replace(features_lib.REFERENCE, device_class=dev_cls, bf16_matmul=True)
+
+    def mean_kl(model, features):
+      logits = prefill_lib.prefill(model, ids, features, all_logits=True, pinned=pinned)
+      kl = kl_per_position(exact_logp, logits)
+      return kl, float(np.mean(kl))
+
+    _, ref_kl = mean_kl(m, bf16_reference)
+    log(f"teacher-forced KL of the reference math with bf16 operands: {ref_kl:.2e} (mean of {len(ids)} positions)")
+    for name in end_to_end:
+      kl, mean = mean_kl(models.get(name, m), configs[name])
+      worst_at = int(np.nanargmax(kl)) if np.isfinite(kl).any() else 0
+      tf[name] = TeacherForced(len(ids), mean, float(np.max(kl)), worst_at, ref_kl, KL_FACTOR * ref_kl)
+      log(f"{name}: teacher-forced KL {mean:.2e} (bound {KL_FACTOR * ref_kl:.2e}; worst position {worst_at}: "
+          f"{kl[worst_at]:.2e}): {'PASS' if tf[name].passed else 'FAIL'}")
+  return {name: Judgement(tuple(layers[name]), tf[name]) for name in configs}
 
 
 def worst(verdicts: list[LayerVerdict]) -> LayerVerdict:

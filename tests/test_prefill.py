@@ -1,5 +1,7 @@
 """Layer-major banded prefill (ds4jax/prefill.py) against one-shot prefill of the same prompt."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -174,3 +176,32 @@ def test_precompile_fills_the_persistent_cache(tiny, tmp_path):
     monitoring.unregister_event_listener(listener)
     jax.config.update("jax_compilation_cache_dir", old[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+
+
+def test_pinned_decisions_are_imposed_band_by_band(tiny):
+  """A run's recorded decisions (whole prompt, per layer), imposed on a banded run, come back unchanged and give the
+  same logits; altered ones are imposed as given and move the logits."""
+  m, tokens, ref = tiny
+  exact = features.resolve("cpu_interpret", {"prefill_band_tokens": 0})
+  made: list = []
+  one_shot = np.asarray(prefill.prefill(m, tokens, exact, all_logits=True, decisions=made))
+  k = m.cfg.experts_per_token
+  assert len(made) == m.cfg.num_layers and all(d.route_ids.shape == (S, k) for d in made)
+  assert [d.index_rows is not None for d in made] == [a == config.Attention.CSA for a in m.cfg.attention]
+  banded = features.resolve("cpu_interpret", {"prefill_band_tokens": 16})
+  got: list = []
+  pinned = np.asarray(prefill.prefill(m, tokens, banded, all_logits=True, pinned=made, decisions=got))
+  for want, have in zip(made, got):
+    np.testing.assert_array_equal(have.route_ids, want.route_ids)
+    if want.index_rows is not None:
+      np.testing.assert_array_equal(have.index_rows, want.index_rows)
+  assert np.abs(pinned - one_shot).max() < 2e-6 * max(1.0, np.abs(ref).max())
+  # Layer 1 (top-k routed) sent to other experts: imposed as given, and the logits move.
+  moved = list(made)
+  moved[1] = dataclasses.replace(made[1], route_ids=(made[1].route_ids + 1) % m.cfg.n_routed_experts)
+  got = []
+  other = np.asarray(prefill.prefill(m, tokens, banded, all_logits=True, pinned=moved, decisions=got))
+  np.testing.assert_array_equal(got[1].route_ids, moved[1].route_ids)
+  assert np.abs(other - one_shot).max() > 1e-3
+  with pytest.raises(ValueError, match="pinned holds 3 layers' decisions; the model has 4"):
+    prefill.prefill(m, tokens, banded, pinned=made[:3])

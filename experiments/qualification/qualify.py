@@ -1,0 +1,408 @@
+"""One qualification call: start-up checks, the plan, the verdicts, the timed runs, the records.
+
+For each length the configurations run in matrix order (all_off first: its cold run is a real cold run and its
+logits are the exact path's). Before the first length that needs them, every configuration of the call is judged on
+the verdict prefix, layer by layer in one pass (experiments/verdicts.py); lengths sharing the prefix share the verdict.
+A configuration that fails at run time is recorded with its error and the others continue; results are rewritten
+after every step, so nothing measured is lost when a later step fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from ds4jax import config as config_lib
+from ds4jax import features as features_lib
+from ds4jax.features import KNOBS, Features
+from ds4jax.quant import policy as quant_policy
+from experiments import run_record
+from experiments.qualification import checks, inputs, report, store
+from experiments.qualification.matrix import Configuration, configurations, exact_features
+from experiments.qualification.options import Options, StartupError, validate
+from experiments.qualification.records import NOT_RUN, Record
+from experiments.qualification.runner import Clock, ModelRunner, Runner, time_configuration
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Setup:
+  """What start-up resolved from the options, before the weights exist."""
+
+  cfg: config_lib.DeepseekV4Config
+  policy: quant_policy.QuantPolicy
+  device_class: str
+  base: Features
+  configs: list[Configuration]   # the whole matrix
+  selected: list[Configuration]  # --configs (and the planted bugs)
+  ids: np.ndarray
+  source: dict[str, Any]
+  prompt_sha: dict[int, str]
+  existing: store.Results | None
+
+
+def start_up(opts: Options) -> Setup:
+  """Every check that needs no weights; raises StartupError/FeatureError."""
+  validate(opts)
+  cfg = inputs.model_config(opts)
+  try:
+    pol = quant_policy.get(opts.quant_policy)
+    quant_policy.check_config(pol, cfg)
+  except ValueError as e:
+    raise StartupError(f"--quant_policy: {e}") from e
+  too_long = [n for n in opts.lengths if n > cfg.max_position_embeddings]
+  if too_long:
+    raise StartupError(f"--lengths {too_long} exceed {cfg.name}'s max_position_embeddings="
+                       f"{cfg.max_position_embeddings}")
+  try:
+    dev_cls = opts.device_class or features_lib.device_class()
+  except ValueError as e:
+    raise StartupError(str(e)) from e
+  base = features_lib.resolve(dev_cls, opts.features)  # FeatureError: an impossible combination
+  configs = configurations(base, cfg, opts.mutations)
+  names = [c.name for c in configs if not c.mutation]
+  unknown = [c for c in opts.configs if c not in names]
+  if unknown:
+    raise StartupError(f"--configs: unknown configuration(s) {unknown}; valid here: {names}")
+  ids, source = inputs.prompt_ids(opts, cfg)
+  existing = None
+  if opts.append and os.path.exists(opts.out):
+    try:
+      existing = store.load_results(opts.out)
+    except (OSError, ValueError, TypeError) as e:
+      raise StartupError(f"--append: cannot read {opts.out}: {e}") from e
+  selected = [c for c in configs if c.mutation or not opts.configs or c.name in opts.configs]
+  return Setup(cfg=cfg, policy=pol, device_class=dev_cls, base=base, configs=configs, selected=selected, ids=ids,
+               source=source, prompt_sha={n: inputs.sha256_array(ids[:n]) for n in opts.lengths}, existing=existing)
+
+
+def predicted_cold_s(records: list[Record], n: int, conf: Configuration, ids: np.ndarray,
+                      fingerprint: str) -> tuple[float, int] | None:
+  """(cold seconds at n tokens, from length) if `conf` was too slow at a shorter length of this matched matrix:
+  that cold run scaled linearly with length. It is a lower bound (attention grows faster than linearly) only for
+  a cold run that loaded precompiled programs (compile time does not grow with length), so only those count."""
+  slower = [r for r in records if r.config == conf.name and r.status == "too_slow" and r.length < n
+            and r.timing.cold_loads_precompiled and r.features == conf.features.to_dict()
+            and r.weights_fingerprint == fingerprint and r.prompt["sha256"] == inputs.sha256_array(ids[:r.length])]
+  if not slower:
+    return None
+  r = max(slower, key=lambda r: r.length)
+  return r.timing.cold_s * n / r.length, r.length
+
+
+def _done_pairs(opts: Options, setup: Setup, fingerprint: str) -> set[tuple[int, str]]:
+  """(length, config) pairs the results file already holds done for this matched matrix: OK with a verdict, or
+  too_slow under a limit that would stop them again (not_run pairs are predicted anew each call). Refuses a mixed
+  file."""
+  done = set()
+  by_name = {c.name: c for c in setup.configs}
+  for r in setup.existing.records if setup.existing else []:
+    conf = by_name.get(r.config) if r.length in opts.lengths else None
+    why = store.same_run(r, fingerprint, setup.prompt_sha, conf and conf.features.to_dict())
+    if why and (r.status in ("ok", "too_slow") or "weights fingerprint" in why or "prompt ids" in why):
+      raise StartupError(
+          f"{opts.out} holds a record for length {r.length} / {r.config} made with different "
+          f"{', '.join(why)}: a matched matrix needs the same weights, prompt and features; use another --out")
+    judged = r.result != NOT_RUN
+    if judged and (r.status in ("ok", "not_timed")
+                   or (r.status == "too_slow" and 0 < opts.max_cold_s < r.timing.cold_s)):
+      done.add(r.key)
+  return done
+
+
+def _log_plan(opts: Options, setup: Setup, plan, todo, log) -> None:
+  log(f"plan: lengths {list(opts.lengths)} x {len(setup.selected)} configurations = {len(plan)} runs; "
+      f"{len(plan) - len(todo)} already done in {opts.out} (skipped), {len(todo)} to run; "
+      f"cold + {opts.warmups} warm-ups + {opts.repeats} timed runs each (planted bugs: judged only)")
+  for c in setup.selected:
+    extra = f" (also off: {', '.join(c.also_off)})" if c.also_off else ""
+    bug = f" + planted bug {c.mutation} in layer {c.mutation_layer}" if c.mutation else ""
+    log(f"  {c.name}{extra}: on={c.features.on() or 'none'}{bug}")
+  todo_keys = {(n, c.name) for n, c in todo}
+  for n in opts.lengths:
+    skipped = [c.name for c in setup.selected if (n, c.name) not in todo_keys]
+    if skipped:
+      log(f"  length {n}: skipping {skipped} (already done)")
+  prefix_lengths = [n for n in opts.lengths if opts.exact_max_tokens and n > opts.exact_max_tokens]
+  log(f"verdicts on the first min(length, {opts.verdict_tokens}) tokens; final-position parity vs the exact path at "
+      f"full length for {[n for n in opts.lengths if n not in prefix_lengths]}"
+      + (f", on a {opts.parity_prefix_tokens}-token prefix for {prefix_lengths} (> --exact_max_tokens="
+         f"{opts.exact_max_tokens})" if prefix_lengths else "")
+      + f"; upstream's KL gate {opts.kl_gate} reported beside them")
+
+
+class ExactFinal:
+  """The exact path's final logits for one length: full length once, or a prefix where it does not fit."""
+
+  def __init__(self, compute: Callable[[np.ndarray], np.ndarray], ids: np.ndarray, opts: Options, clock: Clock,
+               prefixes: store.ExactPrefixes):
+    self.compute, self.ids, self.clock, self.prefixes = compute, ids, clock, prefixes
+    self.length, self.prefix = len(ids), min(opts.parity_prefix_tokens, len(ids))
+    self.full: np.ndarray | None = None
+    self.why_prefix: str | None = None
+    self.error: str | None = None
+    if opts.exact_max_tokens and self.length > opts.exact_max_tokens:
+      self.fall_back(f"{self.length} tokens exceed --exact_max_tokens={opts.exact_max_tokens}")
+
+  def fall_back(self, why: str) -> None:
+    self.why_prefix = why
+    self.clock.say(f"!!! EXACT PATH AT {self.length} TOKENS: {why}. Final-position parity at this length is checked "
+                   f"on the first {self.prefix} tokens instead (config and exact path both run on that prefix). !!!")
+
+  def offer(self, logits: np.ndarray) -> None:
+    """The all_off configuration's own full-length logits are the exact path's."""
+    if self.full is None and self.why_prefix is None:
+      self.full = logits
+
+  def offer_failure(self, e: BaseException) -> None:
+    if self.full is None and self.why_prefix is None:
+      if checks.is_oom(e):
+        self.fall_back("out of memory (RESOURCE_EXHAUSTED)")
+      else:
+        self.error = checks.error_text(e)
+
+  def reference(self) -> np.ndarray | None:
+    """Full-length exact logits, or None when the prefix is what gets compared. Raises if the exact path failed."""
+    if self.error:
+      raise RuntimeError(f"exact path failed at {self.length} tokens: {self.error}")
+    if self.full is None and self.why_prefix is None:
+      self.clock.say(f"  exact path at {self.length} tokens (once, reused by every configuration)")
+      try:
+        self.full = self.compute(self.ids)
+      except Exception as e:  # noqa: BLE001 -- OOM falls back to the prefix; anything else fails the parity
+        self.offer_failure(e)
+        return self.reference()
+    return self.full
+
+  def prefix_reference(self) -> np.ndarray:
+    if self.prefix >= self.length:
+      raise RuntimeError(f"exact path does not fit at {self.length} tokens and --parity_prefix_tokens="
+                         f"{self.prefix} is not shorter")
+    return self.prefixes.get(self.prefix)
+
+
+def _prefix_parity(runner: Runner, m, ids, conf: Configuration, exact: ExactFinal, opts: Options,
+                   out_p: np.ndarray | None, reason: str):
+  """Final-position parity on the first exact.prefix tokens; `out_p`: the configuration's logits there if known."""
+  ref_p = exact.prefix_reference()
+  source = f"position {exact.prefix - 1} of this configuration's full-length cold run"
+  t0 = runner.now()
+  if out_p is None and conf.features == exact.prefixes.features:  # the exact path itself: its stored prefix logits
+    out_p, source = ref_p, "the exact path's prefix logits (this configuration is the exact path)"
+  elif out_p is None:
+    out_p = runner.logits(m, ids[:exact.prefix], conf.features)
+    source = f"a separate {exact.prefix}-token run of this configuration"
+  return checks.final_parity(out_p, ref_p, opts.kl_gate, prefix_tokens=exact.prefix, prefix_reason=reason,
+                             prefix_logits_from=source, prefix_run_s=runner.now() - t0,
+                             prefix_logits_sha256=inputs.sha256_array(out_p))
+
+
+def _run_one(runner: Runner, m, ids, conf: Configuration, exact: ExactFinal, opts: Options,
+             clock: Clock) -> dict[str, Any]:
+  """Times one configuration and checks its final position. Run-time failures are returned, not raised; one that
+  runs out of memory at full length is still checked on the parity prefix."""
+  rec: dict[str, Any] = dict(status="failed")
+  is_exact = conf.features == exact.prefixes.features
+  try:
+    logits, out_p, rec["timing"] = time_configuration(runner, m, ids, conf.features, opts, clock,
+                                                      exact.prefix if exact.why_prefix else None)
+  except Exception as e:  # noqa: BLE001 -- an OOM or unsupported shape in one configuration must not stop the rest
+    rec.update(error=checks.error_text(e), error_kind="oom" if checks.is_oom(e) else type(e).__name__)
+    if is_exact:
+      exact.offer_failure(e)
+    if checks.is_oom(e) and exact.prefix < exact.length:
+      clock.say(f"    out of memory at {exact.length} tokens: checking the final position on the first {exact.prefix}")
+      try:
+        rec["parity"] = _prefix_parity(runner, m, ids, conf, exact, opts, None,
+                                       exact.why_prefix or "the full-length run ran out of memory")
+      except Exception as e2:  # noqa: BLE001 -- the timing error stands; say why there is no parity either
+        rec["error"] += f"; parity on the {exact.prefix}-token prefix: {checks.error_text(e2)}"
+    return rec
+  rec["logits_sha256"] = inputs.sha256_array(logits)
+  if is_exact:
+    exact.offer(logits)
+  try:
+    ref = exact.reference()
+    if ref is not None:
+      rec["parity"] = checks.final_parity(logits, ref, opts.kl_gate)
+    else:  # out_p is None when the exact path fell back to a prefix after this configuration's cold run
+      rec["parity"] = _prefix_parity(runner, m, ids, conf, exact, opts, out_p, exact.why_prefix)
+  except Exception as e:  # noqa: BLE001 -- same: record and continue
+    rec.update(error=f"parity: {checks.error_text(e)}", error_kind="parity_oom" if checks.is_oom(e) else "parity")
+    return rec
+  rec["status"] = "too_slow" if rec["timing"].too_slow else "ok"
+  return rec
+
+
+def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: int, configs: list[Configuration],
+           fingerprint: str, clock: Clock, tried: set[tuple[int, str]]) -> None:
+  """Judges the configurations without a verdict on the first v_tokens prompt tokens (and not tried in this
+  process), in one pass; every verdict (or why it could not be taken) goes into `results.verdicts`."""
+  sha = inputs.sha256_array(setup.ids[:v_tokens])
+  meta = lambda c: dict(tokens=v_tokens, config=c.name, features=c.features.to_dict(), mutation=c.mutation,
+                        mutation_layer=c.mutation_layer, weights_fingerprint=fingerprint, prompt_sha256=sha)
+  todo = [c for c in configs if (v_tokens, c.name) not in tried
+          and results.verdict_for(v_tokens, c.features.to_dict(), c.mutation, fingerprint, sha) is None]
+  if not todo:
+    return
+  tried |= {(v_tokens, c.name) for c in todo}
+  clock.say(f"verdicts on the first {v_tokens} tokens: {[c.name for c in todo]} (one pass over the layers)")
+  t0 = runner.now()
+  try:
+    judged = runner.judge(m, setup.ids[:v_tokens], todo, log=lambda s: clock.say(f"  {s}"))
+  except Exception as e:  # noqa: BLE001 -- e.g. out of memory: every record says why it has no verdict
+    judged = {c.name: e for c in todo}
+  wall = (runner.now() - t0) / len(todo)
+  for c in todo:
+    j = judged[c.name]
+    v = (checks.not_run(f"the verdict pass failed: {checks.error_text(j)}", **meta(c), wall_s=wall)
+         if isinstance(j, BaseException) else checks.as_verdict(j, **meta(c), wall_s=wall))
+    results.verdicts.append(v)
+    clock.say(f"  {c.name}: {v.result}" + (f" ({'; '.join(v.reasons)[:300]})" if v.reasons else ""))
+
+
+def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None,
+        runner: Runner | None = None) -> store.Results:
+  """Runs the qualification matrix; returns the results (also written to opts.out, plus the .md table).
+
+  `model` skips building the weights (tests, notebooks); it must match opts' preset/policy/dtype. `runner` runs the
+  model (default ModelRunner; tests inject a stand-in). Raises StartupError/FeatureError before any prefill for a
+  bad input; a configuration that fails at run time is recorded with its error and the others continue.
+  """
+  log = log or (lambda s: print(s, flush=True))
+  runner = runner or ModelRunner()
+  setup = start_up(opts)
+  cfg, dev_cls = setup.cfg, setup.device_class
+  env = run_record.environment()
+  log(f"prefill qualification: {cfg.name} policy={setup.policy.name} dtype={opts.dtype} "
+      f"{'checkpoint=' + opts.checkpoint if opts.checkpoint else 'random weights seed=' + str(opts.seed)}; "
+      f"{env['device_kind']} ({dev_cls}), jax {env['jax']}, commit {env['git_commit'][:10]}")
+  log(f"all_on switches: {setup.base.on() or 'none'}; knobs: "
+      + ", ".join(f"{k}={getattr(setup.base, k)}" for k in KNOBS))
+  t0 = runner.now()
+  m = model if model is not None else inputs.build_model(opts, cfg, log)
+  log(f"weights ready ({runner.now() - t0:.1f}s); fingerprinting them")
+  gc.collect()
+  gc.freeze()  # what exists now is never garbage: the collections between timed runs skip it (~0.2 s each in tests)
+  try:
+    return _run(opts, setup, m, env, log, runner)
+  finally:
+    gc.unfreeze()
+
+
+def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], runner: Runner) -> store.Results:
+  fingerprint = inputs.weights_fingerprint(m)
+  done = _done_pairs(opts, setup, fingerprint)
+  if setup.existing is None and os.path.exists(opts.out):
+    log(f"note: overwriting {opts.out} (pass --append to keep its records)")
+  order = sorted(setup.selected, key=lambda c: c.name != "all_off")
+  plan = [(n, c) for n in opts.lengths for c in order]
+  todo = [(n, c) for n, c in plan if (n, c.name) not in done]
+  _log_plan(opts, setup, plan, todo, log)
+
+  results = setup.existing or store.Results()
+  options = json.loads(json.dumps(dataclasses.asdict(opts) | dict(features=dict(opts.features))))  # as on file
+  results.invocations.append(dict(date=env["date"], env=env, options=options, plan=[[n, c.name] for n, c in todo]))
+  common = dict(model=dict(name=setup.cfg.name, preset=opts.preset, checkpoint=opts.checkpoint,
+                           policy=setup.policy.name, dtype=opts.dtype, seed=opts.seed if opts.checkpoint is None
+                           else None), weights_fingerprint=fingerprint, options=options, env=env)
+  save = lambda: store.save(opts.out, results)
+  save()
+  clock = Clock(sum(n for n, _ in todo), log, runner.now)
+  exact_feats = exact_features(setup.device_class)
+  prefixes = store.ExactPrefixes(setup.ids, exact_feats, fingerprint, store.exact_cache_path(opts.out),
+                                 lambda ids, noise: runner.logits(m, ids, exact_feats, input_noise=noise), clock.say)
+  results.invocations[-1]["exact_prefix_runs"] = prefixes.runs  # filled in as they happen
+
+  def predicted_too_slow(n: int, conf: Configuration, full_exact: bool) -> tuple[float, int] | None:
+    if not opts.max_cold_s or (conf.features == exact_feats and full_exact):
+      return None  # the exact path's cold run is every configuration's reference: it runs anyway
+    p = predicted_cold_s(results.records, n, conf, setup.ids, fingerprint)
+    return p if p and p[0] > opts.max_cold_s else None
+
+  timed = [(n, c) for n, c in todo if not c.mutation]
+  to_compile = [(n, c) for n, c in timed if not predicted_too_slow(n, c, full_exact=True)]
+  if opts.precompile_workers and to_compile:
+    t0 = runner.now()
+    runs = [(n, c.features) for n, c in to_compile]
+    for n in sorted({n for n, _ in to_compile}):  # and the exact path each length will need
+      p = min(opts.parity_prefix_tokens, n) if opts.exact_max_tokens and n > opts.exact_max_tokens else n
+      if (p, exact_feats) not in runs and not prefixes.has(p):
+        runs.append((p, exact_feats))
+    count = runner.precompile(m, runs, opts.precompile_workers, clock.say)
+    results.invocations[-1]["precompile"] = dict(programs=count, wall_s=runner.now() - t0,
+                                                 workers=opts.precompile_workers)
+    save()
+  exact_by_len: dict[int, ExactFinal] = {}
+  called: set[tuple[Features, int]] = set()  # (features, length) already run in this process
+  floors_tried: set[int] = set()  # noise floors (by parity tokens) measured or attempted in this process
+  judged: set[tuple[int, str]] = set()  # (verdict tokens, config) judged or attempted in this process
+  for i, (n, conf) in enumerate(todo):
+    v_tokens = min(n, opts.verdict_tokens)
+    same_prefix = {c.name: c for k, c in todo if min(k, opts.verdict_tokens) == v_tokens}
+    _judge(runner, m, setup, results, v_tokens, list(same_prefix.values()), fingerprint, clock, judged)
+    save()
+    if n not in exact_by_len:
+      exact_by_len[n] = ExactFinal(lambda ids: runner.logits(m, ids, exact_feats), setup.ids[:n], opts, clock,
+                                   prefixes)
+    exact = exact_by_len[n]
+    clock.say(f"{i + 1}/{len(todo)} length {n} {conf.name}: start ({clock.eta()})")
+    t_start = runner.now()
+    first_call = (conf.features, n) not in called and not (conf.features == exact_feats and exact.full is not None)
+    predicted = predicted_too_slow(n, conf, full_exact=exact.why_prefix is None)
+    if conf.mutation:
+      result: dict[str, Any] = dict(status="not_timed")
+    elif predicted:
+      result = dict(status="not_run", error=(
+          f"not run: its cold run would take >= {predicted[0]:.0f}s (too slow at {predicted[1]} tokens, scaled by "
+          f"length) > --max_cold_s={opts.max_cold_s:g}"), error_kind="predicted_too_slow",
+          predicted_cold_s=predicted[0])
+    else:
+      result = _run_one(runner, m, setup.ids[:n], conf, exact, opts, clock)
+      called.add((conf.features, n))
+    if result.get("timing"):
+      result["timing"] = dataclasses.replace(result["timing"], cold_is_first_call=first_call,
+                                             cold_loads_precompiled=bool(opts.precompile_workers))
+    clock.done += n
+    verdict = results.verdict_for(v_tokens, conf.features.to_dict(), conf.mutation, fingerprint,
+                                  inputs.sha256_array(setup.ids[:v_tokens]))
+    verdict = verdict or next(v for v in reversed(results.verdicts) if v.config == conf.name
+                              and v.tokens == v_tokens)
+    rec = Record(config=conf.name, length=n, killed=conf.killed, also_off=conf.also_off,
+                 features=conf.features.to_dict(), switches_on=tuple(conf.features.on()), mutation=conf.mutation,
+                 prompt=dict(source=setup.source, length=n, sha256=setup.prompt_sha[n]), **common,
+                 finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 wall_s=runner.now() - t_start, verdict=verdict, **result)
+    results.put(rec)
+    save()
+    n_par = rec.parity.prefix_tokens or n if rec.parity else n
+    _noise_floor(results, opts, setup, prefixes, exact, fingerprint, rec, n_par, floors_tried, clock)
+    save()
+    gc.collect()
+    clock.say(f"{i + 1}/{len(todo)} length {n} {conf.name}: {report.outcome(rec)} ({clock.eta()})")
+  log("")
+  log(report.markdown_table(results))
+  log(f"results: {opts.out} and {store.markdown_path(opts.out)}")
+  log(f"verdicts: {report.summary_line(results)}")
+  return results
+
+
+def _noise_floor(results, opts, setup, prefixes, exact, fingerprint, rec, n_par, floors_tried, clock) -> None:
+  """Measures the noise floor at n_par tokens unless a current one is on file (or was tried in this process)."""
+  floor = results.noise_floor.get(str(n_par))
+  current = (floor is not None and floor.input_noise == opts.noise_floor_eps and floor.kl is not None
+             and floor.weights_fingerprint == fingerprint
+             and floor.prompt_sha256 == inputs.sha256_array(setup.ids[:n_par]))
+  if not opts.noise_floor_eps or not rec.parity or current or n_par in floors_tried:
+    return
+  floors_tried.add(n_par)  # a floor that failed is retried by the next call, not by every configuration
+  ref = exact.prefix_reference if n_par < exact.length else exact.reference
+  floor = results.noise_floor[str(n_par)] = checks.noise_floor(prefixes, n_par, ref, opts.noise_floor_eps,
+                                                               opts.kl_gate)
+  clock.say(f"  noise floor at {n_par} tokens (input noise {opts.noise_floor_eps:.1e}): " + (
+      f"NMSE {floor.nmse:.2e} KL {floor.kl:.2e}" if floor.kl is not None else f"FAILED {floor.error[:200]}"))
