@@ -61,7 +61,8 @@ def _layer_json(v: verdicts.LayerVerdict) -> dict[str, Any]:
 def as_verdict(j: verdicts.Judgement, **meta) -> Verdict:
   """A judgement as the record's verdict (`meta`: tokens, features, mutation, fingerprint, prompt hash, wall)."""
   worst = verdicts.worst(list(j.layers)) if j.layers else None
-  return Verdict(result=PASS if j.passed else FAIL, reasons=tuple(j.reasons()),
+  reasons = j.reasons() if j.layers or j.teacher_forced else ["the exact path: the reference itself"]
+  return Verdict(result=PASS if j.passed else FAIL, reasons=tuple(reasons),
                  worst_layer=_layer_json(worst) if worst else None, layers=tuple(_layer_json(v) for v in j.layers),
                  teacher_forced=dataclasses.asdict(j.teacher_forced) | dict(passed=j.teacher_forced.passed)
                  if j.teacher_forced else None, **meta)

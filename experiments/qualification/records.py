@@ -56,7 +56,7 @@ class Verdict:
   result: str
   tokens: int
   config: str = ""
-  reasons: tuple[str, ...] = ()               # the failed checks, or why it could not run
+  reasons: tuple[str, ...] = ()               # the failed checks, why it could not run, or why a PASS measured nothing
   worst_layer: dict[str, Any] | None = None
   layers: tuple[dict[str, Any], ...] = ()     # one per layer: pinned update NMSE, bound, flips
   teacher_forced: dict[str, Any] | None = None
