@@ -33,8 +33,10 @@ LDS should match closely, VGPR and spill counts may drift. Relies on JAX interna
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -304,23 +306,40 @@ def _compile_job(job):
   return compile_kernel(kernel, target)
 
 
-def compile_many(jobs: Sequence[tuple[TritonKernel, str]], processes: int = 1) -> list[dict]:
+def job_digest(job: tuple[TritonKernel, str]) -> str:
+  """What a compile's result depends on: the kernel's Triton IR, warps, stages, the target and triton's version."""
+  kernel, target = job
+  text = f"{TRITON_VERSION}|{target}|{kernel.num_warps}|{kernel.num_stages}|{kernel.ttir}"
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def compile_many(jobs: Sequence[tuple[TritonKernel, str]], processes: int = 1, cache: str | None = None) -> list[dict]:
   """`compile_kernel` over (kernel, target) pairs, in `processes` spawned worker processes (triton compiles are
   single-threaded; each takes ~0.1–20 s and ~300 MB). Identical (module, target, warps, stages) jobs are compiled
-  once. Workers are spawned, so a calling script needs the usual `if __name__ == "__main__":` guard."""
+  once. Workers are spawned, so a calling script needs the usual `if __name__ == "__main__":` guard.
+
+  `cache`: a JSON file of earlier results by `job_digest` (a compile is a pure function of what the digest covers);
+  jobs found there are not compiled again, and new results (errors excepted) are added to it."""
   _triton()
-  key = lambda j: (j[0].ttir, j[0].num_warps, j[0].num_stages, j[1])
-  unique = list({key(j): j for j in jobs}.values())
-  if processes > 1 and len(unique) > 1:
+  stored = {}
+  if cache and os.path.exists(cache):
+    with open(cache) as f:
+      stored = json.load(f)
+  todo = list({job_digest(j): j for j in jobs if job_digest(j) not in stored}.items())
+  if processes > 1 and len(todo) > 1:
     import concurrent.futures  # pylint: disable=import-outside-toplevel
     import multiprocessing  # pylint: disable=import-outside-toplevel
-    with concurrent.futures.ProcessPoolExecutor(min(processes, len(unique)),
+    with concurrent.futures.ProcessPoolExecutor(min(processes, len(todo)),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-      results = list(pool.map(_compile_job, unique))
+      results = list(pool.map(_compile_job, [j for _, j in todo]))
   else:
-    results = [_compile_job(j) for j in unique]
-  done = {key(j): r for j, r in zip(unique, results)}
-  return [dict(done[key(j)], name=j[0].name) for j in jobs]
+    results = [_compile_job(j) for _, j in todo]
+  done = stored | {d: r for (d, _), r in zip(todo, results)}
+  if cache and todo:
+    keep = stored | {d: r for (d, _), r in zip(todo, results) if "error" not in r}
+    with open(cache, "w") as f:
+      json.dump(dict(sorted(keep.items())), f, indent=0)
+  return [dict(done[job_digest(j)], name=j[0].name, cached=job_digest(j) in stored) for j in jobs]
 
 
 # ---- ds4jax's shipped kernels -----------------------------------------------------------------------------------

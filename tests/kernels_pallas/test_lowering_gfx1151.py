@@ -11,12 +11,16 @@ The shipped-config tests compile, at V4-Flash shapes with the ROCm `Config.defau
   * every case of `kernels_pallas.indexer.lowering_cases("rocm")` (indexer scoring) and
     `kernels_pallas.mla.lowering_cases("rocm")` (sparse MLA: CSA streaming with/without f32 staging and fast exp,
     the grouped baseline, f32 q/KV variants, HCA and window streaming).
-Each distinct kernel is compiled once, all in one pool of parallel processes (~50 s on 2 cores).
+Each distinct kernel is compiled once, all in one pool of parallel processes (~65 s on 2 cores). A compile is a pure
+function of the kernel's Triton IR, warps, stages, the target and triton's version, so its result is kept in
+COMPILES (`lowering.compile_many`'s cache, committed) under a hash of exactly those: a kernel whose IR changed is
+compiled again (and added), an unchanged one is read back. DS4JAX_LOWERING_FRESH=1 compiles everything anew.
 `python -m experiments.lower_gfx1151` prints the full table (also gfx1150 and sm_90).
 """
 
 import fcntl
 import functools
+import json
 import os
 import pickle
 import re
@@ -34,6 +38,7 @@ from kernels_pallas import lowering
 pytestmark = pytest.mark.lowering
 
 ARCH = "gfx1151"
+COMPILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gfx1151_compiles.json")
 # Two adaptive row tiles (128 rows / 16 warps and 16 rows / 8 warps): ~30 s on 2 cores with the spill-free configs.
 TOKENS = (8192, 512)
 # The spill limit gates what the capability table ships for gfx1151: while no MoE switch is advertised there,
@@ -117,7 +122,8 @@ def _compile_all():
   n_moe = len(jobs)
   case_kernels = {c.label: lowering.lower_case(c) for c in PACKAGE_CASES}
   jobs += [(k, ARCH) for kernels in case_kernels.values() for k in kernels]
-  stats = iter(lowering.compile_many(jobs, processes=os.cpu_count() or 1))
+  cache = None if os.environ.get("DS4JAX_LOWERING_FRESH") == "1" else COMPILES
+  stats = iter(lowering.compile_many(jobs, processes=os.cpu_count() or 1, cache=cache))
   moe = {key[:3]: (key[3], next(stats)) for key in keys}
   cases = {label: [(k, next(stats)) for k in kernels] for label, kernels in case_kernels.items()}
   assert len(moe) == n_moe and next(stats, None) is None
@@ -258,3 +264,20 @@ def test_missing_triton_message(monkeypatch):
   with pytest.raises(ImportError, match=r"pip install -e '\.\[lowering\]'"):
     lowering.compile_hip("module {}", ARCH)
   assert not lowering.triton_available()
+
+
+def test_compile_cache_is_keyed_by_everything_a_compile_depends_on(tmp_path):
+  """A changed IR, warps, stages or target is a miss (compiled); the same job is a hit (read back)."""
+  kernel = lowering.TritonKernel(name="k", ttir="module {}", num_warps=4, num_stages=1, grid=(1, 1, 1))
+  digests = {lowering.job_digest(j) for j in [(kernel, ARCH), (kernel._replace(ttir="module { }"), ARCH),
+                                               (kernel._replace(num_warps=8), ARCH),
+                                               (kernel._replace(num_stages=2), ARCH), (kernel, "gfx1150")]}
+  assert len(digests) == 5
+  assert lowering.job_digest((kernel._replace(name="other"), ARCH)) == lowering.job_digest((kernel, ARCH))
+  cache = tmp_path / "c.json"
+  cache.write_text(json.dumps({lowering.job_digest((kernel, ARCH)): {"lds_bytes": 123}}))
+  (hit,) = lowering.compile_many([(kernel, ARCH)], cache=str(cache))
+  assert hit == {"lds_bytes": 123, "name": "k", "cached": True}
+  (miss,) = lowering.compile_many([(kernel._replace(ttir="not a module"), ARCH)], cache=str(cache))
+  assert not miss["cached"] and "error" in miss  # compiled (and failed: errors are not kept)
+  assert len(json.loads(cache.read_text())) == 1
