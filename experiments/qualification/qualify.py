@@ -301,7 +301,10 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
   if setup.existing is None and os.path.exists(opts.out):
     log(f"note: overwriting {opts.out} (pass --append to keep its records)")
   order = sorted(setup.selected, key=lambda c: c.name != "all_off")
-  plan = [(n, c) for n in opts.lengths for c in order]
+  # A planted bug is judged on a verdict prefix, never timed: one record per prefix, at its first length.
+  first_of_prefix = {min(opts.verdict_tokens, n): n for n in sorted(opts.lengths, reverse=True)}
+  plan = [(n, c) for n in opts.lengths for c in order
+          if not c.mutation or first_of_prefix[min(opts.verdict_tokens, n)] == n]
   todo = [(n, c) for n, c in plan if (n, c.name) not in done]
   _log_plan(opts, setup, plan, todo, log)
 
@@ -313,7 +316,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
                            else None), weights_fingerprint=fingerprint, options=options, env=env)
   save = lambda: store.save(opts.out, results)
   save()
-  clock = Clock(sum(n for n, _ in todo), log, runner.now)
+  clock = Clock(sum(n for n, c in todo if not c.mutation), log, runner.now)
   exact_feats = exact_features(setup.device_class)
   prefixes = store.ExactPrefixes(setup.ids, exact_feats, fingerprint, store.exact_cache_path(opts.out),
                                  lambda ids, noise: runner.logits(m, ids, exact_feats, input_noise=noise), clock.say)
@@ -368,7 +371,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
     if result.get("timing"):
       result["timing"] = dataclasses.replace(result["timing"], cold_is_first_call=first_call,
                                              cold_loads_precompiled=bool(opts.precompile_workers))
-    clock.done += n
+    clock.done += 0 if conf.mutation else n
     verdict = results.verdict_for(v_tokens, conf.features.to_dict(), conf.mutation, fingerprint,
                                   inputs.sha256_array(setup.ids[:v_tokens]))
     verdict = verdict or next(v for v in reversed(results.verdicts) if v.config == conf.name
