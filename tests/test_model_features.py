@@ -92,7 +92,8 @@ def dot_operand_dtypes(m, f: Features) -> set[str]:
 @pytest.mark.skipif(not CAPABILITIES[DEVICE]["bf16_matmul"].supported, reason="bf16_matmul not advertised")
 def test_bf16_matmul_rounds_the_operands_and_stays_close(tiny):
   """The reference's dots are f32 only; with bf16_matmul they take bf16 operands, the logits move (the switch
-  is not a no-op) but stay close to the exact path, and every kernel path agrees with the bf16 reference path."""
+  is not a no-op) but stay close to the exact path. (Every kernel path at bf16 operands, bounded by this reference
+  math layer by layer: tests/experiments/test_verdicts.py.)"""
   m, ref = tiny
   assert dot_operand_dtypes(m, features.REFERENCE) == {"float32"}
   bf16 = alone("bf16_matmul")
@@ -103,10 +104,6 @@ def test_bf16_matmul_rounds_the_operands_and_stays_close(tiny):
   # On the conditioned init bf16 rounding alone gives NMSE ~4e-6; a routing or indexer near-tie that flips lifts
   # it to 1e-4..5e-4 (seen on 3 of 4 seeds). Unpinned logits cannot be held tighter than that.
   assert np.isfinite(out).all() and 1e-12 < err < BF16_UNPINNED_NMSE
-  everything = features.resolve(DEVICE, {s: s in SUPPORTED for s in SWITCHES})
-  fast = np.asarray(model.forward(m, TOKENS, features=everything))
-  assert "bfloat16" in dot_operand_dtypes(m, everything)
-  assert nmse(fast, out) < BF16_UNPINNED_NMSE and nmse(fast, ref) < BF16_UNPINNED_NMSE
 
 
 @pytest.mark.parametrize("policy", ["lucebox_mix"])  # MIX experts + FP4 dense; official is covered in kernels tests
