@@ -22,7 +22,6 @@ from ds4jax.features import FeatureError
 from experiments import mutations, verdicts
 from experiments import qualification as q
 from experiments.qualification import checks, inputs, matrix, qualify, report, store
-from experiments.qualification.runner import Clock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ON = {"moe_compact_queue": True, "moe_persistent": True, "moe_fused_combine": True}
