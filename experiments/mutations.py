@@ -86,13 +86,22 @@ def mutated_model(m, mutation: Callable, layers: set[int]):
   return out
 
 
+def replacing(blocks: dict) -> Callable:
+  """A `layer_verdicts` runner that runs `blocks[i]` in place of layer i's block where given."""
+  def run(i, block, X, tokens, cache, features, pinned):
+    return verdicts.default_run_layer(i, blocks.get(i, block), X, tokens, cache, features, pinned)
+
+  return run
+
+
 def run_layer(mutation: Callable, layers: set[int]) -> Callable:
-  """A `layer_verdicts` runner that runs the mutated copy of the blocks in `layers` (each mutated once)."""
+  """A `layer_verdicts` runner that runs the mutated copy of the blocks in `layers` (each mutated once, when first
+  run)."""
   mutated = {}
 
   def run(i, block, X, tokens, cache, features, pinned):
-    if i in layers:
-      block = mutated.setdefault(i, mutation(block))
-    return verdicts.default_run_layer(i, block, X, tokens, cache, features, pinned)
+    if i in layers and i not in mutated:
+      mutated[i] = mutation(block)
+    return replacing(mutated)(i, block, X, tokens, cache, features, pinned)
 
   return run

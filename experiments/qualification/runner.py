@@ -55,17 +55,17 @@ class ModelRunner:
     exact = {c.name: verdicts.Judgement((), None) for c in configs
              if c.features == exact_features(c.features.device_class) and not c.mutation}
     cannot: dict[str, Exception] = {}
+    runners = {}
     for c in configs:
       if c.mutation:
         try:  # e.g. expert_scale_step on quantized experts: that bug alone cannot be planted
-          mutations.MUTATIONS[c.mutation](m.layers[c.mutation_layer])
+          bugged = mutations.MUTATIONS[c.mutation](m.layers[c.mutation_layer])
+          runners[c.name] = mutations.replacing({c.mutation_layer: bugged})
         except ValueError as e:
           cannot[c.name] = e
     configs = [c for c in configs if c.name not in cannot and c.name not in exact]
     if not configs:
       return exact | cannot
-    runners = {c.name: mutations.run_layer(mutations.MUTATIONS[c.mutation], {c.mutation_layer})
-               for c in configs if c.mutation}
     only = {c.name: {c.mutation_layer} for c in configs if c.mutation}
     return exact | cannot | verdicts.judge(m, ids, {c.name: c.features for c in configs}, runners, log=log, only=only,
                                    end_to_end=[c.name for c in configs if not c.mutation])
