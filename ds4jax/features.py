@@ -19,6 +19,7 @@ one field of the frozen `Features` that the model receives. Library code and tes
     mla_stream_fast_exp    GGML_CUDA_MLA_STREAM_FAST_EXP                  exp2 with log2(e) folded into the scale
     long_context_chunk     DFLASH_DS4_LONG_CONTEXT_CHUNK                  attention query chunk inside a band (bounds masks at 128K)
     prefill_band_tokens    (#684 layer-major bands, cap 10240)            tokens per layer-major band (ds4jax/prefill.py)
+    prefill_weights_stationary  (ds4jax)                                  each layer runs every band before the next layer
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                              ("mla_stream_topk",)),
     "mla_stream_fast_exp": ("GGML_CUDA_MLA_STREAM_FAST_EXP", "exp2 with log2(e) folded into the softmax scale.",
                             ("mla_stream_topk", "mla_stream_f32_stage")),
+    # Not an upstream switch: upstream's MMQ reads quantized experts directly, so re-reading them per band is cheap
+    # there. Here, without moe_sparse_gate_up, every band decodes a layer's experts to bf16 again (docs/upstream.md §2).
+    "prefill_weights_stationary": ("ds4jax: weights-stationary bands",
+                                   "Each layer runs every band before the next layer starts (the streams of all "
+                                   "bands stay on the device), so its experts are decoded once per prompt instead "
+                                   "of once per band.", ()),
 }
 # Integer knobs: name -> (upstream name, help, default).
 KNOBS: dict[str, tuple[str, str, int]] = {
@@ -82,6 +89,7 @@ class Features:
   mla_stream_topk: bool = False
   mla_stream_f32_stage: bool = False
   mla_stream_fast_exp: bool = False
+  prefill_weights_stationary: bool = False
   moe_tile_rows: int = 0
   moe_programs_per_core: int = 32
   long_context_chunk: int = 8192
@@ -144,6 +152,7 @@ _ATTENTION = {"indexer_score_kernel", "direct_indexer_topk", "mla_stream_topk", 
               "mla_stream_fast_exp"}
 _MOE_RAN_ON_H200 = _MOE | _ATTENTION  # bf16 and quantized (in-kernel dequantization) kernels ran compiled with parity
 _PRECISION = {"bf16_matmul"}
+_SCHEDULE = {"prefill_weights_stationary"}  # the order of the layer steps only: no kernel of its own
 CAPABILITIES: dict[str, dict[str, Capability]] = {
     # gfx1151: the ROCm configs pass the offline lowering check with bf16 operands (what bf16_matmul feeds them),
     # but nothing has run on the hardware, so nothing is advertised yet.
@@ -155,10 +164,10 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # the in-tile MIX decode is ALU-bound there while HBM is not the bottleneck it is on gfx1151.
     # bf16_matmul is on by default: f32 operands make the MoE kernels run IEEE f32 dots (no tensor cores) and the
     # projections HIGHEST-precision f32 GEMMs; V4-Flash all_on at 8192 tokens ran at 90 tok/s that way.
-    "sm_90": _row(_MOE_RAN_ON_H200 | _PRECISION, (_MOE_RAN_ON_H200 | _PRECISION) - {"moe_persistent",
-                                                                                      "moe_sparse_gate_up"}),
+    "sm_90": _row(_MOE_RAN_ON_H200 | _PRECISION | _SCHEDULE,
+                  (_MOE_RAN_ON_H200 | _PRECISION) - {"moe_persistent", "moe_sparse_gate_up"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.
-    "cpu_interpret": _row(_MOE | _ATTENTION | _PRECISION, set()),
+    "cpu_interpret": _row(_MOE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,6 +11,7 @@ from flax import nnx
 from ds4jax.config import DeepseekV4Config, Routing
 from ds4jax.features import REFERENCE, Features
 from ds4jax.layers import F32, RESIDUAL_GAIN, Linear, QuantizedWeight, dense, make_weight, matmul_t, normal
+from ds4jax.quant import formats
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 from kernels_pallas import moe as moe_kernels
 from kernels_pallas.moe.reference import moe_reference, swiglu_expert
@@ -74,6 +77,16 @@ class Experts(nnx.Module):
       return moe_kernels.DenseWeights(w.dequantize().astype(dtype))  # the cast fuses into the decode
     return tuple(one(w) for w in (self.w1, self.w2, self.w3))
 
+  def decode_quantized(self, dtype, abstract: bool = False) -> None:
+    """Replaces each quantized stack by its dense decode in `dtype`, in place (call it on a copy): the decode
+    `kernel_weights` would otherwise repeat on every call, done once (the weights-stationary prefill does this per
+    layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead."""
+    for name in ("w1", "w2", "w3"):
+      w = getattr(self, name)
+      if isinstance(w, QuantizedWeight):
+        setattr(self, name, nnx.Param(jax.ShapeDtypeStruct(w.logical_shape, dtype) if abstract
+                                      else _decoded(w.format, w.storage(), dtype)))
+
   def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, shared=None,
                operand_dtype=F32) -> jnp.ndarray:
     """y[t] = shared[t] + sum_k weights[t,k] * E_{idx[t,k]}(x[t]), by the exact reference
@@ -82,6 +95,17 @@ class Experts(nnx.Module):
               if isinstance(w, QuantizedWeight) else w[...] for w in (self.w1, self.w2, self.w3)]
     return moe_reference(x, weights, idx, *stacks, swiglu_limit=self.limit, shared=shared,
                          operand_dtype=operand_dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _decoded(fmt: str, storage: dict, dtype) -> jax.Array:
+  """The canonical decode cast to `dtype`: the same ops as `kernel_weights`' decode, so the same bits."""
+  return formats.get(fmt).dequantize(**storage).astype(dtype)
+
+
+def decodes_experts(features: Features) -> bool:
+  """The MoE kernels read experts decoded beforehand (dequantize-then-matmul): kernels on, no in-kernel decode."""
+  return features.moe_kernels and not features.moe_sparse_gate_up
 
 
 class SharedExpert(nnx.Module):

@@ -8,6 +8,11 @@ device from layer to layer. What a layer needs from earlier bands (window KV tai
 indexer keys) is its `LayerCache` (ds4jax/layer_cache.py). Inside a layer, attention takes the band's queries in
 chunks of `long_context_chunk` (ds4jax/attention.py), which bounds its masks and scores at 128K.
 
+With `prefill_weights_stationary` the two loops swap: each layer runs every band before the next layer starts. The
+streams of all bands stay on the device (64 KiB per token at V4-Flash's 4 x 4096 f32), one layer's cache at a time,
+and experts that the MoE kernels read decoded (dequantize-then-matmul) are decoded once per layer, not once per band.
+Each layer step computes the same thing in either order, so the logits are bit-identical.
+
 The last band is padded to the band size with token 0 at later positions: causal masks keep the padding out of
 every real position, and one band shape means one compile per layer type (not per layer, not per band).
 """
@@ -26,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ds4jax import model as model_lib
+from ds4jax import moe as moe_lib
 from ds4jax.decisions import Decisions
 from ds4jax.features import REFERENCE, Features
 
@@ -42,7 +48,18 @@ def layer_features(features: Features, band: int) -> Features:
   sets that differ only there (kill_prefill_band_tokens, or kill_long_context_chunk when the band is one chunk)
   then share one compiled program, as they run the same computation."""
   chunk = features.long_context_chunk if features.long_context_chunk < band else 0
-  return dataclasses.replace(features, prefill_band_tokens=0, long_context_chunk=chunk)
+  return dataclasses.replace(features, prefill_band_tokens=0, long_context_chunk=chunk,
+                             prefill_weights_stationary=False)
+
+
+def step_parts(block, features: Features, abstract: bool = False):
+  """(graphdef, state) of `block` as its layer steps take it. Weights stationary, with the MoE kernels reading
+  decoded experts, the experts come decoded (once for all bands, in the matmul dtype; `abstract`: shapes only)."""
+  if not (features.prefill_weights_stationary and moe_lib.decodes_experts(features)):
+    return nnx.split(block)
+  copy = nnx.merge(*nnx.split(block))  # new modules over the same arrays
+  copy.ffn.experts.decode_quantized(features.matmul_dtype, abstract)
+  return nnx.split(copy)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "features", "record_scores"),
@@ -108,36 +125,49 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
   # device work of the layers before it: the whole model's graph split up front cost ~0.5 s per call on a 2-core
   # host with V4-Flash's structure, during which the device sat idle.
   layers = list(m.layers)
-  caches: list = [None] * len(layers)
-  parts: list = [None] * len(layers)
+  L = len(layers)
+  caches: list = [None] * L
+  parts: list = [None] * L
   out_def, out_state = None, None
-  if pinned is not None and len(pinned) != len(layers):
-    raise ValueError(f"pinned holds {len(pinned)} layers' decisions; the model has {len(layers)}")
+  if pinned is not None and len(pinned) != L:
+    raise ValueError(f"pinned holds {len(pinned)} layers' decisions; the model has {L}")
+  stationary = features.prefill_weights_stationary
+  schedule = ([(i, b) for i in range(L) for b in range(n_bands)] if stationary
+              else [(i, b) for b in range(n_bands) for i in range(L)])
   made_by_band: list[list[Decisions]] = [[] for _ in layers]
+  band_tokens = [jnp.asarray(padded[b * B:(b + 1) * B]) for b in range(n_bands)]
+  X: dict[int, jnp.ndarray] = {}  # streams per band
   out, t0 = {}, time.perf_counter()
-  for b in range(n_bands):
-    s0 = b * B
-    toks = jnp.asarray(padded[s0:s0 + B])
-    X = _embed(m.embed[...], toks, m.cfg.hc_mult)
-    if input_noise:
-      X = _perturb(X, jnp.float32(input_noise), jax.random.fold_in(jax.random.key(noise_seed), b))
-    for i, block in enumerate(layers):
-      if parts[i] is None:
-        parts[i], caches[i] = nnx.split(block), block.attn.empty_cache(n_bands * B, B)
-      pin = None if pinned is None else _band_of(pinned[i], s0, B)
-      X, caches[i], made = _layer_step(*parts[i], X, toks, jnp.int32(s0), caches[i], inner, pin)
-      if decisions is not None:
-        made_by_band[i].append(made)
+  for i, b in schedule:
+    s0, toks = b * B, band_tokens[b]
+    if i == 0:
+      X[b] = _embed(m.embed[...], toks, m.cfg.hc_mult)
+      if input_noise:
+        X[b] = _perturb(X[b], jnp.float32(input_noise), jax.random.fold_in(jax.random.key(noise_seed), b))
+    if parts[i] is None:
+      parts[i], caches[i] = step_parts(layers[i], features), layers[i].attn.empty_cache(n_bands * B, B)
+    pin = None if pinned is None else _band_of(pinned[i], s0, B)
+    X[b], caches[i], made = _layer_step(*parts[i], X[b], toks, jnp.int32(s0), caches[i], inner, pin)
+    if decisions is not None:
+      made_by_band[i].append(made)
+    if stationary and b == n_bands - 1:
+      parts[i] = caches[i] = None  # the decoded experts and the cache are done with
+      if progress:
+        jax.block_until_ready(X[b])
+        progress(f"layer {i + 1}/{L}: {n_bands} bands done, {time.perf_counter() - t0:.1f}s")
+    if i < L - 1:
+      continue
     if out_def is None:
       out_def, out_state = nnx.split(m.output())
     if all_logits:
-      out[b] = _logits(out_def, out_state, X)
+      out[b] = _logits(out_def, out_state, X[b])
     for p in want:
       if s0 <= p < s0 + B:
-        out[p] = _logits(out_def, out_state, X[p - s0:p - s0 + 1])[0]
-    if progress:
-      jax.block_until_ready(X)
+        out[p] = _logits(out_def, out_state, X[b][p - s0:p - s0 + 1])[0]
+    if progress and not stationary:
+      jax.block_until_ready(X[b])
       progress(f"band {b + 1}/{n_bands}: tokens [{s0}, {min(s0 + B, S)}) done, {time.perf_counter() - t0:.1f}s")
+    del X[b]
   if decisions is not None:
     decisions[:] = [_joined(bands, S) for bands in made_by_band]
   if all_logits:
@@ -186,7 +216,7 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
     toks = jnp.zeros((B,), jnp.int32)
     X = jax.ShapeDtypeStruct((B, m.cfg.hc_mult, m.cfg.hidden_size), jnp.float32)
     for block in m.layers:
-      gdef, state = nnx.split(block)
+      gdef, state = step_parts(block, features, abstract=True)
       cache = jax.eval_shape(lambda blk=block: blk.attn.empty_cache(n_bands * B, B))
       key = (gdef, inner, B, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(cache)))
       if key not in seen:

@@ -28,6 +28,7 @@ from kernels_pallas import indexer, mla
 _QUERIES = flags.DEFINE_integer("queries", 8192, "Queries per chunk (T).")
 _CONTEXTS = flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "Context lengths L (chunk ends at L).")
 _PRECISION = flags.DEFINE_enum("precision", None, ["split", "bf16"], "Dot precision (default: Config.default).")
+_CONFIG = flags.DEFINE_list("config", [], "Config overrides name=value (e.g. heads_per_program=64,q_resident=true).")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (median).")
 _REF_QUERIES = flags.DEFINE_integer("ref_queries", 256, "Queries of the dense-reference NMSE slice.")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
@@ -58,6 +59,19 @@ def compiled_bytes(f, *args) -> int | None:
     return None
 
 
+def config_overrides(items: list[str]) -> dict:
+  """name=value pairs -> typed Config overrides (ints, true/false, or strings), unknown names refused."""
+  fields = {f.name: f.type for f in dataclasses.fields(mla.Config)}
+  out = {}
+  for item in items:
+    name, _, value = item.partition("=")
+    if name not in fields or not value:
+      raise ValueError(f"--config: {item!r} is not name=value with a name of mla.Config ({sorted(fields)})")
+    out[name] = (value.lower() == "true" if value.lower() in ("true", "false")
+                 else int(value) if value.lstrip("-").isdigit() else value)
+  return out
+
+
 def main(argv):
   del argv
   dims = SMOKE if _SMOKE.value else FLASH
@@ -68,6 +82,7 @@ def main(argv):
   contexts = [64, 256] if _SMOKE.value else [int(c) for c in _CONTEXTS.value]
   platform = "cpu" if interpret else mla.default_platform()
   over = {} if _PRECISION.value is None else dict(precision=_PRECISION.value)
+  over |= config_overrides(_CONFIG.value)
   cfg = mla.Config.default(H, D, "csa", platform=platform, **over)
   freqs = (1.0 / 10000.0 ** (np.arange(0, dims["rope_dim"], 2) / dims["rope_dim"])).astype(np.float32)
   record = dict(benchmark="sparse_mla", env=run_record.environment(), dims=dims, queries=T,

@@ -1,19 +1,23 @@
-"""Decoding the MIX experts to bf16 in XLA: what every layer does once per band when `moe_sparse_gate_up` is off.
+"""Decoding the MIX experts to bf16: what every layer does before the MoE kernels when `moe_sparse_gate_up` is off
+(once per band, or once per prompt with `prefill_weights_stationary`).
 
     python -m experiments.bench_decode --out=experiments/results/decode_h200.json [--smoke]
 
-On the H200 the lucebox_mix MoE at 8192 tokens takes 17.5 ms per layer against 6.7 ms with bf16 experts
-(BENCHMARKS.md), and the qualification pays ~0.45 s per band that does not scale with its tokens. This times the
-decode of one V4-Flash layer's routed experts (gate and up: rocmfp2_mix [256, 2048, 4096]; down: rocmfp3_mix
-[256, 4096, 2048]) three ways:
+Times the decode of one V4-Flash layer's routed experts (gate and up: rocmfp2_mix [256, 2048, 4096]; down:
+rocmfp3_mix [256, 4096, 2048]):
 
-  canonical   the format's own dequantize (a where chain over the 2K book levels, as the Pallas kernels run it)
+  canonical   the format's own dequantize in XLA (a where chain over the 2K book levels, as the Pallas kernels run it)
+  per_half    level x scale for each of the K codes once per 16-weight half-block, then one select per weight
+              (the same products, so the same bits; XLA)
   lookup      one gather per weight from a per-expert table of level x scale [E, 256 meta bytes, K codes]. The
-              table holds the canonical decode's own products, so the result is bit-identical (checked here).
-              XLA only: Pallas-Triton lowers no gathers.
+              table holds the canonical decode's own products, so the result is bit-identical. XLA only.
+  tiles_*     the Pallas kernel `dequantize_tiles` (the grouped kernels' tile loader alone, so the canonical decode),
+              one [bn, bk] tile per program, bf16 out, at a few tilings and warp counts
   write       the unpacked codes cast to bf16: the same output write with almost no arithmetic (the floor)
 
-`--smoke` runs small shapes on any device (the CPU check of the script). Results are rewritten after every weight.
+Every variant's bf16 output is checked bit for bit against the canonical one. `--smoke` runs small shapes on any
+device (the CPU check of the script; the Pallas variant then runs in interpret mode). Results are rewritten after
+every weight.
 """
 
 import jax
@@ -24,6 +28,7 @@ from absl import app, flags
 from ds4jax.quant import bitplanes, rocmfp2, rocmfp2_mix, rocmfp3, rocmfp3_mix, ue4m3
 from ds4jax.quant.rocmfp_layout import HALF
 from experiments import run_record, timing
+from kernels_pallas.moe import quantized_weights
 
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per variant (median).")
@@ -74,38 +79,71 @@ def lookup_decode(codes, scales, table) -> jnp.ndarray:
   return table.reshape(E * 256 * k).at[idx].get(mode="promise_in_bounds")
 
 
-def variants(fmt, uniform_level, unpack):
-  return dict(
-      canonical=jax.jit(lambda s: fmt.dequantize(**s).astype(jnp.bfloat16)),
+def per_half_decode(codes, scales, books, mode, uniform_level) -> jnp.ndarray:
+  """f32 W [E, out, in]: the K candidate values level x scale of every half-block (the canonical decode's products),
+  then a where chain over the codes picks one per weight."""
+  meta = scales.astype(jnp.int32)
+  uniform = (mode == 0)[:, None, None]
+  scale = ue4m3.decode(jnp.where(uniform, meta, meta & 0x7F))
+  select = (meta & 0x80) != 0
+  b = books.astype(jnp.float32)
+  out = None
+  for k in range(b.shape[-1]):
+    level = jnp.where(uniform, uniform_level(jnp.int32(k)),
+                      jnp.where(select, b[:, 1, k][:, None, None], b[:, 0, k][:, None, None]))
+    value = bitplanes.repeat_last(level * scale, HALF)
+    out = value if out is None else jnp.where(codes == k, value, out)
+  return out
+
+
+def same_bits(a, b) -> bool:
+  """Equal bit patterns (so -0.0 differs from 0.0), any float dtype."""
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  u = {2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
+  return a.dtype == b.dtype and bool(jnp.array_equal(jax.lax.bitcast_convert_type(a, u),
+                                                       jax.lax.bitcast_convert_type(b, u)))
+
+
+TILINGS = ((32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8))  # (bn, bk, warps)
+
+
+def variants(fmt_name, fmt, uniform_level, unpack, shape, smoke: bool):
+  bf16 = jnp.bfloat16
+  out = dict(
+      canonical=jax.jit(lambda s: fmt.dequantize(**s).astype(bf16)),
+      per_half=jax.jit(lambda s: per_half_decode(unpack(s), s["scales"], s["books"], s["mode"],
+                                                 uniform_level).astype(bf16)),
       lookup=jax.jit(lambda s: lookup_decode(unpack(s), s["scales"],
-                                             lookup_table(s["books"], s["mode"], uniform_level)).astype(jnp.bfloat16)),
-      write=jax.jit(lambda s: unpack(s).astype(jnp.bfloat16)))
-
-
-def bit_identical(fmt, uniform_level, unpack, storage) -> bool:
-  """The lookup decode's f32 bits equal the canonical decode's, every weight."""
-  same = jax.jit(lambda s: jnp.array_equal(
-      jax.lax.bitcast_convert_type(fmt.dequantize(**s), jnp.uint32),
-      jax.lax.bitcast_convert_type(lookup_decode(unpack(s), s["scales"],
-                                                 lookup_table(s["books"], s["mode"], uniform_level)), jnp.uint32)))
-  return bool(same(storage))
+                                             lookup_table(s["books"], s["mode"], uniform_level)).astype(bf16)))
+  for bn, bk, warps in ((16, 128, 4),) if smoke else TILINGS:
+    def tiles(s, bn=bn, bk=bk, warps=warps):
+      w = quantized_weights.QuantizedExpertWeights.from_storage(fmt_name, s, shape)
+      return quantized_weights.dequantize_tiles(w, block_n=bn, block_k=bk, dtype=bf16, num_warps=warps,
+                                                interpret=smoke)
+    out[f"tiles_{bn}x{bk}_w{warps}"] = tiles
+  out["write"] = jax.jit(lambda s: unpack(s).astype(bf16))
+  return out
 
 
 def main(argv):
   del argv
   out = dict(env=run_record.environment(), smoke=_SMOKE.value, repeats=_REPEATS.value, weights={})
   for i, (name, (fmt, uniform_level, unpack, shape, smoke_shape)) in enumerate(WEIGHTS.items()):
+    fmt_name = fmt.__name__.rsplit(".", 1)[-1]  # the registry name is the module's
     shape = smoke_shape if _SMOKE.value else shape
     storage = random_storage(jax.random.key(i), fmt, shape)
     rec = dict(shape=list(shape), bf16_bytes=2 * int(np.prod(shape)),
-               storage_bytes=sum(int(a.size) * a.dtype.itemsize for a in storage.values()),
-               bit_identical=bit_identical(fmt, uniform_level, unpack, storage), ms={})
-    for vname, f in variants(fmt, uniform_level, unpack).items():
+               storage_bytes=sum(int(a.size) * a.dtype.itemsize for a in storage.values()), bit_identical={}, ms={})
+    fns = variants(fmt_name, fmt, uniform_level, unpack, shape, _SMOKE.value)
+    want = fns["canonical"](storage)
+    for vname, f in fns.items():
+      if vname != "write":
+        rec["bit_identical"][vname] = same_bits(f(storage), want)
       rec["ms"][vname] = timing.timeit(f, storage, n=_REPEATS.value)
+      print(f"{name} {vname}: {rec['ms'][vname]:.2f} ms, bit-identical {rec['bit_identical'].get(vname)}",
+            flush=True)
     rec["write_TB_per_s"] = {v: rec["bf16_bytes"] / (ms * 1e-3) / 1e12 for v, ms in rec["ms"].items()}
     out["weights"][name] = rec
-    print(f"{name} {shape}: " + ", ".join(f"{v} {ms:.2f} ms" for v, ms in rec["ms"].items())
-          + f"; lookup bit-identical: {rec['bit_identical']}", flush=True)
     if _OUT.value:
       run_record.write_json(_OUT.value, out)
 

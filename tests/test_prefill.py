@@ -5,6 +5,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from ds4jax import config, features, model, prefill
 
@@ -205,3 +206,47 @@ def test_pinned_decisions_are_imposed_band_by_band(tiny):
   assert np.abs(other - one_shot).max() > 1e-3
   with pytest.raises(ValueError, match="pinned holds 3 layers' decisions; the model has 4"):
     prefill.prefill(m, tokens, banded, pinned=made[:3])
+
+
+def stationary(f: features.Features) -> features.Features:
+  return dataclasses.replace(f, prefill_weights_stationary=True)
+
+
+def test_weights_stationary_order_is_bit_identical(tiny):
+  """Each layer running every band before the next layer computes the same layer steps as band-major order: the
+  same logits and decisions, bit for bit, and one progress line per layer."""
+  m, tokens, _ = tiny
+  f = features.resolve("cpu_interpret", dict(prefill_band_tokens=16))
+  made, made_stationary, lines = [], [], []
+  want = np.asarray(prefill.prefill(m, tokens, f, all_logits=True, decisions=made))
+  got = np.asarray(prefill.prefill(m, tokens, stationary(f), all_logits=True, decisions=made_stationary,
+                                   progress=lines.append))
+  assert np.array_equal(got, want)
+  for a, b in zip(made, made_stationary):
+    assert np.array_equal(a.route_ids, b.route_ids)
+  assert [line.split(":")[0] for line in lines] == [f"layer {i}/4" for i in range(1, 5)]
+  assert all("3 bands done" in line for line in lines)
+
+
+def test_weights_stationary_decodes_each_layers_experts_once(seed, monkeypatch):
+  """With the MoE kernels reading decoded experts, the stationary order decodes each layer's quantized experts once
+  for all bands (band-major decodes them inside every band's step), and the logits stay bit-identical."""
+  from ds4jax import moe  # pylint: disable=import-outside-toplevel
+  m = model.init_random(config.tiny_window(hidden_size=128), seed=seed, dtype=jnp.float32, policy="lucebox_mix")
+  tokens = np.arange(2, 42)
+  f = features.resolve("cpu_interpret", dict(moe_compact_queue=True, prefill_band_tokens=16))
+  decoded, decode = [], moe._decoded  # pylint: disable=protected-access
+  monkeypatch.setattr(moe, "_decoded", lambda fmt, *a: decoded.append(fmt) or decode(fmt, *a))
+  want = np.asarray(prefill.prefill(m, tokens, f, all_logits=True))
+  assert decoded == []
+  got = np.asarray(prefill.prefill(m, tokens, stationary(f), all_logits=True))
+  assert decoded == ["rocmfp2_mix", "rocmfp3_mix", "rocmfp2_mix"] * m.cfg.num_layers  # w1, w2, w3 per layer
+  assert np.array_equal(got, want)
+  gdef, state = prefill.step_parts(m.layers[0], stationary(f))
+  w1 = nnx.merge(gdef, state).ffn.experts.w1[...]
+  c = m.cfg
+  assert w1.dtype == jnp.float32 and w1.shape == (c.n_routed_experts, c.moe_intermediate_size, c.hidden_size)
+  # No decode to hoist: the fused kernel decodes in-tile; the exact path decodes one expert at a time.
+  for f_other in (dataclasses.replace(f, moe_sparse_gate_up=True), features.REFERENCE):
+    _, state = prefill.step_parts(m.layers[0], stationary(f_other))
+    assert any("codes" in str(p) for p, _ in state.flat_state())

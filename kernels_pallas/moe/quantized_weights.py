@@ -8,7 +8,7 @@ In the kernel, `load(refs, e, n0, k0, block_n=bn, block_k=bk, dtype)` loads the 
 storage array of expert e (codes / scales planes at their packing, the expert's books and mode) and calls the format
 module's canonical `dequantize` (ds4jax.quant.<format>.dequantize, the function the reference uses) on those tiles,
 so the kernel's weights are bit-identical to `formats.get(fmt).dequantize(**arrays)`
-(`dequantize_tiles` below runs the loader alone, for that check).
+(`dequantize_tiles` below runs the loader alone, for that check and as a Pallas decode of a whole stack).
 
 Tile geometry, per storage array of an [E, N, K] stack (tile = rows [n0, n0+bn), columns [k0, k0+bk)):
 
@@ -276,28 +276,31 @@ def dequantize_to_dense(w: ExpertWeights, dtype=jnp.bfloat16) -> DenseWeights:
   return _dequantize_dense(w, jnp.dtype(dtype).name)
 
 
-# ---- debug kernel: the loader alone ---------------------------------------------------------------------------
+# ---- the loader alone: decoding a whole stack tile by tile -----------------------------------------------------
 
-def _dequantize_tiles_kernel(*refs, load, block_n: int, block_k: int):
+def _dequantize_tiles_kernel(*refs, load, block_n: int, block_k: int, dtype):
   *w_refs, out_ref = refs
   e, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   n0 = pl.multiple_of(i * block_n, block_n)
   k0 = pl.multiple_of(j * block_k, block_k)
-  tile = load(w_refs, e, n0, k0, block_n=block_n, block_k=block_k, dtype=F32)
+  tile = load(w_refs, e, n0, k0, block_n=block_n, block_k=block_k, dtype=dtype)
   plt.store(out_ref.at[e, pl.ds(n0, block_n), pl.ds(k0, block_k)], tile)
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "interpret"))
-def dequantize_tiles(w: ExpertWeights, *, block_n: int, block_k: int, interpret: bool = False) -> jax.Array:
-  """f32 [E, N, K] built by the kernel-side tile loader, one [bn, bk] tile per program (grid (E, N/bn, K/bk)):
-  must equal `w.dequantize()` bit for bit."""
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "dtype", "num_warps", "interpret"))
+def dequantize_tiles(w: ExpertWeights, *, block_n: int, block_k: int, dtype=F32, num_warps: int = 4,
+                     interpret: bool = False) -> jax.Array:
+  """[E, N, K] of `dtype` built by the kernel-side tile loader, one [bn, bk] tile per program (grid
+  (E, N/bn, K/bk)): must equal `w.dequantize().astype(dtype)` bit for bit. (A Pallas alternative to the XLA decode
+  of `dequantize_to_dense`, timed by experiments/bench_decode.py.)"""
   if hasattr(w, "check_blocks"):
     w.check_blocks(block_n, block_k, "dequantize_tiles")
   E, N, K = w.shape
-  kernel = functools.partial(_dequantize_tiles_kernel, load=w.loader(), block_n=block_n, block_k=block_k)
+  dtype = jnp.dtype(dtype)
+  kernel = functools.partial(_dequantize_tiles_kernel, load=w.loader(), block_n=block_n, block_k=block_k,
+                             dtype=dtype)
   return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((E, N, K), F32), grid=(E, N // block_n, K // block_k),
+      kernel, out_shape=jax.ShapeDtypeStruct((E, N, K), dtype), grid=(E, N // block_n, K // block_k),
       interpret=interpret, name="moe_dequantize_tiles",
-      compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
   )(*w.operands)
-

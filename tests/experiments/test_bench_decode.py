@@ -1,4 +1,5 @@
-"""experiments/bench_decode.py: its lookup decode is bit-identical to each MIX format's canonical decode."""
+"""experiments/bench_decode.py: its lookup and per-half-block decodes are bit-identical to each MIX format's canonical
+decode, and the check can tell when they are not."""
 
 import zlib
 
@@ -18,8 +19,12 @@ def test_lookup_decode_is_bit_identical(name):
   mode, scales = np.asarray(storage["mode"]), np.asarray(storage["scales"])
   assert set(np.unique(mode)) == {0, 1}
   assert (scales[mode == 0] & 0x80).any()  # uniform experts see flagged bytes: they must decode to 0
-  assert bd.bit_identical(fmt, uniform_level, unpack, storage)
   w = np.asarray(fmt.dequantize(**storage))
+  lookup = bd.lookup_decode(unpack(storage), storage["scales"],
+                            bd.lookup_table(storage["books"], storage["mode"], uniform_level))
+  assert bd.same_bits(lookup, w)
+  assert bd.same_bits(bd.per_half_decode(unpack(storage), storage["scales"], storage["books"], storage["mode"],
+                                         uniform_level), w)
   assert (w != 0).mean() > 0.5 and np.isfinite(w).all() and (np.signbit(w) & (w == 0)).any()  # -0.0 too
   # The check can fail: a table that scales the uniform experts by the low 7 bits (the codebook experts' rule)
   # gives their flagged bytes nonzero values.
@@ -32,11 +37,18 @@ def test_lookup_decode_is_bit_identical(name):
                                     wrong_table(storage["books"], storage["mode"], uniform_level)))
   differs = got != w
   assert differs.any() and not differs[mode != 0].any()  # only uniform experts change
+  assert not bd.same_bits(got, w)
+  # ... and one that swaps the books of the codebook experts is caught too.
+  swapped = bd.per_half_decode(unpack(storage), storage["scales"], storage["books"][:, ::-1], storage["mode"],
+                               uniform_level)
+  assert not bd.same_bits(swapped, w) and bd.same_bits(np.asarray(swapped)[mode == 0], w[mode == 0])
 
 
 def test_variants_decode_to_bf16():
   fmt, uniform_level, unpack, _, shape = bd.WEIGHTS["gate_up (rocmfp2_mix)"]
   storage = bd.random_storage(jax.random.key(1), fmt, shape)
-  outs = {n: f(storage) for n, f in bd.variants(fmt, uniform_level, unpack).items()}
+  outs = {n: f(storage) for n, f in bd.variants("rocmfp2_mix", fmt, uniform_level, unpack, shape, True).items()}
   assert all(o.shape == shape and o.dtype == jnp.bfloat16 for o in outs.values())
-  assert np.array_equal(np.asarray(outs["canonical"], np.float32), np.asarray(outs["lookup"], np.float32))
+  assert {n for n in outs if n.startswith("tiles_")} == {"tiles_16x128_w4"}  # the Pallas decode, interpreted
+  for name in ("lookup", "per_half", "tiles_16x128_w4"):
+    assert bd.same_bits(outs[name], outs["canonical"]), name

@@ -1,0 +1,116 @@
+"""Where one prefill spends its device time: warm timings, then one prefill under the profiler, kernel time summed
+by kernel name.
+
+    python -m experiments.trace_prefill --preset=v4_flash --quant_policy=lucebox_mix --tokens=8192,32768 \
+        --out=experiments/results/trace_prefill_h200.json [--without=prefill_weights_stationary] [feature flags]
+
+Per length and feature set (the flags' set, then one per `--without` switch turned off with the switches that need
+it): one warm-up prefill (compiles), `--repeats` timed ones (median wall time, tok/s), then one under
+`jax.profiler.trace` (unless `--notrace`), its kernels summed by name (experiments/device_trace.py). The total is
+the device's busy time; when it is close to the wall time, the device was never idle and host dispatch is not the
+bottleneck. Results are rewritten after each run, and a run that fails (out of memory) is recorded as such.
+`--preset=tiny_sparse` runs on a CPU (interpret mode: kernels show as host work, so the summary may be empty).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from ds4jax import config as config_lib
+from ds4jax import features as features_lib
+from ds4jax import model as model_lib
+from ds4jax import prefill
+from ds4jax.quant import policy as quant_policy
+from experiments import device_memory, device_trace, run_record
+from experiments import flags as flags_lib
+
+_PRESET = flags.DEFINE_string("preset", "v4_flash", "Model preset.")
+_TOKENS = flags.DEFINE_list("tokens", ["8192"], "Prompt lengths.")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed warm prefills per length (median).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and of the prompt.")
+_TOP = flags.DEFINE_integer("top", 25, "Kernels listed per length (the rest are summed as 'other').")
+_WITHOUT = flags.DEFINE_list("without", [], "Also run with each of these switches off (one run per switch).")
+_TRACE = flags.DEFINE_boolean("trace", True, "Trace one prefill per run and sum its kernels.")
+_OUT = flags.DEFINE_string("out", None, "Results JSON.")
+flags_lib.define_quant_policy_flag()
+flags_lib.define_feature_flags()
+
+
+def main(argv):
+  del argv
+  device_memory.claim()  # before JAX starts its backend
+  fv = flags.FLAGS
+  features = flags_lib.features_from_flags(fv)
+  cfg = config_lib.preset(_PRESET.value)
+  lengths = [int(t) for t in _TOKENS.value]
+  rng = np.random.default_rng(_SEED.value)
+  tokens = rng.integers(0, cfg.vocab_size, max(lengths))
+  variants = {"flags": features}
+  for switch in _WITHOUT.value:
+    off = [switch] + [s for s in features_lib.SWITCHES if switch in features_lib.SWITCHES[s][2]]
+    variants[f"without_{switch}"] = features_lib.resolve(
+        features.device_class, {k: getattr(features, k) for k in list(features_lib.SWITCHES) + list(
+            features_lib.KNOBS)} | {k: False for k in off})
+  record = dict(run_record.environment(), what="prefill device time by kernel (experiments/trace_prefill.py)",
+                preset=cfg.name, quant_policy=fv.quant_policy,
+                variants={name: f.on() for name, f in variants.items()}, runs=[])
+  t0 = time.perf_counter()
+  m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(fv.quant_policy))
+  jax.block_until_ready(jax.tree.leaves(m))
+  print(f"{cfg.name} {fv.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; on: {', '.join(features.on())}",
+        flush=True)
+  for n in lengths:
+    for name, f in variants.items():
+      entry = dict(tokens=n, variant=name)
+      try:
+        entry |= measure(m, tokens[:n], f)
+      except Exception as e:  # noqa: BLE001 -- e.g. out of memory: recorded, the other runs go on
+        entry["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+      record["runs"].append(entry)
+      report(entry)
+      if _OUT.value:
+        run_record.write_json(_OUT.value, record)
+
+
+def measure(m, tokens, features) -> dict:
+  run = lambda: jax.block_until_ready(prefill.prefill_logits(m, tokens, features))
+  t = time.perf_counter()
+  run()
+  cold = time.perf_counter() - t
+  walls = []
+  for _ in range(_REPEATS.value):
+    t = time.perf_counter()
+    run()
+    walls.append(time.perf_counter() - t)
+  out = dict(cold_s=round(cold, 2), wall_s=[round(w, 4) for w in walls],
+             tok_s=round(len(tokens) / statistics.median(walls), 1), peak_bytes=run_record.peak_device_bytes())
+  if _TRACE.value:
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        t = time.perf_counter()
+        run()
+        out["traced_wall_ms"] = round(1e3 * (time.perf_counter() - t), 1)
+      out |= device_trace.summary(device_trace.kernel_times(device_trace.read_trace(trace_dir)), _TOP.value)
+  return out
+
+
+def report(entry: dict) -> None:
+  head = f"{entry['tokens']} tokens, {entry['variant']}: "
+  if "error" in entry:
+    print(head + entry["error"], flush=True)
+    return
+  print(head + f"{entry['tok_s']} tok/s (median of {len(entry['wall_s'])}, cold {entry['cold_s']:.1f}s)"
+        + (f"; device busy {entry['device_ms']:.0f} ms of {entry['traced_wall_ms']:.0f} ms traced"
+           if "device_ms" in entry else ""), flush=True)
+  for row in entry.get("kernels", [])[:12]:
+    print(f"  {row['ms']:9.1f} ms {100 * row['share']:5.1f}%  x{row['count']:<6} {row['kernel']}", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
