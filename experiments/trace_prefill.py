@@ -29,6 +29,7 @@ from ds4jax import prefill
 from ds4jax.quant import policy as quant_policy
 from experiments import device_memory, device_trace, run_record
 from experiments import flags as flags_lib
+from experiments.qualification import runner
 
 _PRESET = flags.DEFINE_string("preset", "v4_flash", "Model preset.")
 _TOKENS = flags.DEFINE_list("tokens", ["8192"], "Prompt lengths.")
@@ -36,6 +37,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed warm prefills per length (m
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and of the prompt.")
 _TOP = flags.DEFINE_integer("top", 25, "Kernels listed per length (the rest are summed as 'other').")
 _WITHOUT = flags.DEFINE_list("without", [], "Also run with each of these switches off (one run per switch).")
+_PRECOMPILE = flags.DEFINE_integer("precompile_workers", 0, "> 0: compile every layer program first, this many at "
+                                   "a time (as the qualification does).")
 _TRACE = flags.DEFINE_boolean("trace", True, "Trace one prefill per run and sum its kernels.")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 flags_lib.define_quant_policy_flag()
@@ -65,6 +68,9 @@ def main(argv):
   jax.block_until_ready(jax.tree.leaves(m))
   print(f"{cfg.name} {fv.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; on: {', '.join(features.on())}",
         flush=True)
+  if _PRECOMPILE.value:
+    runner.ModelRunner().precompile(m, [(n, f) for n in lengths for f in variants.values()], _PRECOMPILE.value,
+                                    lambda line: print(line, flush=True))
   for n in lengths:
     for name, f in variants.items():
       entry = dict(tokens=n, variant=name)

@@ -78,15 +78,15 @@ class Config:
 
   @classmethod
   def default(cls, num_heads: int, head_dim: int, kind: str, platform: str = "cuda", **overrides) -> "Config":
-    """Heuristic starting point. On an H200 the cuda config runs one V4-Flash CSA layer (8192 queries, f32 stage +
-    fast exp) in 15.6 ms, ~44 TFLOP/s (BENCHMARKS.md): far from the hardware; larger tiles are issue work.
+    """Heuristic starting point.
 
-    GPU: 16 heads per program as upstream (M = 16, one mma row block), with as many queries per program as it
+    CUDA: all heads of a query per program (up to 64; M = 64 rows share each staged KV row), 32 keys per stage,
+    2 stages, q resident, head-dim chunks of 128.
+    ROCm: 16 heads per program as upstream (M = 16, one mma row block), with as many queries per program as it
     takes to reach M = 16 when the model has fewer heads; 16 keys per stage, head-dim chunks of 128. The f32
     accumulator [16, 512] is 32 KiB: 8 warps keep it at 32 registers per lane. Offline compiles at V4-Flash
-    shapes (lowering_cases): sm_90 at 8 warps / 3 stages ≈ 100–130 registers with bf16 q/KV, 164–255 with f32,
-    no spills (4 warps: up to 188; 32 keys per stage: 156–168); gfx1151 at 8 warps / 1 stage and precision
-    "bf16": 184–255 VGPRs, no spills (README.md has the table).
+    shapes (lowering_cases): gfx1151 at 8 warps / 1 stage and precision "bf16": 184–255 VGPRs, no spills
+    (README.md has the table).
     CPU (interpret mode): one program holds every head and a few queries, since the interpreter's cost is per
     grid step.
     """
@@ -110,6 +110,11 @@ class Config:
         cfg = cls(heads_per_program=hp, tokens_per_program=tq, keys_per_stage=16, num_warps=8 if big else 4,
                   num_stages=1, precision="bf16")
       else:
-        cfg = cls(heads_per_program=hp, tokens_per_program=tq, keys_per_stage=16, num_warps=8 if big else 4,
-                  num_stages=3)
+        # CUDA: every head of a query in one program (up to 64: each staged row feeds all of them), 32 keys per
+        # stage, 2 stages, q resident. One V4-Flash CSA layer (8192 queries, split precision) ran in 9.9 ms
+        # against 15.5 ms at 16 heads × 16 keys × 3 stages (BENCHMARKS.md); 64 keys or 3 stages at 64
+        # heads overflow the 227 KiB of shared memory.
+        hp = min(next_pow2(num_heads), 64)
+        cfg = cls(heads_per_program=hp, tokens_per_program=max(1, MIN_DOT // hp), keys_per_stage=32,
+                  q_resident=True, num_warps=8 if big else 4, num_stages=2)
     return dataclasses.replace(cfg, **overrides)
