@@ -137,7 +137,10 @@ class Attention(nnx.Module):
       indices = kernel_row_list(indices, rows.shape[0], features)
     dt = features.matmul_dtype  # bf16 q/KV: one bf16 dot per tile instead of the split-bf16 f32 emulation
     kind = KERNEL_KIND[self.kind]
-    config = mla.Config.default(cfg.num_heads, d, kind, platform=features.platform)
+    # bf16 operands for both dots under bf16_matmul, the softmax weights included (as the reference's bf16 math
+    # rounds them); f32 operands keep the platform's default ("split" on CUDA: the f32 parity path).
+    bf16 = dict(precision="bf16") if features.bf16_matmul else {}
+    config = mla.Config.default(cfg.num_heads, d, kind, platform=features.platform, **bf16)
 
     def one_chunk(args):
       qc, pc, ic = args
