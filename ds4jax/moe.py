@@ -78,14 +78,17 @@ class Experts(nnx.Module):
     return tuple(one(w) for w in (self.w1, self.w2, self.w3))
 
   def decode_quantized(self, dtype, abstract: bool = False) -> None:
-    """Replaces each quantized stack by its dense decode in `dtype`, in place (call it on a copy): the decode
+    """Replaces the quantized stacks by their dense decode in `dtype`, in place (call it on a copy): the decode
     `kernel_weights` would otherwise repeat on every call, done once (the weights-stationary prefill does this per
     layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead."""
-    for name in ("w1", "w2", "w3"):
-      w = getattr(self, name)
-      if isinstance(w, QuantizedWeight):
-        setattr(self, name, nnx.Param(jax.ShapeDtypeStruct(w.logical_shape, dtype) if abstract
-                                      else _decoded(w.format, w.storage(), dtype)))
+    names = [n for n in ("w1", "w2", "w3") if isinstance(getattr(self, n), QuantizedWeight)]
+    ws = [getattr(self, n) for n in names]
+    if abstract:
+      dense = [jax.ShapeDtypeStruct(w.logical_shape, dtype) for w in ws]
+    else:  # one program for all three, as when the decode sits inside the layer step (XLA fuses them alike)
+      dense = _decoded(tuple(w.format for w in ws), tuple(w.storage() for w in ws), dtype)
+    for name, value in zip(names, dense):
+      setattr(self, name, nnx.Param(value))
 
   def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, shared=None,
                operand_dtype=F32) -> jnp.ndarray:
@@ -98,9 +101,9 @@ class Experts(nnx.Module):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
-def _decoded(fmt: str, storage: dict, dtype) -> jax.Array:
-  """The canonical decode cast to `dtype`: the same ops as `kernel_weights`' decode, so the same bits."""
-  return formats.get(fmt).dequantize(**storage).astype(dtype)
+def _decoded(fmts: tuple[str, ...], storages: tuple[dict, ...], dtype) -> list[jax.Array]:
+  """The canonical decodes cast to `dtype`: the same ops as `kernel_weights`' decode, so the same bits."""
+  return [formats.get(f).dequantize(**s).astype(dtype) for f, s in zip(fmts, storages)]
 
 
 def decodes_experts(features: Features) -> bool:

@@ -52,10 +52,11 @@ def layer_features(features: Features, band: int) -> Features:
                              prefill_weights_stationary=False)
 
 
-def step_parts(block, features: Features, abstract: bool = False):
-  """(graphdef, state) of `block` as its layer steps take it. Weights stationary, with the MoE kernels reading
-  decoded experts, the experts come decoded (once for all bands, in the matmul dtype; `abstract`: shapes only)."""
-  if not (features.prefill_weights_stationary and moe_lib.decodes_experts(features)):
+def step_parts(block, features: Features, n_bands: int, abstract: bool = False):
+  """(graphdef, state) of `block` as its layer steps take it. Weights stationary over several bands, with the MoE
+  kernels reading decoded experts, the experts come decoded (once for all bands, in the matmul dtype; `abstract`:
+  shapes only). One band gains nothing from it: the decode stays inside the step, as band-major runs it."""
+  if not (features.prefill_weights_stationary and n_bands > 1 and moe_lib.decodes_experts(features)):
     return nnx.split(block)
   copy = nnx.merge(*nnx.split(block))  # new modules over the same arrays
   copy.ffn.experts.decode_quantized(features.matmul_dtype, abstract)
@@ -145,7 +146,7 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
       if input_noise:
         X[b] = _perturb(X[b], jnp.float32(input_noise), jax.random.fold_in(jax.random.key(noise_seed), b))
     if parts[i] is None:
-      parts[i], caches[i] = step_parts(layers[i], features), layers[i].attn.empty_cache(n_bands * B, B)
+      parts[i], caches[i] = step_parts(layers[i], features, n_bands), layers[i].attn.empty_cache(n_bands * B, B)
     pin = None if pinned is None else _band_of(pinned[i], s0, B)
     X[b], caches[i], made = _layer_step(*parts[i], X[b], toks, jnp.int32(s0), caches[i], inner, pin)
     if decisions is not None:
@@ -216,7 +217,7 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
     toks = jnp.zeros((B,), jnp.int32)
     X = jax.ShapeDtypeStruct((B, m.cfg.hc_mult, m.cfg.hidden_size), jnp.float32)
     for block in m.layers:
-      gdef, state = step_parts(block, features, abstract=True)
+      gdef, state = step_parts(block, features, n_bands, abstract=True)
       cache = jax.eval_shape(lambda blk=block: blk.attn.empty_cache(n_bands * B, B))
       key = (gdef, inner, B, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(cache)))
       if key not in seen:

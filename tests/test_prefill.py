@@ -236,17 +236,19 @@ def test_weights_stationary_decodes_each_layers_experts_once(seed, monkeypatch):
   tokens = np.arange(2, 42)
   f = features.resolve("cpu_interpret", dict(moe_compact_queue=True, prefill_band_tokens=16))
   decoded, decode = [], moe._decoded  # pylint: disable=protected-access
-  monkeypatch.setattr(moe, "_decoded", lambda fmt, *a: decoded.append(fmt) or decode(fmt, *a))
+  monkeypatch.setattr(moe, "_decoded", lambda fmts, *a: decoded.append(fmts) or decode(fmts, *a))
   want = np.asarray(prefill.prefill(m, tokens, f, all_logits=True))
   assert decoded == []
   got = np.asarray(prefill.prefill(m, tokens, stationary(f), all_logits=True))
-  assert decoded == ["rocmfp2_mix", "rocmfp3_mix", "rocmfp2_mix"] * m.cfg.num_layers  # w1, w2, w3 per layer
+  assert decoded == [("rocmfp2_mix", "rocmfp3_mix", "rocmfp2_mix")] * m.cfg.num_layers  # w1, w2, w3 per layer
   assert np.array_equal(got, want)
-  gdef, state = prefill.step_parts(m.layers[0], stationary(f))
+  one_band = np.asarray(prefill.prefill(m, tokens[:16], stationary(f), all_logits=True))
+  assert len(decoded) == m.cfg.num_layers and np.array_equal(one_band, want[:16])  # nothing hoisted for one band
+  gdef, state = prefill.step_parts(m.layers[0], stationary(f), n_bands=3)
   w1 = nnx.merge(gdef, state).ffn.experts.w1[...]
   c = m.cfg
   assert w1.dtype == jnp.float32 and w1.shape == (c.n_routed_experts, c.moe_intermediate_size, c.hidden_size)
   # No decode to hoist: the fused kernel decodes in-tile; the exact path decodes one expert at a time.
   for f_other in (dataclasses.replace(f, moe_sparse_gate_up=True), features.REFERENCE):
-    _, state = prefill.step_parts(m.layers[0], stationary(f_other))
+    _, state = prefill.step_parts(m.layers[0], stationary(f_other), n_bands=3)
     assert any("codes" in str(p) for p, _ in state.flat_state())
