@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 
 from kernels_pallas.tiling import MIN_DOT, PLATFORMS, default_platform, is_pow2, next_pow2  # noqa: F401
 
@@ -77,11 +78,13 @@ class Config:
       raise ValueError(f"Config.precision={self.precision!r}: expected one of {PRECISIONS}")
 
   @classmethod
-  def default(cls, num_heads: int, head_dim: int, kind: str, platform: str = "cuda", **overrides) -> "Config":
-    """Heuristic starting point.
+  def default(cls, num_heads: int, head_dim: int, kind: str, platform: str = "cuda", dtype="bfloat16",
+              **overrides) -> "Config":
+    """Heuristic starting point for q / KV rows of `dtype`.
 
-    CUDA: all heads of a query per program (up to 64; M = 64 rows share each staged KV row), 32 keys per stage,
-    2 stages, q resident, head-dim chunks of 128.
+    CUDA: all heads of a query per program (up to 64; M = 64 rows share each staged KV row), 32 keys per stage
+    (16 when f32 rows arrive split into bf16 hi + lo: twice the staged bytes; at 32, 64 heads and D 512 they ask
+    for 260 KiB of shared memory), 2 stages, q resident, head-dim chunks of 128.
     ROCm: 16 heads per program as upstream (M = 16, one mma row block), with as many queries per program as it
     takes to reach M = 16 when the model has fewer heads; 16 keys per stage, head-dim chunks of 128. The f32
     accumulator [16, 512] is 32 KiB: 8 warps keep it at 32 registers per lane. Offline compiles at V4-Flash
@@ -110,11 +113,11 @@ class Config:
         cfg = cls(heads_per_program=hp, tokens_per_program=tq, keys_per_stage=16, num_warps=8 if big else 4,
                   num_stages=1, precision="bf16")
       else:
-        # CUDA: every head of a query in one program (up to 64: each staged row feeds all of them), 32 keys per
-        # stage, 2 stages, q resident. One V4-Flash CSA layer (8192 queries, split precision) ran in 9.9 ms
-        # against 15.5 ms at 16 heads × 16 keys × 3 stages (BENCHMARKS.md); 64 keys or 3 stages at 64
-        # heads overflow the 227 KiB of shared memory.
+        # CUDA: every head of a query in one program (each staged row feeds all of them), 32 keys per stage,
+        # 2 stages, q resident. One V4-Flash CSA layer, 8192 queries, bf16 q/KV on an H200 (BENCHMARKS.md):
+        # 4.9 ms at precision "bf16" and 13.4 ms "split", against 15.5 ms split at 16 heads x 16 keys x 3 stages.
         hp = min(next_pow2(num_heads), 64)
-        cfg = cls(heads_per_program=hp, tokens_per_program=max(1, MIN_DOT // hp), keys_per_stage=32,
-                  q_resident=True, num_warps=8 if big else 4, num_stages=2)
+        split_rows = str(jnp.dtype(dtype)) == "float32" and overrides.get("precision", "split") == "split"
+        cfg = cls(heads_per_program=hp, tokens_per_program=max(1, MIN_DOT // hp),
+                  keys_per_stage=16 if split_rows else 32, q_resident=True, num_warps=8 if big else 4, num_stages=2)
     return dataclasses.replace(cfg, **overrides)

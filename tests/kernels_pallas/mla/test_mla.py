@@ -109,7 +109,7 @@ def make_problem(rng, c: Case, q_start=None):
 
 def config_for(c: Case) -> Config:
   """The platform's default config with the case's overrides, at the parity precision ("split")."""
-  cfg = Config.default(c.H, c.D, c.kind, platform=PLATFORM, precision="split")
+  cfg = Config.default(c.H, c.D, c.kind, platform=PLATFORM, dtype=c.dtype, precision="split")
   over = dict(c.config or {})
   if not INTERPRET:  # GPU dots need M >= 16
     hp = over.get("heads_per_program", cfg.heads_per_program)
@@ -119,7 +119,8 @@ def config_for(c: Case) -> Config:
 
 def run(p, *, impl="stream", f32_stage=True, fast_exp=False, config=None):
   if config is None:
-    config = Config.default(p["q"].shape[1], p["q"].shape[2], p["kind"], platform=PLATFORM, precision="split")
+    config = Config.default(p["q"].shape[1], p["q"].shape[2], p["kind"], platform=PLATFORM, dtype=p["raw_kv"].dtype,
+                            precision="split")
   return np.asarray(sparse_mla(**p, impl=impl, f32_stage=f32_stage, fast_exp=fast_exp, config=config,
                                interpret=INTERPRET))
 
