@@ -164,8 +164,10 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # the in-tile MIX decode is ALU-bound there while HBM is not the bottleneck it is on gfx1151.
     # bf16_matmul is on by default: f32 operands make the MoE kernels run IEEE f32 dots (no tensor cores) and the
     # projections HIGHEST-precision f32 GEMMs; V4-Flash all_on at 8192 tokens ran at 90 tok/s that way.
+    # prefill_weights_stationary: all_on V4-Flash (lucebox_mix) 7558 vs 5757 tok/s at 32768 tokens and 6142 vs
+    # 4685 at 122879; one band is the same program either way (trace_prefill, BENCHMARKS.md).
     "sm_90": _row(_MOE_RAN_ON_H200 | _PRECISION | _SCHEDULE,
-                  (_MOE_RAN_ON_H200 | _PRECISION) - {"moe_persistent", "moe_sparse_gate_up"}),
+                  (_MOE_RAN_ON_H200 | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.
     "cpu_interpret": _row(_MOE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
 }
