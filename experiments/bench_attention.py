@@ -6,9 +6,9 @@
 Per context L (the query chunk is the last `--queries` tokens of an L-token prefill: q_start = L − T, raw rows
 from q_start − 127, R = L // 4 compressed rows, top-512): the grouped baseline, the streaming kernel unstaged,
 with the f32 stage, and with f32 stage + fast exp (`--precision` selects the dot precision; default = the
-platform's Config.default), plus the dense XLA reference where it fits; the indexer (`kernels_pallas.indexer.topk`,
-scoring + top-k) and the mask path (`mask_from_topk` + `rows_from_mask`) against the direct handoff (time and
-compiled peak memory); per-CSA-layer indexer + attention ms and the indexer's share. NMSE of every variant
+platform's Config.default; `--config` overrides its fields), plus the dense XLA reference where it fits; the indexer
+(`kernels_pallas.indexer.topk`, scoring + top-k by sort, and by radix selection: ids checked equal) and the mask
+path (`mask_from_topk` + `rows_from_mask`) against the direct handoff (time and compiled peak memory); per-CSA-layer indexer + attention ms and the indexer's share. NMSE of every variant
 against the precise streaming path (exp, f32 stage) and of that against the dense reference on a query slice.
 `--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
 Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.
@@ -32,6 +32,7 @@ _CONFIG = flags.DEFINE_list("config", [], "Config overrides name=value (e.g. hea
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (median).")
 _REF_QUERIES = flags.DEFINE_integer("ref_queries", 256, "Queries of the dense-reference NMSE slice.")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_INDEXER_ONLY = flags.DEFINE_boolean("indexer_only", False, "Time the indexer and the handoffs only.")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes, interpret mode (CPU check of the script).")
 
 FLASH = dict(H=64, D=512, window=128, k=512, ratio=4, rope_dim=64, index_heads=64, index_dim=128)
@@ -116,12 +117,21 @@ def main(argv):
     indices = idx_fn(iq, iw, ik, qs)
     index_ms = timeit(idx_fn, iq, iw, ik, qs, n=n)
     save(base | dict(contender="indexer_topk", ms=index_ms))
+    radix_cfg = dataclasses.replace(indexer.Config.default(Tq, R, dims["index_heads"], dims["index_dim"],
+                                                           platform=platform), selection="radix")
+    radix_fn = jax.jit(lambda a, b, c, qs: indexer.topk(a, b, c, q_start=qs, k=k, ratio=ratio, config=radix_cfg,
+                                                         interpret=interpret))
+    save(base | dict(contender="indexer_topk_radix", ms=timeit(radix_fn, iq, iw, ik, qs, n=n),
+                     identical_to_sort=bool(jnp.array_equal(radix_fn(iq, iw, ik, qs), indices))))
     mask_path = lambda i: indexer.rows_from_mask(indexer.mask_from_topk(i, R), k)  # noqa: E731
     rebuilt = jax.jit(mask_path)(indices)
     save(base | dict(contender="handoff_mask_path", ms=timeit(jax.jit(mask_path), indices, n=n),
                      compiled_bytes=compiled_bytes(mask_path, indices),
                      identical_to_direct=bool(jnp.array_equal(rebuilt, indices))))
     save(base | dict(contender="handoff_direct", ms=0.0, compiled_bytes=0))
+
+    if _INDEXER_ONLY.value:
+      continue
 
     # Attention variants.
     outs = {}

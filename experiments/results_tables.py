@@ -21,8 +21,11 @@ from typing import Any, Callable, Mapping
 
 import pandas as pd
 
+from ds4jax import config as config_lib
+from ds4jax.quant import formats
 from experiments.qualification import records as qual_records
 from experiments.qualification import store as qual_store
+from experiments.qualification.matrix import KILLABLE_KNOBS
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "experiments" / "results"
@@ -426,7 +429,6 @@ def switch_effects(records: pd.DataFrame) -> pd.DataFrame:
 def matrix_gaps(records: pd.DataFrame, planned_lengths=()) -> pd.DataFrame:
   """(length, config) pairs of the planned matrix with no record: the lengths planned (e.g. `flagfile_lengths`) or
   recorded, times all_on, one kill per switch all_on has on and per non-zero chunk/band knob, and all_off."""
-  from experiments.qualification.matrix import KILLABLE_KNOBS  # pylint: disable=import-outside-toplevel
   on = _all_on(records)
   if on is None:
     return pd.DataFrame(columns=["length", "config"])
@@ -463,7 +465,6 @@ def moe_roofline(moe: Tables, routing: str = "uniform") -> pd.DataFrame:
   these token counts), x in bf16, h out in bf16; the whole MoE adds the down weights and an f32 output. MIX weights
   count their storage bits (ds4jax/quant/formats.py `bits_per_weight`). A kernel that reads a weight tile twice moves
   more than this, so its point sits left of where its real traffic would put it."""
-  from ds4jax.quant import formats  # pylint: disable=import-outside-toplevel
   d = moe.meta["dims"]
   D, I, E, K = d["D"], d["I"], d["E"], d["K"]
   mix2, mix3 = formats.get("rocmfp2_mix").bits_per_weight / 8, formats.get("rocmfp3_mix").bits_per_weight / 8
@@ -535,7 +536,6 @@ def prefill_breakdown(records: pd.DataFrame, moe: Tables, attention: Tables, cfg
   routing + down + combine), per CSA layer the indexer and the streaming MLA kernel. What they do not time (HCA and
   window attention, projections, compressors, hyper-connections, norms, the head, host work) is the remainder.
   An estimate assembled from separate runs, not a profile of the prefill."""
-  from ds4jax import config as config_lib  # pylint: disable=import-outside-toplevel
   cfg = cfg or config_lib.v4_flash()
   rec = records[(records.config == "all_on") & (records.length == length)]
   if rec.empty or pd.isna(rec.iloc[0].median_s):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from kernels_pallas.tiling import MIN_DOT, PLATFORMS, default_platform, is_pow2, next_pow2  # noqa: F401
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+SELECTIONS = ("sort", "radix")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,6 +30,8 @@ class Config:
                 the relu and the weighted head sum) is f32 in every case. bf16 rounds q·k to ~3 significant
                 digits, which can swap rows whose scores are that close around the k-th place (Lucebox feeds F16
                 queries: its QAT indexer values are exact in f16).
+  selection     how a scored block's k best rows are found: "sort" (`jax.lax.top_k`, a full sort of every row) or
+                "radix" (select.py: the k-th largest found digit by digit, no sort); the same ids either way.
   """
 
   block_q: int = 64
@@ -37,6 +40,7 @@ class Config:
   num_stages: int = 2
   query_block: int = 1024
   compute_dtype: str = "float32"
+  selection: str = "sort"
 
   @property
   def dtype(self):
@@ -56,6 +60,8 @@ class Config:
       raise ValueError(f"Config.query_block={self.query_block}: must be an int >= 1")
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(f"Config.compute_dtype={self.compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
+    if self.selection not in SELECTIONS:
+      raise ValueError(f"Config.selection={self.selection!r}: expected one of {SELECTIONS}")
 
   @classmethod
   def default(cls, num_queries: int, num_rows: int, n_heads: int, head_dim: int, platform: str = "cuda",

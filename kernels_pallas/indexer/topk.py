@@ -3,8 +3,8 @@
     topk(q, w, keys, q_start=, k=512) → int32 [T, k]
 
 Queries are processed in blocks of `config.query_block` (lax.map): a block is scored by the Pallas kernel
-(scoring.py) into a [query_block, R] f32 array and reduced by `jax.lax.top_k` in XLA, so no [T, R] array ever
-exists (T = 8192, R = 32K: 128 MiB per 1024-query block instead of 1 GiB). A block whose queries all see <= k rows
+(scoring.py) into a [query_block, R] f32 array and reduced in XLA (`jax.lax.top_k`, or without a sort by radix
+selection, select.py: `config.selection`), so no [T, R] array ever exists (T = 8192, R = 32K: 128 MiB per 1024-query block instead of 1 GiB). A block whose queries all see <= k rows
 skips the kernel (lax.cond) and emits identity ids; inside a scored block such queries are overridden with
 identity ids too, so they never depend on scores (Lucebox: "tokens that see <= 512 rows use identity indices").
 The ascending order is the direct handoff (docs/upstream.md §3): attention consumes rows in physical order, the
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from kernels_pallas.indexer.config import Config, default_platform, is_pow2
 from kernels_pallas.indexer.reference import finish_topk, n_visible
 from kernels_pallas.indexer.scoring import as_q_start, check_inputs, scores
+from kernels_pallas.indexer.select import radix_topk_ids
 
 I32 = jnp.int32
 
@@ -67,7 +68,7 @@ def topk(q, w, keys, *, q_start, k: int, ratio: int = 4, config: Config | None =
 
     def scored():
       s = scores(qb_, wb_, keys, q_start=start, ratio=ratio, config=config, interpret=interpret)
-      return finish_topk(s, nvis, k)
+      return (radix_topk_ids if config.selection == "radix" else finish_topk)(s, nvis, k)
 
     return jax.lax.cond(needs_scores, scored, lambda: identity_ids(nvis, k))
 

@@ -48,6 +48,18 @@ def test_topk_matches_reference(T, Hi, c, R, q_start, k, bq, br, qb):
   check_convention(got, q_start, R, k)
 
 
+def test_radix_selection_gives_the_same_ids_as_the_sort():
+  """config.selection="radix" (select.py) through the scoring kernel: the reference's ids, bit for bit, including
+  the identity rows of a block that starts from position 0."""
+  T, Hi, c, R, q_start, k = 50, 3, 16, 40, 0, 8
+  q, w, keys = make_inputs(T + R + k, T, Hi, c, R)
+  got = topk(q, w, keys, q_start=q_start, k=k, config=cfg(selection="radix"), interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(topk_reference(q, w, keys, q_start=q_start, k=k)))
+  check_convention(got, q_start, R, k)
+  with pytest.raises(ValueError, match="selection"):
+    cfg(selection="heap").validate()
+
+
 def test_topk_same_set_as_ds4jax_indexer():
   """Sorted, the picks equal what ds4jax.indexer.Indexer.__call__ returns best-first (lax.top_k of the scores)."""
   T, Hi, c, R, q_start, k = 32, 4, 32, 64, 120, 16
