@@ -2,6 +2,8 @@
 
 import gzip
 import os
+import subprocess
+import sys
 import json
 
 import pytest
@@ -57,11 +59,9 @@ def test_read_trace_finds_the_one_trace_file(tmp_path):
 
 def test_trace_prefill_times_each_feature_set_and_records_it(tmp_path):
   """The entry point on a CPU: one run per feature set (the flags', then each --without), written to --out."""
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
   out = tmp_path / "trace.json"
-  subprocess.run([sys.executable, "-m", "experiments.trace_prefill", "--preset=tiny", "--quant_policy=bf16",
-                  "--tokens=20", "--repeats=1", "--prefill_band_tokens=8", "--prefill_weights_stationary",
+  subprocess.run([sys.executable, "-m", "experiments.trace_prefill", "--preset=tiny_window", "--quant_policy=bf16",
+                  "--tokens=16", "--repeats=1", "--prefill_band_tokens=8", "--prefill_weights_stationary",
                   "--without=prefill_weights_stationary", f"--out={out}"], check=True, capture_output=True,
                  env={**os.environ, "JAX_PLATFORMS": "cpu"})
   record = json.loads(out.read_text())
@@ -69,4 +69,4 @@ def test_trace_prefill_times_each_feature_set_and_records_it(tmp_path):
   runs = {r["variant"]: r for r in record["runs"]}
   assert set(runs) == {"flags", "without_prefill_weights_stationary"}
   for r in runs.values():
-    assert r["tokens"] == 20 and r["tok_s"] > 0 and "error" not in r and "device_ms" in r  # traced (CPU: no kernels)
+    assert r["tokens"] == 16 and r["tok_s"] > 0 and "error" not in r and "device_ms" in r  # traced (CPU: no kernels)

@@ -23,9 +23,11 @@ def tied_scores(rng, T, R, levels):
   return jnp.asarray(s), jnp.asarray(nvis)
 
 
-@pytest.mark.parametrize("digit_bits", [1, 2, 4, 8])
-@pytest.mark.parametrize("T,R,k,levels", [(64, 200, 16, 3), (32, 64, 63, 2), (48, 300, 128, 40), (8, 17, 16, 1)])
-def test_radix_selection_equals_the_sort(rng, digit_bits, T, R, k, levels):
+@pytest.mark.parametrize("T,R,k,levels,digit_bits", [
+    (64, 200, 16, 3, 4), (32, 64, 63, 2, 4), (48, 300, 128, 40, 4), (8, 17, 16, 1, 4),  # the default digit
+    (64, 200, 16, 3, 1), (32, 64, 63, 2, 2), (48, 300, 128, 40, 8),                      # the other widths
+])
+def test_radix_selection_equals_the_sort(rng, T, R, k, levels, digit_bits):
   s, nvis = tied_scores(rng, T, R, levels)
   want = np.asarray(finish_topk(s, nvis, k))
   got = np.asarray(jax.jit(lambda a, b: select.radix_topk_ids(a, b, k, digit_bits))(s, nvis))
