@@ -419,6 +419,8 @@ def switch_effects(records: pd.DataFrame) -> pd.DataFrame:
                        same_programs=_same_programs(switch, length, feats)))
   out = pd.DataFrame(rows, columns=["length", "config", "switch", "also_off", "status", "error_kind", "tokens_per_s",
                                     "all_on_tokens_per_s", "change_pct", "same_programs"])
+  if out.empty:  # no kill timed against an all_on (a matrix of all_on and all_off only)
+    return out.assign(noise_pct=pd.Series(dtype=float), beyond_noise=pd.Series(dtype=bool))
   noise = out[out.same_programs].groupby("length").change_pct.apply(lambda c: c.abs().max())
   out["noise_pct"] = out.length.map(noise)
   floor = (2 * out.noise_pct).clip(lower=0.5).fillna(1.0)

@@ -197,6 +197,8 @@ def test_switch_effects_and_what_the_matrix_misses(tables):
   assert set(effects.index[effects.beyond_noise]) == {"kill_moe_compact_queue", "kill_indexer_score_kernel",
                                                       "kill_mla_stream_f32_stage", "kill_direct_indexer_topk"}
   assert math.isnan(effects.loc["kill_mla_stream_topk"].change_pct)
+  no_kills = rt.switch_effects(q.records[q.records.config.isin(["all_on", "all_off"])])  # a matrix without kills
+  assert no_kills.empty and {"noise_pct", "beyond_noise"} <= set(no_kills.columns)
   assert rt.flagfile_lengths("qual.cfg") == (8192, 32768, 122879)
   gaps = set(map(tuple, rt.matrix_gaps(q.records, rt.flagfile_lengths("qual.cfg")).itertuples(index=False)))
   assert (8192, "kill_bf16_matmul") in gaps and (32768, "all_on") in gaps and (122879, "all_off") in gaps
