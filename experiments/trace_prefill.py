@@ -4,9 +4,9 @@ by kernel name.
     python -m experiments.trace_prefill --preset=v4_flash --quant_policy=lucebox_mix --tokens=8192,32768 \
         --out=experiments/results/trace_prefill_h200.json [--without=prefill_weights_stationary] [feature flags]
 
-Per length and feature set (the flags' set, then one per `--without` switch turned off with the switches that need
-it): one warm-up prefill (compiles), `--repeats` timed ones (median wall time, tok/s), then one under
-`jax.profiler.trace` (unless `--notrace`), its kernels summed by name (experiments/device_trace.py). The total is
+Per length and feature set (the flags' set, then one per `--without` switch: the qualification's kill_<switch>):
+one warm-up prefill (compiles), `--repeats` timed ones (median wall time, tok/s), then one under `jax.profiler.trace`
+(unless `--notrace`), its kernels summed by name (experiments/device_trace.py). The total is
 the device's busy time; when it is close to the wall time, the device was never idle and host dispatch is not the
 bottleneck. Results are rewritten after each run, and a run that fails (out of memory) is recorded as such.
 `--preset=tiny_sparse` runs on a CPU (interpret mode: kernels show as host work, so the summary may be empty).
@@ -23,13 +23,12 @@ import numpy as np
 from absl import app, flags
 
 from ds4jax import config as config_lib
-from ds4jax import features as features_lib
 from ds4jax import model as model_lib
 from ds4jax import prefill
 from ds4jax.quant import policy as quant_policy
 from experiments import device_memory, device_trace, run_record
 from experiments import flags as flags_lib
-from experiments.qualification import runner
+from experiments.qualification import matrix, runner
 
 _PRESET = flags.DEFINE_string("preset", "v4_flash", "Model preset.")
 _TOKENS = flags.DEFINE_list("tokens", ["8192"], "Prompt lengths.")
@@ -55,11 +54,8 @@ def main(argv):
   rng = np.random.default_rng(_SEED.value)
   tokens = rng.integers(0, cfg.vocab_size, max(lengths))
   variants = {"flags": features}
-  for switch in _WITHOUT.value:
-    off = [switch] + [s for s in features_lib.SWITCHES if switch in features_lib.SWITCHES[s][2]]
-    variants[f"without_{switch}"] = features_lib.resolve(
-        features.device_class, {k: getattr(features, k) for k in list(features_lib.SWITCHES) + list(
-            features_lib.KNOBS)} | {k: False for k in off})
+  for switch in _WITHOUT.value:  # the qualification's kill_<switch> features
+    variants[f"without_{switch}"] = matrix.without(features, switch)
   record = dict(run_record.environment(), what="prefill device time by kernel (experiments/trace_prefill.py)",
                 preset=cfg.name, quant_policy=fv.quant_policy,
                 variants={name: f.on() for name, f in variants.items()}, runs=[])

@@ -39,6 +39,11 @@ def _checked(f: Features) -> Features:
   return features_lib.resolve(f.device_class, {k: getattr(f, k) for k in list(SWITCHES) + list(KNOBS)})
 
 
+def without(base: Features, switch: str) -> Features:
+  """`base` with `switch` off, and every switch that requires it: the features of kill_<switch>."""
+  return _checked(dataclasses.replace(base, **{x: False for x in [switch, *dependents(switch)]}))
+
+
 def exact_features(device_cls: str) -> Features:
   """The exact path: every switch off (ds4jax.features.REFERENCE) on the given device class."""
   return dataclasses.replace(features_lib.REFERENCE, device_class=device_cls)
@@ -51,8 +56,7 @@ def configurations(base: Features, cfg: config_lib.DeepseekV4Config | None = Non
   configs = [Configuration(name="all_on", features=base)]
   for s in base.on():
     also = [d for d in dependents(s) if getattr(base, d)]
-    f = dataclasses.replace(base, **{x: False for x in [s, *also]})
-    configs.append(Configuration(name=f"kill_{s}", features=_checked(f), killed=(s,), also_off=tuple(also)))
+    configs.append(Configuration(name=f"kill_{s}", features=without(base, s), killed=(s,), also_off=tuple(also)))
   for k in KILLABLE_KNOBS:
     if getattr(base, k):
       configs.append(Configuration(name=f"kill_{k}", features=_checked(dataclasses.replace(base, **{k: 0})),
