@@ -199,10 +199,15 @@ def logits_of_streams(m: model_lib.DeepseekV4, X: jnp.ndarray) -> jnp.ndarray:
 
 
 def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], workers: int = 8,
-               log: Callable[[str], None] | None = None) -> int:
+               log: Callable[[str], None] | None = None, pinned: Sequence[tuple[int, Features]] = (),
+               scored: Sequence[tuple[int, Features]] = ()) -> int:
   """Compiles every distinct layer program that `prefill` would run for each (prompt tokens, features) in `runs`,
   `workers` at a time, into jax's persistent compilation cache (jax_compilation_cache_dir must be set). The later
   prefills then load them instead of compiling them one after another.
+
+  `pinned`: runs whose layer steps take imposed decisions (the exact path's, as the qualification's pinned parity and
+  teacher-forced KL impose them); `scored`: runs that record their selection scores (the exact path in the
+  qualification's verdict pass). Both are one band from position 0, as those passes run them.
 
   Lowering (tracing) runs here, one program at a time; the XLA/Triton compiles run in threads (they release the
   GIL). Returns the number of programs compiled; one that fails to compile is logged and left to its prefill.
@@ -210,8 +215,10 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
   if not jax.config.jax_compilation_cache_dir:
     raise ValueError("precompile fills the persistent compilation cache: set jax_compilation_cache_dir first")
   lowered, seen = [], set()
-  for n_tokens, features in runs:
-    B = band_size(n_tokens, features)
+  programs = ([(n, f, False, False) for n, f in runs] + [(n, f, True, False) for n, f in pinned]
+              + [(n, f, False, True) for n, f in scored])
+  for n_tokens, features, pin, record_scores in programs:
+    B = n_tokens if pin or record_scores else band_size(n_tokens, features)
     n_bands = -(-n_tokens // B)
     inner = layer_features(features, B)
     toks = jnp.zeros((B,), jnp.int32)
@@ -219,10 +226,11 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
     for block in m.layers:
       gdef, state = step_parts(block, features, n_bands, abstract=True)
       cache = jax.eval_shape(lambda blk=block: blk.attn.empty_cache(n_bands * B, B))
-      key = (gdef, inner, B, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(cache)))
+      decisions = _pinned_shapes(block, X, features.device_class) if pin else None
+      key = (gdef, inner, B, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(cache)), pin, record_scores)
       if key not in seen:
         seen.add(key)
-        lowered.append(_layer_step.lower(gdef, state, X, toks, jnp.int32(0), cache, inner))
+        lowered.append(_layer_step.lower(gdef, state, X, toks, jnp.int32(0), cache, inner, decisions, record_scores))
   def compile_one(low):
     try:
       low.compile()
@@ -238,6 +246,17 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
         log(f"precompiled {i + 1}/{len(lowered)} layer programs ({time.perf_counter() - t0:.0f}s)"
             + (f"; this one failed ({error}), its first prefill compiles it" if error else ""))
   return len(lowered) - failed
+
+
+def _pinned_shapes(block, X: jax.ShapeDtypeStruct, device_cls: str) -> Decisions:
+  """Shapes of the decisions a one-band step over streams X is pinned to: the exact path's, as it makes them."""
+  exact = dataclasses.replace(REFERENCE, device_class=device_cls)
+  gdef, state = nnx.split(block)
+  B = X.shape[0]
+  cache = jax.eval_shape(lambda: block.attn.empty_cache(B, B))
+  made = _layer_step.eval_shape(gdef, state, X, jax.ShapeDtypeStruct((B,), jnp.int32), jnp.int32(0), cache,
+                                layer_features(exact, B))[2]
+  return Decisions(made.route_ids, made.index_rows)
 
 
 def prefill_logits(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from ds4jax import config, features, model, prefill
+from ds4jax.decisions import Decisions
 
 S = 45  # not a multiple of any band below, nor of the ratios 4 and 8
 
@@ -173,6 +174,40 @@ def test_precompile_fills_the_persistent_cache(tiny, tmp_path):
     got = np.asarray(prefill.prefill_logits(m, tokens, f))
     assert hits.count("/jax/compilation_cache/cache_hits") >= 3
     np.testing.assert_allclose(got, ref[-1], atol=2e-6 * max(1.0, np.abs(ref).max()))
+  finally:
+    monitoring.unregister_event_listener(listener)
+    jax.config.update("jax_compilation_cache_dir", old[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+
+
+def test_precompile_covers_the_verdict_pass(tmp_path):
+  """The qualification's verdict pass (ds4jax.prefill.precompile `pinned` and `scored`): the exact path recording
+  its scores, and a step pinned to its decisions, load precompiled programs; nothing else compiles."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax import monitoring  # pylint: disable=import-outside-toplevel
+
+  m = model.init_random(config.tiny_csa(), seed=3, dtype=jnp.float32)  # one layer type: two programs
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, m.cfg.vocab_size, S), jnp.int32)
+  exact = features.resolve("cpu_interpret", {})
+  old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  events = []
+  listener = lambda event, **kw: events.append(event) if event.startswith("/jax/compilation_cache/cache_") else None
+  monitoring.register_event_listener(listener)
+  try:
+    assert prefill.precompile(m, [], workers=2, pinned=[(S, exact)], scored=[(S, exact)]) == 2
+    X = np.asarray(m.embed_streams(tokens))
+    caches = [[b.attn.empty_cache(S, S) for _ in range(2)] for b in m.layers]
+    events.clear()
+    for block, (c1, c2) in zip(m.layers, caches):  # device_put copies X without a compile of its own
+      y, _, made = prefill.layer_step(block, jax.device_put(X), tokens, 0, c1, exact, record_scores=True)
+      assert made.index_scores is not None
+      pinned = Decisions(made.route_ids, made.index_rows)
+      again, _, _ = prefill.layer_step(block, jax.device_put(X), tokens, 0, c2, exact, pinned)
+      X = np.asarray(y)
+      np.testing.assert_array_equal(np.asarray(again), X)
+    assert "/jax/compilation_cache/cache_misses" not in events, events  # every compile would have missed
   finally:
     monitoring.unregister_event_listener(listener)
     jax.config.update("jax_compilation_cache_dir", old[0])

@@ -49,6 +49,7 @@ class Options:
   append: bool = False
   precompile_workers: int = 0          # > 0: compile every layer program first, this many in parallel
   max_cold_s: float = 0.0              # > 0: a slower cold run ends the configuration's timing ("too_slow")
+  stop_after_s: float = 0.0            # > 0: start nothing new this long after the start (a bounded call)
   features: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # switch/knob -> value (None = table)
   device_class: str | None = None      # default: the capability-table class of jax.devices()[0]
 
@@ -103,6 +104,11 @@ def define_flags(flag_values=None) -> None:
                      "longer lengths, where that cold run scaled by length exceeds the limit, it is not run (result "
                      "'not_run'). --append retries both only under a higher limit or none. 0 = no limit.",
                      flag_values=fv)
+  flags.DEFINE_float("stop_after_s", d.stop_after_s,
+                     "Start no configuration (and no verdict pass) later than this many seconds after the start, "
+                     "weights included: a call bounded by a time limit ends on its own with everything it finished "
+                     "on file, and --append continues. Runs not started are listed in the results. 0 = no limit.",
+                     flag_values=fv)
   flags.DEFINE_boolean("append", d.append, "Keep the records in --out; skip (length, config) pairs already done with "
                        "the same weights and prompt; retry failed ones.", flag_values=fv)
   flags_lib.define_quant_policy_flag(fv)
@@ -121,6 +127,7 @@ def options_from_flags(fv) -> Options:
                  exact_max_tokens=fv.exact_max_tokens, parity_prefix_tokens=fv.parity_prefix_tokens,
                  verdict_tokens=fv.verdict_tokens, kl_gate=fv.kl_gate, noise_floor_eps=fv.noise_floor_eps,
                  out=fv.out, append=fv.append, precompile_workers=fv.precompile_workers, max_cold_s=fv.max_cold_s,
+                 stop_after_s=fv.stop_after_s,
                  features={k: getattr(fv, k) for k in list(SWITCHES) + list(KNOBS)})
 
 
@@ -142,6 +149,8 @@ def validate(opts: Options) -> None:
     raise StartupError(f"--precompile_workers must be >= 0, got {opts.precompile_workers}")
   if not opts.max_cold_s >= 0:
     raise StartupError(f"--max_cold_s must be >= 0 (0 = no limit), got {opts.max_cold_s}")
+  if not opts.stop_after_s >= 0:
+    raise StartupError(f"--stop_after_s must be >= 0 (0 = no limit), got {opts.stop_after_s}")
   if opts.repeats < 1:
     raise StartupError(f"--repeats must be >= 1, got {opts.repeats}")
   if opts.exact_max_tokens < 0 or opts.parity_prefix_tokens < 1 or opts.verdict_tokens < 1:

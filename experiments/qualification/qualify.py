@@ -239,6 +239,34 @@ def _run_one(runner: Runner, m, ids, conf: Configuration, exact: ExactFinal, opt
   return rec
 
 
+def _unjudged(results: store.Results, setup: Setup, v_tokens: int, configs: list[Configuration],
+              fingerprint: str) -> list[Configuration]:
+  """The configurations with no verdict on file for the first v_tokens prompt tokens."""
+  sha = inputs.sha256_array(setup.ids[:v_tokens])
+  return [c for c in configs
+          if results.verdict_for(v_tokens, c.features.to_dict(), c.mutation, fingerprint, sha) is None]
+
+
+def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo, fingerprint: str):
+  """(pinned, scored) runs of the verdict passes this call will make (ds4jax.prefill.precompile): the exact path
+  recording its scores; each judged configuration, the bf16 reference math and (for planted bugs) the exact path
+  pinned to the exact path's decisions. Their unpinned runs are ordinary runs of the prefix, in `runs`."""
+  exact = exact_features(setup.device_class)
+  bf16_reference = dataclasses.replace(exact, bf16_matmul=True)
+  free, pinned, scored = [], [], []
+  for v in sorted({min(n, opts.verdict_tokens) for n, _ in todo}):
+    judged = [c for c in _unjudged(results, setup, v, [c for _, c in todo], fingerprint) if c.features != exact
+              or c.mutation]
+    if not judged:
+      continue
+    scored.append((v, exact))
+    fast = list(dict.fromkeys(c.features for c in judged if not c.mutation))
+    free += [(v, f) for f in fast] + ([(v, exact)] if any(c.mutation for c in judged) else [])
+    pinned += [(v, f) for f in fast] + [(v, bf16_reference)] * any(f.bf16_matmul for f in fast)
+    pinned += [(v, exact)] * any(c.mutation for c in judged)
+  return free, pinned, scored
+
+
 def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: int, configs: list[Configuration],
            fingerprint: str, clock: Clock, tried: set[tuple[int, str]]) -> None:
   """Judges the configurations without a verdict on the first v_tokens prompt tokens (and not tried in this
@@ -246,8 +274,7 @@ def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: in
   sha = inputs.sha256_array(setup.ids[:v_tokens])
   meta = lambda c: dict(tokens=v_tokens, config=c.name, features=c.features.to_dict(), mutation=c.mutation,
                         mutation_layer=c.mutation_layer, weights_fingerprint=fingerprint, prompt_sha256=sha)
-  todo = [c for c in configs if (v_tokens, c.name) not in tried
-          and results.verdict_for(v_tokens, c.features.to_dict(), c.mutation, fingerprint, sha) is None]
+  todo = [c for c in _unjudged(results, setup, v_tokens, configs, fingerprint) if (v_tokens, c.name) not in tried]
   if not todo:
     return
   tried |= {(v_tokens, c.name) for c in todo}
@@ -290,12 +317,13 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None,
   gc.collect()
   gc.freeze()  # what exists now is never garbage: the collections between timed runs skip it (~0.2 s each in tests)
   try:
-    return _run(opts, setup, m, env, log, runner)
+    return _run(opts, setup, m, env, log, runner, t_begin=t0)
   finally:
     gc.unfreeze()
 
 
-def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], runner: Runner) -> store.Results:
+def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], runner: Runner,
+         t_begin: float) -> store.Results:
   fingerprint = inputs.weights_fingerprint(m)
   done = _done_pairs(opts, setup, fingerprint)
   if setup.existing is None and os.path.exists(opts.out):
@@ -330,14 +358,17 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
 
   timed = [(n, c) for n, c in todo if not c.mutation]
   to_compile = [(n, c) for n, c in timed if not predicted_too_slow(n, c, full_exact=True)]
-  if opts.precompile_workers and to_compile:
+  verdict_free, verdict_pinned, verdict_scored = _verdict_programs(opts, setup, results, todo, fingerprint)
+  if opts.precompile_workers and (to_compile or verdict_scored):
     t0 = runner.now()
     runs = [(n, c.features) for n, c in to_compile]
     for n in sorted({n for n, _ in to_compile}):  # and the exact path each length will need
       p = min(opts.parity_prefix_tokens, n) if opts.exact_max_tokens and n > opts.exact_max_tokens else n
       if (p, exact_feats) not in runs and not prefixes.has(p):
         runs.append((p, exact_feats))
-    count = runner.precompile(m, runs, opts.precompile_workers, clock.say)
+    runs += [r for r in verdict_free if r not in runs]
+    count = runner.precompile(m, runs, opts.precompile_workers, clock.say, pinned=verdict_pinned,
+                              scored=verdict_scored)
     results.invocations[-1]["precompile"] = dict(programs=count, wall_s=runner.now() - t0,
                                                  workers=opts.precompile_workers)
     save()
@@ -346,6 +377,14 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
   floors_tried: set[int] = set()  # noise floors (by parity tokens) measured or attempted in this process
   judged: set[tuple[int, str]] = set()  # (verdict tokens, config) judged or attempted in this process
   for i, (n, conf) in enumerate(todo):
+    if opts.stop_after_s and runner.now() - t_begin > opts.stop_after_s:
+      left = [[k, c.name] for k, c in todo[i:]]
+      results.invocations[-1]["not_started"] = left
+      save()
+      log(f"stopping: --stop_after_s={opts.stop_after_s:g} passed ({runner.now() - t_begin:.0f}s since the start); "
+          f"{len(left)} runs not started: {', '.join(f'{k}/{c}' for k, c in left)}. Run again with --append to "
+          f"continue.")
+      break
     v_tokens = min(n, opts.verdict_tokens)
     same_prefix = {c.name: c for k, c in todo if min(k, opts.verdict_tokens) == v_tokens}
     _judge(runner, m, setup, results, v_tokens, list(same_prefix.values()), fingerprint, clock, judged)

@@ -32,8 +32,10 @@ class Runner(Protocol):
     """The verdicts of `configs` on the prompt `ids`, by configuration name (an exception: why that one could not
     be judged)."""
 
-  def precompile(self, m, runs: Sequence[tuple[int, Features]], workers: int, log: Callable[[str], None]) -> int:
-    """Compiles the layer programs of `runs` (prompt length, features) into the persistent cache."""
+  def precompile(self, m, runs: Sequence[tuple[int, Features]], workers: int, log: Callable[[str], None],
+                 pinned: Sequence[tuple[int, Features]] = (), scored: Sequence[tuple[int, Features]] = ()) -> int:
+    """Compiles the layer programs of `runs` (prompt length, features), and of the verdict pass's `pinned` and
+    `scored` steps (ds4jax.prefill.precompile), into the persistent cache."""
 
   def now(self) -> float:
     """Seconds, for timing (perf_counter)."""
@@ -70,14 +72,14 @@ class ModelRunner:
     return exact | cannot | verdicts.judge(m, ids, {c.name: c.features for c in configs}, runners, log=log, only=only,
                                    end_to_end=[c.name for c in configs if not c.mutation])
 
-  def precompile(self, m, runs, workers, log) -> int:
+  def precompile(self, m, runs, workers, log, pinned=(), scored=()) -> int:
     if not jax.config.jax_compilation_cache_dir:  # a temporary directory unless the user set one
       jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="ds4jax_jit_cache_"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    log(f"precompiling the layer programs of {len(runs)} runs, {workers} at a time, into "
-        f"{jax.config.jax_compilation_cache_dir}")
-    return prefill_lib.precompile(m, runs, workers, log=log)
+    log(f"precompiling the layer programs of {len(runs)} runs and {len(pinned) + len(scored)} pinned or scored "
+        f"verdict runs, {workers} at a time, into {jax.config.jax_compilation_cache_dir}")
+    return prefill_lib.precompile(m, runs, workers, log=log, pinned=pinned, scored=scored)
 
   def now(self) -> float:
     return time.perf_counter()

@@ -44,7 +44,7 @@ class FakeRunner:
   its calls."""
 
   def __init__(self, fail=None, noise_gain=1e-3, noisy_fail=None, cost=None, judge_fail=None):
-    self.calls, self.noisy_calls, self.judged, self.compiled = [], [], [], []
+    self.calls, self.noisy_calls, self.judged, self.compiled, self.compiled_verdicts = [], [], [], [], []
     self.fail = fail  # (features, n_tokens) -> exception to raise, or None
     self.noise_gain = noise_gain  # how far the logits move under one f32 rounding of the input (the noise floor)
     self.noisy_fail = noisy_fail  # exception for the perturbed (noise floor) run, or None
@@ -97,9 +97,10 @@ class FakeRunner:
       out[c.name] = verdicts.Judgement(layers, tf)
     return out
 
-  def precompile(self, m, runs, workers, log):
+  def precompile(self, m, runs, workers, log, pinned=(), scored=()):
     self.compiled.append(list(runs))
-    return len(runs)
+    self.compiled_verdicts.append((list(pinned), list(scored)))
+    return len(runs) + len(pinned) + len(scored)
 
 
 def options(tmp_path, **kw) -> q.Options:
@@ -427,6 +428,40 @@ def test_too_slow_configuration_keeps_its_cold_run_and_parity(tmp_path, tiny_mod
   assert all(r.status == "ok" for r in third.records) and len(third.records) == 7
 
 
+def test_precompile_covers_the_verdict_pass_once(tmp_path, tiny_model):
+  """The verdict pass's pinned and scored steps are precompiled with the timed runs, once: not when the verdicts
+  are on file."""
+  fake = FakeRunner()
+  opts = options(tmp_path, lengths=(16, 32), verdict_tokens=16, precompile_workers=2, mutations=("dropped_sink",),
+                 configs=("all_on", "kill_moe_fused_combine", "all_off"), features=ON | {"bf16_matmul": True})
+  doc, _ = run(opts, tiny_model, fake)
+  confs = {r.config: r.features for r in doc.records}
+  feats = {name: features.Features(**f) for name, f in confs.items()}
+  bf16_reference = dataclasses.replace(EXACT, bf16_matmul=True)
+  (pinned, scored), = fake.compiled_verdicts
+  assert scored == [(16, EXACT)]
+  assert pinned == [(16, feats["all_on"]), (16, feats["kill_moe_fused_combine"]), (16, bf16_reference), (16, EXACT)]
+  assert {(16, feats["all_on"]), (16, feats["kill_moe_fused_combine"]), (16, EXACT)} <= set(fake.compiled[0])
+  fake.compiled_verdicts.clear()
+  run(dataclasses.replace(opts, lengths=(48,), append=True), tiny_model, fake)  # judged on the same 16 tokens
+  assert fake.compiled_verdicts == [([], [])]
+
+
+def test_stop_after_s_ends_a_bounded_call_that_append_continues(tmp_path, tiny_model):
+  fake = FakeRunner(cost=lambda f, n: 1.0)  # virtual seconds per prefill
+  opts = options(tmp_path, configs=("all_on", "kill_moe_fused_combine", "all_off"), stop_after_s=3.5)
+  doc, lines = run(opts, tiny_model, fake)
+  assert [r.config for r in doc.records] == ["all_off"]  # its cold run, 1 warm-up and 2 timed runs: 4 s
+  left = [[32, "all_on"], [32, "kill_moe_fused_combine"]]
+  assert doc.invocations[-1]["not_started"] == left
+  assert any(s.startswith("stopping: --stop_after_s=3.5 passed") and "32/all_on" in s for s in lines)
+  again, _ = run(dataclasses.replace(opts, stop_after_s=0, append=True), tiny_model, fake)
+  assert again.invocations[-1]["plan"] == left and "not_started" not in again.invocations[-1]
+  assert sorted(r.config for r in again.records) == ["all_off", "all_on", "kill_moe_fused_combine"]
+  with pytest.raises(q.StartupError, match="stop_after_s"):
+    q.options.validate(dataclasses.replace(opts, stop_after_s=-1))
+
+
 def test_too_slow_at_a_short_length_is_not_run_at_a_longer_one(tmp_path, tiny_model):
   fake = slow_runner()
   opts = dict(lengths=(16, 32), configs=("all_on", "kill_moe_compact_queue", "all_off"), parity_prefix_tokens=8,
@@ -622,8 +657,9 @@ def test_real_prefill_end_to_end(tmp_path):
   doc = q.run(opts, log=lambda s: None)
   recs = by_key(doc)
   # tiny_window has one layer type; kill_moe_compact_queue runs the exact path's program (all switches off, and
-  # at 20 tokens the band/chunk knobs change nothing), so 3 configurations need 2 programs.
-  assert doc.invocations[-1]["precompile"]["programs"] == 2
+  # at 20 tokens the band/chunk knobs change nothing), so 3 configurations need 2 programs, and their verdicts 3
+  # more: all_on and the exact path pinned, and the exact path recording its scores.
+  assert doc.invocations[-1]["precompile"]["programs"] == 5
   assert all(r.timing.cold_loads_precompiled for r in recs.values())
   assert sorted(recs) == [(20, "all_off"), (20, "all_on"), (20, "kill_moe_compact_queue")]
   assert all(r.status == "ok" and r.result == q.PASS for r in recs.values())
