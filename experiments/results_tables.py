@@ -47,6 +47,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "parity_by_switch": ("variants",),
     "per_layer_parity": ("layers", "noise_floor"),
     "trace_prefill": ("runs", "kernels"),
+    "gfx1151_model": ("predictions", "classes"),
 }
 
 
@@ -90,6 +91,8 @@ def kind_of(doc: Any, path: str = "<document>") -> str:
     if doc["check"] == "lowering_gfx1151":
       return "lowering_gfx1151"
     raise ValueError(f"{path}: check {doc['check']!r} is not one this loader reads (expected 'lowering_gfx1151')")
+  if doc.get("model") == "gfx1151_prefill_performance":
+    return "gfx1151_model"
   by_keys = [("band_sweep", ("what", "records")), ("trace_prefill", ("what", "variants", "runs")),
              ("bench_decode", ("weights", "repeats")), ("init_stats", ("update_over_stream", "entropy")),
              ("layer_verdicts", ("bounds", "configuration", "mutations")), ("per_layer_parity", ("per_layer",)),
@@ -366,11 +369,29 @@ def _trace_prefill(path: str, doc: dict):
                     kernels=pd.DataFrame(kernels, columns=["tokens", "variant", "kernel", "ms", "count", "share"]))
 
 
+def _gfx1151_model(path: str, doc: dict):
+  """Predicted gfx1151 prefill per (length, scenario), and per kernel class (experiments/gfx1151_model.py)."""
+  predictions, classes = [], []
+  for e in doc["lengths"]:
+    upstream = (e.get("upstream") or {}).get("tok_s")
+    for s, tok_s in e["tok_s"].items():
+      predictions.append(dict(tokens=e["tokens"], scenario=s, tok_s=tok_s, total_s=e["total_s"][s],
+                              bound=e["bound"][s], upstream_tok_s=upstream))
+      classes += [dict(tokens=e["tokens"], scenario=s, kernel_class=r["class"], gfx1151_ms=r["gfx1151_ms"][s],
+                       gfx1151_roof=r["gfx1151_roof"], flops=r["flops"], bytes=r["bytes_gfx1151"],
+                       h200_ms=r["h200_ms"], h200_roofline_fraction=r["h200_roofline_fraction"])
+                  for r in e["classes"]]
+  meta = dict(date=doc["date"], what=doc["what"], preset=doc["preset"], quant_policy=doc["quant_policy"],
+              scenarios=doc["scenarios"], devices=doc["devices"])
+  return meta, dict(predictions=pd.DataFrame(predictions), classes=pd.DataFrame(classes))
+
+
 _READERS: dict[str, Callable[[str, dict], tuple[dict, dict[str, pd.DataFrame]]]] = {
     "qualification": _qualification, "band_sweep": _band_sweep, "bench_moe": _bench_moe,
     "bench_attention": _bench_attention, "bench_decode": _bench_decode, "bench_reference": _bench_reference,
     "lowering_gfx1151": _lowering, "init_stats": _init_stats, "layer_verdicts": _layer_verdicts,
-    "parity_by_switch": _parity_by_switch, "per_layer_parity": _per_layer_parity, "trace_prefill": _trace_prefill}
+    "parity_by_switch": _parity_by_switch, "per_layer_parity": _per_layer_parity, "trace_prefill": _trace_prefill,
+    "gfx1151_model": _gfx1151_model}
 assert set(_READERS) == set(KINDS)
 
 
