@@ -133,19 +133,32 @@ REFERENCE = Features()  # everything off: the exact path
 DEVICE_CLASSES = ("gfx1151", "rdna35_other", "rocm_other", "sm_90", "cpu_interpret")
 
 
+# How far a switch's path is qualified on a device class. Only `ran` has recorded parity and timing on that hardware;
+# `lowered` means every kernel it selects passes the offline lowering and compile check for the device (no spills,
+# LDS within budget, WMMA for the dots: docs/lowering.md), so it may be run, but a run is a first run, not a
+# qualified one. Start-up prints the state of every switch in use and the results record it.
+UNSUPPORTED, LOWERED, RAN = "unsupported", "lowered", "ran"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Capability:
-  supported: bool
+  state: str      # UNSUPPORTED | LOWERED | RAN
   default: bool
 
+  @property
+  def supported(self) -> bool:
+    return self.state != UNSUPPORTED
 
-def _row(supported: set[str], default_on: set[str]) -> dict[str, Capability]:
-  assert default_on <= supported, default_on - supported
-  return {s: Capability(s in supported, s in default_on) for s in SWITCHES}
+
+def _row(ran: set[str], default_on: set[str], lowered: set[str] = frozenset()) -> dict[str, Capability]:
+  assert default_on <= ran | lowered and not ran & lowered, (default_on - ran - lowered, ran & lowered)
+  state = lambda s: RAN if s in ran else LOWERED if s in lowered else UNSUPPORTED
+  return {s: Capability(state(s), s in default_on) for s in SWITCHES}
 
 
-# Only what works is advertised: every switch marked supported here is exercised by a test on that
-# device class (interpret mode for the CPU, a GPU run for sm_90, the offline lowering check for gfx1151).
+# Only what works is advertised: every switch marked ran here is exercised by a test on that device class
+# (interpret mode for the CPU, a GPU run for sm_90); every switch marked lowered passes the offline lowering check
+# for it (tests/kernels_pallas/test_lowering_gfx1151.py, tests/test_features.py).
 # A gfx1151-only default is keyed to "gfx1151", never to all RDNA3.5 (upstream review item 6).
 _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent", "moe_fused_combine"}
 _ATTENTION = {"indexer_score_kernel", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
@@ -154,9 +167,16 @@ _MOE_RAN_ON_H200 = _MOE | _ATTENTION  # bf16 and quantized (in-kernel dequantiza
 _PRECISION = {"bf16_matmul"}
 _SCHEDULE = {"prefill_weights_stationary"}  # the order of the layer steps only: no kernel of its own
 CAPABILITIES: dict[str, dict[str, Capability]] = {
-    # gfx1151: the ROCm configs pass the offline lowering check with bf16 operands (what bf16_matmul feeds them),
-    # but nothing has run on the hardware, so nothing is advertised yet.
-    "gfx1151": _row(set(), set()),
+    # gfx1151: every kernel config lowers and compiles for it offline with bf16 operands (what bf16_matmul feeds
+    # them), spill-free and within LDS; nothing has run on the hardware. Defaults: upstream's gfx1151 sparse-prefill
+    # set as #685 qualified it (docs/upstream.md §1): bf16 operands, the fused MIX gate/up (MMQ), adaptive tiles,
+    # the persistent compact queue, fused combine, the indexer kernel, streaming MLA with f32 stage and fast exp,
+    # the direct top-k handoff; 8192-token bands and chunks (the knobs' defaults). Weights stationary is ds4jax's
+    # own and gains little where the gate/up reads quantized tiles directly, so it stays off. XLA's own ROCm
+    # pipeline (deviceless, docs/lowering.md §5) spills one VGPR in the V4-Flash CSA fast-exp MLA kernel that the
+    # gating Triton check compiles at 255 VGPRs without spills: recorded, not gating.
+    "gfx1151": _row(set(), (_MOE | _ATTENTION | _PRECISION),
+                    lowered=_MOE | _ATTENTION | _PRECISION | _SCHEDULE),
     "rdna35_other": _row(set(), set()),
     "rocm_other": _row(set(), set()),
     # Defaults: persistent is experimental (as upstream); the fused quantized gate/up is slower than
@@ -171,6 +191,24 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # Interpret mode is for parity, not speed, so the exact path is the default.
     "cpu_interpret": _row(_MOE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
 }
+
+
+def switch_states(features: Features) -> dict[str, str]:
+  """The capability state (ran / lowered) of every switch `features` turns on, on its device class."""
+  row = CAPABILITIES[features.device_class]
+  return {s: row[s].state for s in features.on()}
+
+
+def describe_states(features: Features) -> str:
+  """One start-up line: which switches in use ran on this device class and which are only lowered for it."""
+  states = switch_states(features)
+  ran = [s for s, st in states.items() if st == RAN]
+  lowered = [s for s, st in states.items() if st == LOWERED]
+  out = f"switch states on {features.device_class}: ran {ran or 'none'}"
+  if lowered:
+    out += (f"; LOWERED ONLY (compile offline for this device, never ran on it: a first run, not a qualified one) "
+            f"{lowered}")
+  return out
 
 
 def device_class(device: jax.Device | None = None) -> str:

@@ -53,6 +53,9 @@ _ARCH = flags.DEFINE_string("arch", "gfx1151", "AMD target whose limits gate the
 _RECORD_ARCH = flags.DEFINE_list("record_arch", ["gfx1150"], "More AMD targets, recorded but not gating.")
 _ALSO_CUDA = flags.DEFINE_bool("also_cuda", True, "Also lower the CUDA config and compile it for sm_90 (recorded).")
 _TOKENS = flags.DEFINE_list("tokens", ["8192", "512"], "Prompt lengths (the adaptive row tile follows them).")
+_PERSISTENT_TOKENS = flags.DEFINE_list("persistent_tokens", ["8192"],
+                                        "Prompt lengths at which the persistent MoE grid is also checked (upstream "
+                                        "runs it from 256 tokens).")
 _KERNELS = flags.DEFINE_list("kernels", ["moe", *lowering.CASE_PACKAGES],
                               f"Kernel families to check: moe and/or {', '.join(lowering.CASE_PACKAGES)}.")
 _FORMATS = flags.DEFINE_list("formats", ["all"], "Expert weight formats: 'all', or bf16 and quantized names.")
@@ -286,6 +289,9 @@ def main(argv):
   x_dtype = _X_DTYPE.value
   moe_cases = [lowering.moe_case(f, t, p, x_dtype=x_dtype) for p in targets for t in tokens for f in fmts
                if "moe" in kinds]
+  moe_cases += [lowering.moe_case(f, int(t), p, x_dtype=x_dtype, persistent=True,
+                                  num_cores=lowering.PERSISTENT_CORES[p])
+                for p in targets for t in _PERSISTENT_TOKENS.value for f in fmts if "moe" in kinds]
   pkg_cases = [c for p in targets for c in lowering.package_cases(p, packages)]
   what = [f"{len(moe_cases)} MoE cases ({', '.join(fmts)} × {tokens} tokens)"] if moe_cases else []
   what += [f"{len(pkg_cases)} {'/'.join(packages)} cases"] if pkg_cases else []
@@ -294,7 +300,8 @@ def main(argv):
   failing = [r for r in rows if r["gating"] and r["violations"]]
   shapes = {"moe": lowering.V4_FLASH_MOE} if moe_cases else {}
   shapes |= {p: lowering.package_shapes(p) for p in packages}
-  configs = {f"moe {c.platform} {c.tokens}": dataclasses.asdict(c.config) for c in moe_cases if c.fmt == fmts[0]}
+  configs = {f"moe {c.platform} {c.tokens}{' persistent' * c.config.persistent}": dataclasses.asdict(c.config)
+             for c in moe_cases if c.fmt == fmts[0]}
   configs |= {f"{c.platform} {c.label}": c.configs() for c in pkg_cases}
   record = dict(check="lowering_gfx1151", env=run_record.environment(), triton=triton.__version__,
                 kernels=kinds, shapes=shapes, activations=x_dtype, gating_arch=arch, targets=targets,

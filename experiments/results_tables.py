@@ -42,6 +42,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "bench_decode": ("decode",),
     "bench_reference": ("runs",),
     "lowering_gfx1151": ("kernels",),
+    "compile_gfx1151": ("programs", "kernels"),
     "init_stats": ("layers", "summary"),
     "layer_verdicts": ("layers",),
     "parity_by_switch": ("variants",),
@@ -88,9 +89,10 @@ def kind_of(doc: Any, path: str = "<document>") -> str:
     raise ValueError(f"{path}: benchmark {doc['benchmark']!r} is not one this loader reads (expected one of "
                      f"{sorted(benchmarks)})")
   if "check" in doc:
-    if doc["check"] == "lowering_gfx1151":
-      return "lowering_gfx1151"
-    raise ValueError(f"{path}: check {doc['check']!r} is not one this loader reads (expected 'lowering_gfx1151')")
+    if doc["check"] in ("lowering_gfx1151", "compile_gfx1151"):
+      return doc["check"]
+    raise ValueError(f"{path}: check {doc['check']!r} is not one this loader reads (expected 'lowering_gfx1151' "
+                     "or 'compile_gfx1151')")
   if doc.get("model") == "gfx1151_prefill_performance":
     return "gfx1151_model"
   by_keys = [("band_sweep", ("what", "records")), ("trace_prefill", ("what", "variants", "runs")),
@@ -310,6 +312,22 @@ def _lowering(path: str, doc: dict):
   return meta, dict(kernels=pd.DataFrame(rows))
 
 
+def _compile(path: str, doc: dict):
+  """Whole programs compiled by XLA's ROCm compiler without a device (experiments/compile_gfx1151.py): one row per
+  program, and one per kernel it launches."""
+  programs, kernels = [], []
+  for p in doc["programs"]:
+    ks = p.get("kernels") or []
+    programs.append(dict(program=p["label"], compile_s=p.get("compile_s"), pallas_calls=p.get("pallas_calls"),
+                         launches=p.get("launches"), kernels=len(ks), code_bytes=sum(k["code_bytes"] for k in ks),
+                         max_vgpr=max((k["vgpr"] for k in ks), default=None),
+                         max_lds=max((k["lds"] for k in ks), default=None),
+                         vgpr_spills=sum(k["vgpr_spills"] for k in ks)))
+    kernels += [dict(program=p["label"], **{k: v for k, v in kern.items() if k != "grid"}) for kern in ks]
+  meta = dict(env=doc["env"], target_config=doc.get("target_config"))
+  return meta, dict(programs=pd.DataFrame(programs), kernels=pd.DataFrame(kernels))
+
+
 # ---- model statistics and verdicts outside the qualification ----
 ENV_KEYS = ("date", "device_kind", "platform", "device_count", "jax", "jaxlib", "python", "host", "git_commit",
             "git_dirty")
@@ -389,7 +407,7 @@ def _gfx1151_model(path: str, doc: dict):
 _READERS: dict[str, Callable[[str, dict], tuple[dict, dict[str, pd.DataFrame]]]] = {
     "qualification": _qualification, "band_sweep": _band_sweep, "bench_moe": _bench_moe,
     "bench_attention": _bench_attention, "bench_decode": _bench_decode, "bench_reference": _bench_reference,
-    "lowering_gfx1151": _lowering, "init_stats": _init_stats, "layer_verdicts": _layer_verdicts,
+    "lowering_gfx1151": _lowering, "compile_gfx1151": _compile, "init_stats": _init_stats, "layer_verdicts": _layer_verdicts,
     "parity_by_switch": _parity_by_switch, "per_layer_parity": _per_layer_parity, "trace_prefill": _trace_prefill,
     "gfx1151_model": _gfx1151_model}
 assert set(_READERS) == set(KINDS)

@@ -23,6 +23,7 @@ import numpy as np
 from absl import app, flags
 
 from ds4jax import config as config_lib
+from ds4jax import features as features_lib
 from ds4jax import model as model_lib
 from ds4jax import prefill
 from ds4jax.quant import policy as quant_policy
@@ -58,7 +59,9 @@ def main(argv):
     variants[f"without_{switch}"] = matrix.without(features, switch)
   record = dict(run_record.environment(), what="prefill device time by kernel (experiments/trace_prefill.py)",
                 preset=cfg.name, quant_policy=fv.quant_policy,
-                variants={name: f.on() for name, f in variants.items()}, runs=[])
+                variants={name: f.on() for name, f in variants.items()},
+                switch_states={name: features_lib.switch_states(f) for name, f in variants.items()}, runs=[])
+  print(features_lib.describe_states(features), flush=True)
   t0 = time.perf_counter()
   m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(fv.quant_policy))
   jax.block_until_ready(jax.tree.leaves(m))

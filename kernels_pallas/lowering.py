@@ -21,6 +21,10 @@ The recipe (docs/lowering.md §3):
   6. `check` applies the limits Triton does not enforce at compile time: LDS ≤ 64 KiB per workgroup on gfx11, no
      VGPR spills, no scratch.
 
+Also here: `code_object_kernels` reads a code object's per-kernel resources (for XLA's output too,
+experiments/compile_gfx1151.py, docs/lowering.md §5), and `contractions` / `unsafe_contractions` / `fma_instructions`
+check that FMA fusion cannot change the in-kernel decode (`decode_case`; docs/lowering.md §6).
+
 ds4jax's shipped kernels: `moe_case` (grouped MoE at V4-Flash shapes, any weight format) and `package_cases`
 (the indexer and sparse MLA kernels, from each package's `lowering_cases(platform)`: (label, fn, args) with the
 shipped `Config.default(..., platform=...)`); `lower_case` / `kernel_config` lower and describe the latter.
@@ -37,8 +41,10 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import re
+import struct
 import subprocess
 import tempfile
 import time
@@ -50,7 +56,7 @@ import jax.numpy as jnp
 
 from ds4jax.quant import formats
 from kernels_pallas.moe import Config, moe
-from kernels_pallas.moe.quantized_weights import QuantizedExpertWeights
+from kernels_pallas.moe.quantized_weights import QuantizedExpertWeights, dequantize_tiles
 
 TRITON_VERSION = "3.9.0"
 INSTALL_HINT = "pip install -e '.[lowering]'  (installs triton==3.9.0)"
@@ -209,7 +215,7 @@ def compile_hip(ttir: str, arch: str = "gfx1151", num_warps: int = 4, num_stages
                 keep_asm: bool = False) -> dict:
   """Compiles tt-dialect text to an AMD code object with triton's HIP backend (wave32 on gfx ≥ 10) and returns
   lds_bytes, vgpr, sgpr, vgpr_spills, sgpr_spills, scratch_bytes, occupancy (waves/SIMD), wmma (count of v_wmma
-  instructions), compile_s (+ "amdgcn" when keep_asm)."""
+  instructions), compile_s (+ "amdgcn", "llir" and the code object "hsaco" when keep_asm)."""
   _triton()
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
 
@@ -225,15 +231,27 @@ def compile_hip(ttir: str, arch: str = "gfx1151", num_warps: int = 4, num_stages
                wmma=len(re.findall(r"^\s*v_wmma_", asm, re.M)), hsaco_bytes=len(out["hsaco"]),
                compile_s=round(secs, 3))
   if keep_asm:
-    stats["amdgcn"] = asm
+    stats.update(amdgcn=asm, llir=out["llir"], hsaco=out["hsaco"])
   return stats
+
+
+def llvm_ir(ttir: str, target: str = "gfx1151", num_warps: int = 4, num_stages: int = 1) -> str:
+  """The LLVM module (Triton's `llir` stage, after its O3 pipeline) that the backend turns into code for `target`
+  ("gfx…" or "sm_<cap>"): where FMA contraction candidates are visible before instruction selection fuses them."""
+  _triton()
+  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+
+  gpu = GPUTarget("cuda", int(target[3:]), 32) if target.startswith("sm_") else GPUTarget(
+      "hip", target, 64 if target.startswith("gfx9") else 32)
+  out, _, _ = _run_stages(ttir, gpu, dict(num_warps=num_warps, num_stages=num_stages), stop_after="llir")
+  return out["llir"]
 
 
 def compile_cuda(ttir: str, capability: int = 90, num_warps: int = 4, num_stages: int = 3, *,
                  keep_asm: bool = False) -> dict:
   """Compiles tt-dialect text to PTX with triton's CUDA backend and runs the wheel's `ptxas -v` for sm_<cap>(a).
   Returns smem_bytes, registers, spill_stores/spill_loads (bytes), stack_bytes, mma (count of mma/wgmma
-  instructions in the PTX), compile_s (+ "ptx" when keep_asm)."""
+  instructions in the PTX), compile_s (+ "ptx" and "llir" when keep_asm)."""
   _triton()
   # pylint: disable=import-outside-toplevel
   from triton.backends.compiler import GPUTarget
@@ -261,7 +279,7 @@ def compile_cuda(ttir: str, capability: int = 90, num_warps: int = 4, num_stages
                mma=len(re.findall(r"^\s*(?:wgmma\.mma_async|mma\.sync)", ptx, re.M)),
                compile_s=round(secs + time.perf_counter() - t0, 3))
   if keep_asm:
-    stats["ptx"] = ptx
+    stats.update(ptx=ptx, llir=out["llir"])
   return stats
 
 
@@ -406,6 +424,9 @@ def kernel_config(kernel: TritonKernel) -> str:
 
 # V4-Flash routed experts (ds4jax.config.v4_flash): hidden 4096, expert intermediate 2048, 256 experts, top-6.
 V4_FLASH_MOE = dict(hidden=4096, intermediate=2048, num_experts=256, top_k=6)
+# Cores that size the persistent MoE grid offline (on a device, its own core_count): gfx1151's Radeon 8060S has 40
+# CUs, the H200 132 SMs.
+PERSISTENT_CORES = {"rocm": 40, "cuda": 132}
 
 
 class Case(NamedTuple):
@@ -446,7 +467,7 @@ def moe_case(fmt: str = "bf16", tokens: int = 8192, platform: str = "rocm", *, c
 
   args = (sds((S, D), x_dtype), sds((S, K), jnp.float32), sds((S, K), jnp.int32), w13, w2, w13,
           sds((S, D), jnp.float32))
-  return Case(f"moe {fmt} {S} tok", fmt, S, platform, config, fn, args)
+  return Case(f"moe {fmt} {S} tok" + (" persistent" if config.persistent else ""), fmt, S, platform, config, fn, args)
 
 
 def moe_kernel_config(kernel_name: str, config, tokens: int, shapes: dict | None = None) -> str:
@@ -462,3 +483,354 @@ def moe_kernel_config(kernel_name: str, config, tokens: int, shapes: dict | None
   if "combine" in kernel_name:
     return f"t{config.combine_block_t} d{config.combine_block_d} w{config.num_warps} s1"
   return f"w{config.num_warps} s{config.num_stages}"
+
+
+# ---- code objects: what a compiled AMD kernel needs ---------------------------------------------------------------
+
+def _elf_sections(data: bytes) -> dict[str, tuple[int, int]]:
+  """{section name: (file offset, size)} of a little-endian ELF64 file."""
+  if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+    raise ValueError("not a little-endian ELF64 code object")
+  shoff, = struct.unpack_from("<Q", data, 0x28)
+  entsize, count, names = struct.unpack_from("<HHH", data, 0x3A)
+  headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * entsize) for i in range(count)]
+  table = headers[names][4]
+  name = lambda off: data[table + off:data.index(b"\0", table + off)].decode()
+  return {name(h[0]): (h[4], h[5]) for h in headers}
+
+
+def _amdgpu_metadata(data: bytes, note: tuple[int, int]) -> dict:
+  """The msgpack map of the NT_AMDGPU_METADATA (type 32) note: per-kernel resource usage, as the loader reads it."""
+  import msgpack  # pylint: disable=import-outside-toplevel  (a flax dependency; only code-object readers need it)
+
+  pos, end = note[0], note[0] + note[1]
+  while pos < end:
+    name_size, desc_size, kind = struct.unpack_from("<III", data, pos)
+    desc = pos + 12 + ((name_size + 3) & ~3)
+    if kind == 32:
+      return msgpack.unpackb(data[desc:desc + desc_size], strict_map_key=False)
+    pos = desc + ((desc_size + 3) & ~3)
+  raise ValueError("code object has no AMDGPU metadata note")
+
+
+def _function_sizes(data: bytes, sections: dict) -> dict[str, int]:
+  """{function symbol: bytes of machine code} from .symtab (Elf64_Sym: name, info, other, shndx, value, size)."""
+  (symtab, size), (strtab, _) = sections[".symtab"], sections[".strtab"]
+  out = {}
+  for pos in range(symtab, symtab + size, 24):
+    name, info, _, _, _, nbytes = struct.unpack_from("<IBBHQQ", data, pos)
+    if info & 0xF == 2:  # STT_FUNC
+      out[data[strtab + name:data.index(b"\0", strtab + name)].decode()] = nbytes
+  return out
+
+
+def code_object_kernels(hsaco: bytes) -> list[dict]:
+  """The kernels of an AMD code object (HSACO) with what the loader sees: name, arch, vgpr, sgpr, vgpr_spills,
+  sgpr_spills, static LDS (`.group_segment_fixed_size`; Triton's LDS is dynamic, given at launch), scratch
+  (`.private_segment_fixed_size`), workgroup (max flat size), wavefront and code_bytes (the kernel's .text symbol).
+  Works on any compiler's output (triton's here, XLA's in experiments/compile_gfx1151.py)."""
+  sections = _elf_sections(hsaco)
+  meta = _amdgpu_metadata(hsaco, sections[".note"])
+  sizes = _function_sizes(hsaco, sections)
+  arch = str(meta.get("amdhsa.target", "")).rsplit("-", 1)[-1]
+  return [dict(name=k[".name"], arch=arch, vgpr=k[".vgpr_count"], sgpr=k[".sgpr_count"],
+               vgpr_spills=k.get(".vgpr_spill_count", 0), sgpr_spills=k.get(".sgpr_spill_count", 0),
+               lds_static=k[".group_segment_fixed_size"], scratch_bytes=k[".private_segment_fixed_size"],
+               workgroup=k[".max_flat_workgroup_size"], wavefront=k[".wavefront_size"],
+               code_bytes=sizes.get(k[".name"], 0))
+          for k in meta["amdhsa.kernels"]]
+
+
+# ---- FMA contraction of the in-kernel decode (docs/lowering.md §6) -----------------------------------------------
+
+# With fp fusion on (TRITON_DEFAULT_FP_FUSION=1; ptxas --fmad=true), the backends may fuse an fmul whose result
+# feeds an fadd/fsub into one FMA: round(a·b + c) instead of round(round(a·b) + c). The two differ only when a·b is
+# not exactly representable, so a contraction is harmless exactly when its product is exact. `contractions` finds
+# every such candidate in the LLVM IR a kernel is compiled from and proves exactness where it can, from a bound on
+# each value's significand and binary exponent; what it cannot prove is reported as unsafe.
+
+FMA_INSTRUCTIONS = re.compile(r"^\s*(v_fma\w*|v_fmac\w*|v_mad\w*|v_pk_fma\w*|v_dual_fmac\w*|fma\.rn\.f32|"
+                              r"fma\.rn\.ftz\.f32)\b", re.M)
+# float32: smallest subnormal 2^-149, values below 2^128, 24-bit significand
+_F32_MIN_EXP, _F32_MAX_EXP, _F32_BITS = -149, 127, 24
+
+
+class Sig(NamedTuple):
+  """Every value is 0 or ±m·2^e with an integer m < 2^bits and e in [lo, hi]."""
+  bits: int
+  lo: int
+  hi: int
+
+  def exact(self) -> bool:
+    return self.bits <= _F32_BITS and self.lo >= _F32_MIN_EXP and self.hi + self.bits <= _F32_MAX_EXP + 1
+
+
+_ANY = Sig(_F32_BITS, _F32_MIN_EXP, _F32_MAX_EXP - _F32_BITS + 1)  # any finite float32
+_FORMAT_SIG = {"half": Sig(11, -24, 5), "bfloat": Sig(8, -133, 120), "float": _ANY}
+
+
+class Contraction(NamedTuple):
+  """An fmul feeding an fadd/fsub (or an explicit llvm.fma / llvm.fmuladd): the backend may fuse it."""
+  product: str         # the fmul (or fma call) instruction
+  use: str             # the fadd/fsub that consumes it
+  sig: Sig             # bound on the exact product
+  exact: bool          # exact product: fusing it cannot change any result
+
+
+def _union(sigs) -> Sig:
+  sigs = [s for s in sigs if s is not None]
+  if not sigs:
+    return _ANY
+  return Sig(max(s.bits for s in sigs), min(s.lo for s in sigs), max(s.hi for s in sigs))
+
+
+def _product(a: Sig, b: Sig) -> Sig:
+  # A power of two (one significant bit) leaves the other significand as it is.
+  bits = max(a.bits, b.bits) if min(a.bits, b.bits) <= 1 else a.bits + b.bits
+  return Sig(bits, a.lo + b.lo, a.hi + b.hi)
+
+
+def _rounded(s: Sig) -> Sig:
+  """What an operation whose exact result is `s` yields after rounding to float32."""
+  if s.exact():
+    return s
+  lo = max(s.lo, _F32_MIN_EXP)
+  return Sig(min(s.bits, _F32_BITS), lo, max(lo, min(s.hi + max(s.bits - _F32_BITS, 0), _ANY.hi)))
+
+
+def _sum(a: Sig, b: Sig) -> Sig:
+  lo = min(a.lo, b.lo)
+  return Sig(max(a.hi + a.bits, b.hi + b.bits) - lo + 1, lo, lo)
+
+
+def _float_sig(x: float) -> Sig | None:
+  if x != x or x in (float("inf"), float("-inf")):
+    return None
+  if x == 0:
+    return Sig(0, 0, 0)
+  m, e = math.frexp(abs(x))  # x = m · 2^e, 0.5 ≤ m < 1
+  m, e = int(m * 2**53), e - 53
+  while m % 2 == 0:
+    m, e = m // 2, e + 1
+  return Sig(m.bit_length(), e, e)
+
+
+_LLVM_FLOAT = re.compile(r"(?:float|half|bfloat|double)\s+(0x[0-9A-Fa-f]{16}|[-+]?[\d.]+(?:e[-+]?\d+)?)")
+_INT_CONST = re.compile(r"^(?:splat \()?(?:i\d+ )?(-?\d+)\)?$")
+
+
+def _parse_float(tok: str) -> float:
+  if tok.startswith("0x"):
+    return struct.unpack(">d", bytes.fromhex(tok[2:]))[0]
+  return float(tok)
+
+
+def _constant_sig(operand: str) -> Sig | None:
+  """Sig of a float constant operand (scalar, splat, vector, zeroinitializer), None if it is not one."""
+  op = operand.strip()
+  if op == "zeroinitializer":
+    return Sig(0, 0, 0)
+  if op in ("poison", "undef"):
+    return Sig(0, 0, 0)
+  if op.startswith("%"):
+    return None
+  values = [_parse_float(t) for t in _LLVM_FLOAT.findall(op)]
+  if not values and re.fullmatch(r"0x[0-9A-Fa-f]{16}|[-+]?[\d.]+(?:e[-+]?\d+)?", op):
+    values = [_parse_float(op)]
+  sigs = [_float_sig(v) for v in values]
+  return _union(sigs) if values and None not in sigs else (_ANY if values else None)
+
+
+def _split_operands(text: str) -> list[str]:
+  """Top-level comma split of an instruction's operand text, metadata (`!dbg`) dropped."""
+  text = re.sub(r",\s*!\w+\s+!\d+", "", text)
+  out, depth, cur = [], 0, ""
+  for ch in text:
+    depth += ch in "(<[{"
+    depth -= ch in ")>]}"
+    if ch == "," and depth == 0:
+      out.append(cur.strip())
+      cur = ""
+    else:
+      cur += ch
+  return out + [cur.strip()] if cur.strip() else out
+
+
+_INSTR = re.compile(r"^\s*(%[\w.]+) = (\w+)\s+(.*)$")
+_FLAGS = {"nnan", "ninf", "nsz", "arcp", "contract", "afn", "reassoc", "fast", "nneg", "nuw", "nsw", "exact",
+          "disjoint", "tail", "musttail", "notail"}
+_FLOAT_TYPE = re.compile(r"^(?:<\d+ x )?(float|half|bfloat|double)>?")
+_INT_TYPE = re.compile(r"^(?:<\d+ x )?i(\d+)>?")
+
+
+def _strip_type(rest: str) -> tuple[str, str]:
+  """'nnan <4 x float> %a, %b' → ('<4 x float>', '%a, %b')."""
+  words = rest.split(" ")
+  while words and words[0] in _FLAGS:
+    words.pop(0)
+  rest = " ".join(words)
+  m = re.match(r"(<\d+ x [\w]+>|[\w]+)\s+(.*)$", rest)
+  return (m.group(1), m.group(2)) if m else ("", rest)
+
+
+def _int_bits(operand: str, ints: dict[str, int], width: int) -> int:
+  operand = operand.strip()
+  if operand in ints:
+    return ints[operand]
+  m = _INT_CONST.match(operand.split(" ", 1)[-1] if operand.startswith("i") else operand)
+  if m:
+    v = int(m.group(1))
+    return v.bit_length() if v >= 0 else width
+  consts = [int(c) for c in re.findall(r"i\d+ (-?\d+)", operand)]
+  if consts and not operand.startswith("%"):
+    return max(c.bit_length() if c >= 0 else width for c in consts)
+  return width
+
+
+def _int_step(op: str, ty: str, args: list[str], ints: dict[str, int]) -> int:
+  """A bound on the bit length of an integer result (unsigned view), from masks, shifts and conversions."""
+  width = int(_INT_TYPE.match(ty).group(1)) if _INT_TYPE.match(ty) else 64
+  bits = [_int_bits(a, ints, width) for a in args[:2]]
+  if op == "and":
+    return min(bits)
+  if op in ("or", "xor"):
+    return max(bits)
+  if op == "lshr" and not args[1].startswith("%"):
+    return max(bits[0] - min(int(c) for c in re.findall(r"-?\d+", args[1].split("(")[-1]) or ["0"]), 0)
+  if op == "shl":
+    return min(width, bits[0] + (bits[1] if args[1].startswith("%") else
+                                 max(int(c) for c in re.findall(r"-?\d+", args[1].split("(")[-1]) or ["0"])))
+  if op == "add":
+    return min(width, max(bits) + 1)
+  if op == "mul":
+    return min(width, sum(bits))
+  if op == "icmp":
+    return 1
+  return width
+
+
+def contractions(llir: str) -> list[Contraction]:
+  """Every multiply-add the backend may fuse in an LLVM module (Triton's `llir` stage), with a proof of exactness
+  where the significand/exponent bounds give one (see Sig). A product of small integers, or of anything by a power of
+  two in range, is exact; a product involving a loaded float, a bitcast or anything not bounded is not provable."""
+  sigs: dict[str, Sig] = {}
+  ints: dict[str, int] = {}
+  defs: dict[str, tuple[str, list[str], str]] = {}  # name → (op, operands, line) for floats
+  shl23: set[str] = set()  # integers shifted left by 23: bitcast to float, powers of two (ue8m0 / ue4m3 decode)
+  found = []
+
+  def sig_of(operand: str) -> Sig:
+    operand = operand.strip()
+    if operand.startswith("%"):
+      return sigs.get(operand, _ANY)
+    const = _constant_sig(operand.split(" ", 1)[1] if _FLOAT_TYPE.match(operand) else operand)
+    return _ANY if const is None else const
+
+  def product_of(name: str) -> tuple[str, Sig] | None:
+    """The fmul behind `name` (through fneg), as (line, exact product bound)."""
+    seen = 0
+    while name in defs and seen < 4:
+      op, args, line = defs[name]
+      if op == "fmul":
+        return line, _product(sig_of(args[0]), sig_of(args[1]))
+      if op != "fneg":
+        return None
+      name, seen = args[0], seen + 1
+    return None
+
+  for line in llir.splitlines():
+    m = _INSTR.match(line)
+    if not m:  # stores, branches, calls without a result: they feed no value
+      continue
+    name, op, rest = m.groups()
+    line = line.strip()
+    if op in ("fmul", "fadd", "fsub", "fneg"):
+      ty, operands = _strip_type(rest)
+      args = _split_operands(operands)
+      defs[name] = (op, args, line)
+      a = sig_of(args[0])
+      if op == "fneg":
+        sigs[name] = a
+      elif op == "fmul":
+        sigs[name] = _rounded(_product(a, sig_of(args[1])))
+      else:
+        for arg in args[:2]:
+          hit = product_of(arg.strip())
+          if hit:
+            found.append(Contraction(hit[0], line, hit[1], hit[1].exact()))
+        sigs[name] = _rounded(_sum(a, sig_of(args[1])))
+    elif op in ("uitofp", "sitofp"):
+      src = re.match(r"(?:nneg\s+)?(<\d+ x i\d+>|i\d+)\s+([^\s,]+)", rest)
+      width = int(_INT_TYPE.match(src.group(1)).group(1)) if src else 32
+      bits = ints.get(src.group(2), width) if src else width
+      bits += op == "sitofp"  # the sign is separate; a signed bound covers both halves
+      sigs[name] = _rounded(Sig(bits, 0, 0))
+    elif op == "fpext":
+      sigs[name] = _FORMAT_SIG.get(_FLOAT_TYPE.match(rest).group(1), _ANY) if _FLOAT_TYPE.match(rest) else _ANY
+    elif op == "bitcast":
+      src = re.match(r"(<\d+ x \w+>|\w+)\s+(%[\w.]+)", rest)
+      if src and src.group(2) in shl23:
+        sigs[name] = Sig(1, _F32_MIN_EXP, _F32_MAX_EXP)  # exponent field only: a power of two (or 0 / subnormal)
+      elif src and src.group(2) in sigs:
+        sigs[name] = sigs[src.group(2)]
+    elif op in ("select", "shufflevector", "insertelement", "extractelement", "phi"):
+      ty, operands = _strip_type(rest)
+      args = _split_operands(operands)
+      if op == "select":
+        args = args[1:]
+      elif op == "phi":
+        args = [a.strip("[ ]").split(",")[0] for a in args]
+      if _FLOAT_TYPE.search(rest.split("%", 1)[0]) or any(a.strip() in sigs for a in args):
+        sigs[name] = _union(sig_of(re.sub(r"^(<\d+ x \w+>|\w+)\s+", "", a)) for a in args
+                            if not re.match(r"^i\d+ ", a))
+      if op in ("select", "phi") and not _FLOAT_TYPE.search(ty):
+        width = int(_INT_TYPE.match(ty).group(1)) if _INT_TYPE.match(ty) else 64
+        ints[name] = max(_int_bits(re.sub(r"^(<\d+ x \w+>|\w+)\s+", "", a), ints, width) for a in args)
+    elif op == "call":
+      callee = re.search(r"@(llvm\.[\w.]+)\((.*)\)", rest)
+      if callee and callee.group(1).startswith(("llvm.fma.", "llvm.fmuladd.")):
+        args = [re.sub(r"^(<\d+ x \w+>|\w+)\s+", "", a) for a in _split_operands(callee.group(2))]
+        prod = _product(sig_of(args[0]), sig_of(args[1]))
+        found.append(Contraction(line.strip(), line.strip(), prod, prod.exact()))
+      elif callee and callee.group(1).startswith(("llvm.fabs.", "llvm.maxnum.", "llvm.minnum.", "llvm.copysign.")):
+        args = [re.sub(r"^(<\d+ x \w+>|\w+)\s+", "", a) for a in _split_operands(callee.group(2))]
+        sigs[name] = _union(sig_of(a) for a in args)
+    elif op in ("and", "or", "xor", "lshr", "shl", "add", "mul", "icmp", "zext", "trunc"):
+      ty, operands = _strip_type(rest)
+      args = _split_operands(operands)
+      if op in ("zext", "trunc"):
+        src = re.match(r"(<\d+ x i\d+>|i\d+)\s+(%[\w.]+)\s+to\s+(<\d+ x i\d+>|i\d+)", rest)
+        to = int(_INT_TYPE.match(src.group(3)).group(1)) if src else 64
+        ints[name] = min(ints.get(src.group(2), to) if src else to, to)
+        continue
+      ints[name] = _int_step(op, ty, args, ints)
+      if op == "shl" and re.fullmatch(r"(splat \(i32 23\)|23)", args[1].strip()):
+        shl23.add(name)
+  return found
+
+
+def unsafe_contractions(llir: str) -> list[Contraction]:
+  """The contraction candidates whose product is not provably exact: where FMA fusion can change a result."""
+  return [c for c in contractions(llir) if not c.exact]
+
+
+def fma_instructions(asm: str) -> dict[str, int]:
+  """Count of each fused multiply-add instruction in amdgcn or PTX text (what the backend actually fused)."""
+  counts: dict[str, int] = {}
+  for m in FMA_INSTRUCTIONS.finditer(asm):
+    counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+  return counts
+
+
+def decode_case(fmt: str, *, experts: int = 2, rows: int = 32, cols: int = 128, block_n: int = 16,
+                block_k: int = 32, num_warps: int = 1) -> tuple[Callable, tuple]:
+  """(fn, args): the MoE kernels' in-kernel decode alone (`dequantize_tiles`, the same tile loader as gate_up and
+  down) on a small `fmt` stack, f32 output: what the contraction check compiles."""
+  shape = (experts, rows, cols)
+  args = ({n: jax.ShapeDtypeStruct(sh, dt) for n, (sh, dt) in formats.get(fmt).storage(shape).items()},)
+
+  def fn(arrays):
+    w = QuantizedExpertWeights.from_storage(fmt, arrays, shape)
+    return dequantize_tiles(w, block_n=block_n, block_k=block_k, dtype=jnp.float32, num_warps=num_warps)
+
+  return fn, args

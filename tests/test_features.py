@@ -45,6 +45,57 @@ def test_gfx1151_defaults_do_not_leak_to_other_rdna35():
       assert features.resolve("rdna35_other").__getattribute__(s) is False
 
 
+def test_capability_states():
+  """gfx1151 advertises upstream's sparse-prefill set as lowered only (nothing ran there); sm_90 and the CPU ran
+  what they advertise; other RDNA3.5 and ROCm devices advertise nothing."""
+  states = lambda cls: {s: cap.state for s, cap in CAPABILITIES[cls].items()}
+  assert set(states("gfx1151").values()) == {features.LOWERED}
+  assert set(states("rdna35_other").values()) == set(states("rocm_other").values()) == {features.UNSUPPORTED}
+  assert features.RAN in set(states("sm_90").values()) and features.LOWERED not in set(states("sm_90").values())
+  g51 = features.resolve("gfx1151")
+  assert g51.on() == ["bf16_matmul", "moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent",
+                      "moe_fused_combine", "indexer_score_kernel", "direct_indexer_topk", "mla_stream_topk",
+                      "mla_stream_f32_stage", "mla_stream_fast_exp"]
+  assert (g51.long_context_chunk, g51.prefill_band_tokens) == (8192, 8192)
+  assert features.resolve("rdna35_other").on() == []
+  with pytest.raises(FeatureError, match="not supported on rdna35_other"):
+    features.resolve("rdna35_other", {"moe_sparse_gate_up": True})
+  assert features.switch_states(g51) == dict.fromkeys(g51.on(), features.LOWERED)
+  line = features.describe_states(g51)
+  assert "ran none" in line and "LOWERED ONLY" in line and "mla_stream_fast_exp" in line
+  assert "LOWERED" not in features.describe_states(features.resolve("sm_90"))
+
+
+def test_every_switch_lowered_for_gfx1151_runs_only_kernels_that_pass_the_lowering_check():
+  """The Pallas kernels that gfx1151's defaults, and the qualification's kills that change kernels, launch
+  (traced with gfx1151's configs on an abstract model) each passed the offline gfx1151 check on record
+  (experiments/results/lowering_gfx1151.json, `python -m experiments.lower_gfx1151`)."""
+  import json  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from ds4jax import config, model  # pylint: disable=import-outside-toplevel
+
+  record = json.loads((pathlib.Path(__file__).parents[1] / "experiments/results/lowering_gfx1151.json").read_text())
+  passed = {r["kernel"] for r in record["rows"] if r["target"] == "gfx1151" and not r["violations"]}
+  failed = {r["kernel"] for r in record["rows"] if r["target"] == "gfx1151" and r["violations"]}
+  m = model.abstract_model(config.tiny_sparse(hidden_size=128, moe_intermediate_size=128), policy="lucebox_mix")
+  gdef, state = nnx.split(m)
+  base = features.resolve("gfx1151")
+  launched = set()
+  # The kills that swap kernels: the compact queue (and persistent with it), the f32 stage, fast exp.
+  for f in [base] + [features.resolve("gfx1151", {s: False}) for s in ("moe_persistent", "mla_stream_fast_exp")] + [
+      features.resolve("gfx1151", {"mla_stream_f32_stage": False, "mla_stream_fast_exp": False})]:
+    calls = features.pallas_calls(lambda st, t, f=f: nnx.merge(gdef, st)(t, features=f), state,
+                                  jax.ShapeDtypeStruct((40,), jnp.int32))
+    launched |= {name for name, _ in calls}
+  assert {"moe_gate_up_persistent", "mla_stream_fast_exp", "mla_stream_topk", "indexer_scores"} <= launched
+  assert launched <= passed - failed, f"not lowered for gfx1151: {sorted(launched - (passed - failed))}"
+
+
 def test_reference_is_all_off():
   f = features.resolve("cpu_interpret", {s: False for s in SWITCHES})
   assert f.on() == [] and f.interpret

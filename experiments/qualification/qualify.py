@@ -311,6 +311,7 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None,
       f"{env['device_kind']} ({dev_cls}), jax {env['jax']}, commit {env['git_commit'][:10]}")
   log(f"all_on switches: {setup.base.on() or 'none'}; knobs: "
       + ", ".join(f"{k}={getattr(setup.base, k)}" for k in KNOBS))
+  log(features_lib.describe_states(setup.base))
   t0 = runner.now()
   m = model if model is not None else inputs.build_model(opts, cfg, log)
   log(f"weights ready ({runner.now() - t0:.1f}s); fingerprinting them")
@@ -416,7 +417,8 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
     verdict = verdict or next(v for v in reversed(results.verdicts) if v.config == conf.name
                               and v.tokens == v_tokens)
     rec = Record(config=conf.name, length=n, killed=conf.killed, also_off=conf.also_off,
-                 features=conf.features.to_dict(), switches_on=tuple(conf.features.on()), mutation=conf.mutation,
+                 features=conf.features.to_dict(), switches_on=tuple(conf.features.on()),
+                 switch_states=features_lib.switch_states(conf.features), mutation=conf.mutation,
                  prompt=dict(source=setup.source, length=n, sha256=setup.prompt_sha[n]), **common,
                  finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  wall_s=runner.now() - t_start, verdict=verdict, **result)

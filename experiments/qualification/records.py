@@ -98,6 +98,7 @@ class Record:
   killed: tuple[str, ...] = ()
   also_off: tuple[str, ...] = ()
   switches_on: tuple[str, ...] = ()
+  switch_states: dict[str, str] | None = None  # capability state of each switch on (ran / lowered: ds4jax.features)
   mutation: str | None = None
   error: str | None = None
   error_kind: str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
+from ds4jax import features as features_lib
 from ds4jax.features import KNOBS, SWITCHES
 from experiments.qualification.records import FAIL, MEASURED, PASS, Record
 
@@ -35,6 +36,7 @@ def summary_rows(results_or_records) -> list[dict[str, Any]]:
         tokens_per_s=tps, speedup_vs_all_off=tps / base[r.length] if tps and r.length in base else None,
         cold_s=t.cold_s if t else None, cold_tokens_per_s=t.cold_tokens_per_s if t else None,
         median_s=t.median_s if t else None,
+        lowered_only=sorted(k for k, st in (r.switch_states or {}).items() if st == features_lib.LOWERED),
         verdict=r.result, verdict_reasons=list(v.reasons) if v else ["no verdict: the configuration did not run"],
         verdict_tokens=v.tokens if v else None,
         worst_layer=worst.get("layer"), worst_layer_nmse=worst.get("update_nmse"), worst_layer_bound=worst.get("bound"),
@@ -116,8 +118,13 @@ def markdown_table(results) -> str:
             "| teacher-forced KL / bound | final-position KL | timing |",
             "|---:|---|---:|---:|---:|---|---:|---:|---:|---|"]
   rows = summary_rows(results)
+  lowered = sorted({s for row in rows for s in row["lowered_only"]})
+  if lowered:  # before the table header
+    lines[-2:-2] = [f"**Switches only lowered for this device, never run on it before** (marked †; a first run, "
+                    f"not a qualified one): {', '.join(lowered)}.", ""]
   for row in rows:
     name = row["config"] + (f" (also off: {', '.join(row['also_off'])})" if row["also_off"] else "")
+    name += " †" if row["lowered_only"] else ""
     verdict = row["verdict"] + (f" ({row['verdict_tokens']})" if row["verdict_tokens"] else "")
     if row["verdict"] != PASS:
       verdict += ": " + "; ".join(row["verdict_reasons"])[:160].replace("|", "/")

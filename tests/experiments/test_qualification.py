@@ -447,6 +447,21 @@ def test_precompile_covers_the_verdict_pass_once(tmp_path, tiny_model):
   assert fake.compiled_verdicts == [([], [])]
 
 
+def test_records_say_which_switches_only_lowered(tmp_path, tiny_model):
+  """On gfx1151 every switch is lowered only: start-up says so, each record keeps the states, the table marks it."""
+  opts = options(tmp_path, configs=("all_on", "kill_moe_fused_combine", "all_off"), device_class="gfx1151",
+                 features={})
+  doc, lines = run(opts, tiny_model, FakeRunner())
+  assert any(line.startswith("switch states on gfx1151: ran none; LOWERED ONLY") for line in lines)
+  recs = {r.config: r for r in doc.records}
+  assert recs["all_on"].switch_states == dict.fromkeys(recs["all_on"].switches_on, features.LOWERED)
+  assert "moe_fused_combine" not in recs["kill_moe_fused_combine"].switch_states and recs["all_off"].switch_states == {}
+  table = open(store.markdown_path(opts.out)).read()
+  assert "**Switches only lowered for this device, never run on it before**" in table
+  assert "| all_on † |" in table and "| all_off |" in table
+  assert q.load_results(opts.out).records[0].switch_states is not None  # read back from the JSON
+
+
 def test_stop_after_s_ends_a_bounded_call_that_append_continues(tmp_path, tiny_model):
   fake = FakeRunner(cost=lambda f, n: 1.0)  # virtual seconds per prefill
   opts = options(tmp_path, configs=("all_on", "kill_moe_fused_combine", "all_off"), stop_after_s=3.5)
@@ -538,7 +553,8 @@ def test_merge_results_of_side_by_side_calls(tmp_path, tiny_model):
 @pytest.mark.parametrize("kw, error, match", [
     (dict(configs=("all_on", "kill_everything")), q.StartupError, r"unknown configuration\(s\) \['kill_everything'\]"),
     (dict(features={"moe_persistent": True}), FeatureError, "--moe_persistent requires --moe_compact_queue"),
-    (dict(features={"mla_stream_topk": True}, device_class="gfx1151"), FeatureError, "not supported on gfx1151"),
+    (dict(features={"mla_stream_topk": True}, device_class="rdna35_other"), FeatureError,
+     "not supported on rdna35_other"),
     (dict(warmups=1, min_warmups=2), q.StartupError, "--warmups must be >= 2"),
     (dict(lengths=(32, 32)), q.StartupError, "more than once"),
     (dict(mutations=("dropped_sink", "dropped_sink")), q.StartupError, "more than once"),
@@ -635,6 +651,18 @@ def test_qual_cfg():
   assert len(o.mutations) >= 3
   cfg = qualify.start_up(dataclasses.replace(o, device_class="sm_90")).cfg
   assert max(o.lengths) <= cfg.max_position_embeddings
+
+
+def test_qual_gfx1151_cfg():
+  """The Strix Halo flagfile: upstream's matched lengths on the gfx1151 defaults, every switch lowered only."""
+  o = parse([f"--flagfile={REPO}/qual_gfx1151.cfg"])
+  assert (o.preset, o.quant_policy, o.lengths) == ("v4_flash", "lucebox_mix", (8192, 32768, 122879))
+  assert o.out == "experiments/results/qual_v4flash_gfx1151.json" and o.append and len(o.mutations) >= 3
+  setup = qualify.start_up(dataclasses.replace(o, device_class="gfx1151"))
+  assert setup.base == features.resolve("gfx1151") and "moe_sparse_gate_up" in setup.base.on()
+  assert set(features.switch_states(setup.base).values()) == {features.LOWERED}
+  with pytest.raises(features.FeatureError, match="not supported on rdna35_other"):
+    qualify.start_up(dataclasses.replace(o, device_class="rdna35_other", features={"moe_sparse_gate_up": True}))
 
 
 def test_smoke_cfg():

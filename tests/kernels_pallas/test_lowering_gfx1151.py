@@ -41,6 +41,7 @@ ARCH = "gfx1151"
 COMPILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gfx1151_compiles.json")
 # Two adaptive row tiles (128 rows / 16 warps and 16 rows / 8 warps): ~30 s on 2 cores with the spill-free configs.
 TOKENS = (8192, 512)
+PERSISTENT_TOKENS = (8192,)  # the persistent grid (gfx1151's default, as #685 qualified it) at one length
 # The spill limit gates what the capability table ships for gfx1151: while no MoE switch is advertised there,
 # spills are recorded, not failed. The retuned ROCm configs (2x warps, K tiles of 32) pass for every format at
 # both token counts (experiments/results/lowering_gfx1151.md).
@@ -79,18 +80,20 @@ def _moe_jobs():
   from kernels_pallas.moe import plan  # pylint: disable=import-outside-toplevel
 
   jobs, keys = [], []
-  for tokens in TOKENS:
+  for tokens, persistent in [(t, False) for t in TOKENS] + [(t, True) for t in PERSISTENT_TOKENS]:
     for fmt in FORMATS:
-      case = lowering.moe_case(fmt, tokens, "rocm")
+      case = lowering.moe_case(fmt, tokens, "rocm", **(dict(persistent=True, num_cores=lowering.PERSISTENT_CORES[
+          "rocm"]) if persistent else {}))
       kernels = lowering.lower_kernels(case.fn, case.args, "rocm")
       s = lowering.V4_FLASH_MOE
       p = plan(num_tokens=tokens, top_k=s["top_k"], num_experts=s["num_experts"], hidden=s["hidden"],
                intermediate=s["intermediate"], config=case.config)
       assert tuple(k.name for k in kernels) == p.kernels
-      assert kernels[0].grid[:2] == p.gate_up_grid and kernels[1].grid[:2] == p.down_grid
+      for k, want in zip(kernels, (p.gate_up_grid, p.down_grid)):  # the persistent grid is one-dimensional
+        assert k.grid[:len(want)] == tuple(want), (k.name, k.grid, want)
       assert (kernels[0].num_warps, kernels[0].num_stages) == (case.config.num_warps, case.config.num_stages)
       for k in kernels:
-        if fmt != "bf16" and "combine" in k.name:
+        if (fmt != "bf16" or persistent) and "combine" in k.name:
           continue  # the combine does not see the weights: compiled once per token count (bf16)
         jobs.append((k, ARCH))
         keys.append((fmt, tokens, k.name, lowering.moe_kernel_config(k.name, case.config, tokens)))
@@ -138,6 +141,8 @@ def shipped(compiled):
 
 CASES = [(f, t, k) for t in TOKENS for f in FORMATS for k in ("moe_gate_up", "moe_down", "moe_combine")
          if f == "bf16" or k != "moe_combine"]
+CASES += [(f, t, k) for t in PERSISTENT_TOKENS for f in FORMATS for k in ("moe_gate_up_persistent",
+                                                                          "moe_down_persistent")]
 
 
 @pytest.mark.parametrize("fmt,tokens,kernel", CASES, ids=[f"{k}-{f}-{t}" for f, t, k in CASES])
@@ -179,8 +184,8 @@ def test_package_cases_cover_every_kernel(compiled):
   from kernels_pallas import mla  # pylint: disable=import-outside-toplevel
 
   kernels = {k.name: k for ks in compiled["cases"].values() for k, _ in ks}
-  want = {"indexer_scores", mla.kernel_name("stream", True, True), mla.kernel_name("stream", False, False),
-          mla.kernel_name("grouped")}
+  want = {"indexer_scores", mla.kernel_name("stream", True, True), mla.kernel_name("stream", True, False),
+          mla.kernel_name("stream", False, False), mla.kernel_name("grouped")}
   assert want <= set(kernels), f"kernels not covered by lowering_cases: {sorted(want - set(kernels))}"
   assert "gpu.barrier" in kernels[mla.kernel_name("grouped")].ttir
 
@@ -198,8 +203,12 @@ def test_barrier_text_parses():
 
   (k,) = lowering.lower_kernels(fn, (jax.ShapeDtypeStruct((32,), jnp.float32),), "rocm")
   assert re.search(r"^\s*gpu\.barrier\s*$", k.ttir, re.M) and '"gpu.barrier"' not in k.ttir
-  st = lowering.compile_hip(k.ttir, ARCH, num_warps=1, num_stages=1)
+  st = lowering.compile_hip(k.ttir, ARCH, num_warps=1, num_stages=1, keep_asm=True)
   assert lowering.check(st) == [] and st["hsaco_bytes"] > 0
+  # The code-object reader (used on XLA's own output by experiments/compile_gfx1151.py) agrees with the assembly.
+  (obj,) = lowering.code_object_kernels(st["hsaco"])
+  assert (obj["name"], obj["arch"], obj["vgpr"], obj["sgpr"]) == ("barrier_probe", ARCH, st["vgpr"], st["sgpr"])
+  assert obj["code_bytes"] > 0 and obj["wavefront"] == 32 and obj["workgroup"] == 32
 
 
 # ---- the check can fail -----------------------------------------------------------------------------------------
@@ -281,3 +290,81 @@ def test_compile_cache_is_keyed_by_everything_a_compile_depends_on(tmp_path):
   (miss,) = lowering.compile_many([(kernel._replace(ttir="not a module"), ARCH)], cache=str(cache))
   assert not miss["cached"] and "error" in miss  # compiled (and failed: errors are not kept)
   assert len(json.loads(cache.read_text())) == 1
+
+
+# ---- FMA contraction of the in-kernel decode (docs/lowering.md §6) --------------------------------------------------
+
+QUANTIZED = [f for f in FORMATS if f != "bf16"]
+
+
+@pytest.mark.parametrize("fmt", [f for f in QUANTIZED if f != "rocmfp3"])  # rocmfp3: the test below, with its ISA
+def test_decode_has_no_unsafe_contraction(fmt):
+  """The MoE kernels' tile decode (`dequantize_tiles`, the loader gate_up and down use), lowered for gfx1151: every
+  multiply that feeds an add, which the backend may fuse into an FMA under fp fusion, has an exact product, so the
+  kernel's weights equal the canonical dequantization whether or not it fuses."""
+  fn, args = lowering.decode_case(fmt)
+  (k,) = lowering.lower_kernels(fn, args, "rocm")
+  sites = lowering.contractions(lowering.llvm_ir(k.ttir, ARCH, k.num_warps, k.num_stages))
+  print(f"{fmt}: {len(sites)} contraction candidates, products {sorted({c.sig for c in sites})}")
+  assert all(c.exact for c in sites), [c.product for c in sites if not c.exact][:3]
+
+
+def test_rocmfp3_decode_fma_is_exact_on_gfx1151_and_sm90():
+  """Upstream's review item: the paired ROCmFP3 helper used fmaf. Ours: the sign factor 1 − 2·s (s ∈ {0, 1}) is
+  fused into v_fma_f32 s, −2.0, 1.0 on gfx1151 (fma.rn.f32 on sm_90) by triton 3.9 with fp fusion on; its product
+  2·s is exact, so the fused and the chained form give the same bits. The sm_90 lowering is checked the same way."""
+  fn, args = lowering.decode_case("rocmfp3")
+  (k,) = lowering.lower_kernels(fn, args, "rocm")
+  st = lowering.compile_hip(k.ttir, ARCH, num_warps=k.num_warps, num_stages=k.num_stages, keep_asm=True)
+  fused = lowering.fma_instructions(st["amdgcn"])
+  sites = lowering.contractions(st["llir"])
+  print(f"rocmfp3 decode on {ARCH}: FMA instructions {fused}; candidates {len(sites)}, all exact")
+  assert sites and all(c.exact for c in sites)
+  assert all(c.sig.bits <= 1 for c in sites), "the only multiply-add should be the ±1 sign factor"
+  (kc,) = lowering.lower_kernels(fn, args, "cuda")
+  assert lowering.unsafe_contractions(lowering.llvm_ir(kc.ttir, "sm_90", kc.num_warps, kc.num_stages)) == []
+
+
+def _affine_decode_kernel(codes_ref, scale_ref, offset_ref, o_ref):
+  """A decode written the way upstream's flagged helper computes: level · scale + offset with f32 side data."""
+  level = codes_ref[...].astype(jnp.float32)
+  o_ref[...] = level * scale_ref[...] + offset_ref[...]
+
+
+def test_contraction_check_flags_an_inexact_multiply_add():
+  """The check can fail: level · scale + offset with a loaded f32 scale is fused into one FMA on gfx1151 and its
+  product is not provably exact, so it is reported; the same kernel with a power-of-two scale is not."""
+  def fn(codes, scale, offset):
+    return pl.pallas_call(_affine_decode_kernel, out_shape=jax.ShapeDtypeStruct(codes.shape, jnp.float32),
+                          name="affine_decode", compiler_params=plt.CompilerParams(num_warps=1, num_stages=1))(
+                              codes, scale, offset)
+
+  args = (jax.ShapeDtypeStruct((32,), jnp.uint8), jax.ShapeDtypeStruct((32,), jnp.float32),
+          jax.ShapeDtypeStruct((32,), jnp.float32))
+  (k,) = lowering.lower_kernels(fn, args, "rocm")
+  st = lowering.compile_hip(k.ttir, ARCH, num_warps=1, num_stages=1, keep_asm=True)
+  unsafe = lowering.unsafe_contractions(st["llir"])
+  print(f"affine decode: FMA instructions {lowering.fma_instructions(st['amdgcn'])}; unsafe: {unsafe[0].product}")
+  assert unsafe and lowering.fma_instructions(st["amdgcn"]), "the variant should be fused and flagged"
+
+
+def test_contraction_bounds():
+  """Exactness from the IR alone: a small integer times a power of two is exact; a loaded float times 0.1 is not, nor
+  times 0.5 (a subnormal loses its last bit), nor a product of two 16-bit integers (32 significant bits)."""
+  ir = """
+  %a = uitofp <4 x i1> %m to <4 x float>
+  %b = fmul nnan <4 x float> %a, splat (float 2.000000e+00)
+  %c = fsub nnan <4 x float> splat (float 1.000000e+00), %b
+  %x = load float, ptr addrspace(1) %p, align 4
+  %y = fmul float %x, 0x3FB99999A0000000
+  %z = fadd float %y, 1.000000e+00
+  %w = fmul float %x, 5.000000e-01
+  %v = fadd float %w, %x
+  %i = and i32 %r, 65535
+  %f = uitofp i32 %i to float
+  %g = fmul float %f, %f
+  %h = fadd float %g, 1.000000e+00
+  %e = call float @llvm.fma.f32(float %a1, float %x, float 1.000000e+00)
+  """
+  found = {c.use.split(" =")[0]: c.exact for c in lowering.contractions(ir)}
+  assert found == {"%c": True, "%z": False, "%v": False, "%h": False, "%e": False}
