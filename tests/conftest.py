@@ -48,6 +48,26 @@ def seed(rng):
   return int(rng.integers(0, 2**31 - 1))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+  """One persistent compilation cache for the whole run: a program one test worker compiled (or a notebook kernel
+  or an entry point started as a subprocess: they inherit the variable) loads from disk in the others. The run's
+  temp dir is fresh, so nothing carries over between runs. DS4JAX_TEST_JIT_CACHE=0 turns it off; a cache directory
+  the user set is kept."""
+  import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS above)
+
+  if os.environ.get("DS4JAX_TEST_JIT_CACHE") == "0" or jax.config.jax_compilation_cache_dir:
+    return
+  root = tmp_path_factory.getbasetemp()
+  root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # shared by the workers of this run
+  path = root / "jit_cache"
+  path.mkdir(exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)  # interpret-mode kernels: ~0.3-3 s each
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(path)
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
   report = (yield).get_result()

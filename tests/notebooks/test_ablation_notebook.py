@@ -26,14 +26,15 @@ def test_on_the_committed_results(run_notebook):
 
 def test_live_on_the_cpu(run_notebook):
   # bf16 operands and bands of 8 tokens, without interpret-mode Pallas compiles (the kernels and walkthrough
-  # notebooks run those); all_on and all_off only: the figures must cope with a matrix that has no kill.
+  # notebooks run those); all_on and all_off only: the figures must cope with a matrix that has no kill (and no
+  # planted bug: tests/experiments/test_qualification.py catches every one on the real model).
   out = run_notebook("ablation", source="live", live_lengths=(16,),
-                     live_configs=("all_on", "all_off"), live_mutations=("dropped_sink",),
+                     live_configs=("all_on", "all_off"), live_mutations=(),
                      live_features={"bf16_matmul": True, "long_context_chunk": 0, "prefill_band_tokens": 8})
   stream = "".join(o.get("text", "") for c in out.nb.cells if c.cell_type == "code" for o in c.outputs)
-  assert "verdicts: 2 pass, 0 fail, 0 not run; planted bugs: 1 of 1 caught" in stream
+  assert "verdicts: 2 pass, 0 fail, 0 not run" in stream
   path = re.search(r"results: (\S+\.json)", stream).group(1)
   live = rt.load(path, expect="qualification").records.set_index("config")
-  assert list(live.length.unique()) == [16] and set(live.verdict) == {"PASS", "FAIL"}
+  assert list(live.length.unique()) == [16] and set(live.verdict) == {"PASS"}
   assert live.loc["all_on"].tokens_per_s > 0 and "kill_prefill_band_tokens: no record at [16]" in out.markdown
-  assert "2 configurations PASS, 0 FAIL" in out.markdown and "1 of 1 planted bug caught" in out.markdown
+  assert "2 configurations PASS, 0 FAIL" in out.markdown
