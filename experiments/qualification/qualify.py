@@ -248,9 +248,10 @@ def _unjudged(results: store.Results, setup: Setup, v_tokens: int, configs: list
 
 
 def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo, fingerprint: str):
-  """(pinned, scored) runs of the verdict passes this call will make (ds4jax.prefill.precompile): the exact path
-  recording its scores; each judged configuration, the bf16 reference math and (for planted bugs) the exact path
-  pinned to the exact path's decisions. Their unpinned runs are ordinary runs of the prefix, in `runs`."""
+  """(free, pinned, scored) runs of the verdict passes this call will make (ds4jax.prefill.precompile): scored, the
+  exact path recording its scores; pinned, each judged configuration, the bf16 reference math and (for planted
+  bugs) the exact path, pinned to the exact path's decisions; free, the same configurations unpinned (ordinary runs
+  of the prefix)."""
   exact = exact_features(setup.device_class)
   bf16_reference = dataclasses.replace(exact, bf16_matmul=True)
   free, pinned, scored = [], [], []
