@@ -659,7 +659,9 @@ def test_qual_gfx1151_cfg():
   assert (o.preset, o.quant_policy, o.lengths) == ("v4_flash", "lucebox_mix", (8192, 32768, 122879))
   assert o.out == "experiments/results/qual_v4flash_gfx1151.json" and o.append and len(o.mutations) >= 3
   setup = qualify.start_up(dataclasses.replace(o, device_class="gfx1151"))
-  assert setup.base == features.resolve("gfx1151") and "moe_sparse_gate_up" in setup.base.on()
+  assert all(v is None for v in o.features.values()), "the flagfile must take gfx1151's table defaults"
+  assert setup.base == features.resolve("gfx1151") and {"moe_sparse_gate_up", "mla_stream_fast_exp"} <= set(
+      setup.base.on())
   assert set(features.switch_states(setup.base).values()) == {features.LOWERED}
   with pytest.raises(features.FeatureError, match="not supported on rdna35_other"):
     qualify.start_up(dataclasses.replace(o, device_class="rdna35_other", features={"moe_sparse_gate_up": True}))
