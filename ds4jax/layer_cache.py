@@ -41,8 +41,9 @@ def row_capacity(capacity: int, band: int, ratio: int) -> int:
   return last_start // ratio + (3 * ratio + band) // ratio - 1
 
 
-def empty(cfg: DeepseekV4Config, layer: int, capacity: int, band: int) -> LayerCache:
-  """The state before position 0, for a prompt padded to `capacity` positions processed in bands of `band`."""
+def empty(cfg: DeepseekV4Config, layer: int, capacity: int, band: int, rows: int | None = None) -> LayerCache:
+  """The state before position 0, for a prompt padded to `capacity` positions processed in bands of `band`
+  (`rows`: that many compressed rows instead, for bands of several widths: ds4jax/decode.py)."""
   if capacity % band:
     raise ValueError(f"capacity {capacity} must be a multiple of the band size {band}")
   kind, d = cfg.attention[layer], cfg.head_dim
@@ -50,6 +51,6 @@ def empty(cfg: DeepseekV4Config, layer: int, capacity: int, band: int) -> LayerC
   if kind is Attention.WINDOW:
     return LayerCache(kv_tail)
   m = cfg.compress_ratio(layer)
-  R = row_capacity(capacity, band, m)
+  R = row_capacity(capacity, band, m) if rows is None else rows
   return LayerCache(kv_tail, x_tail=jnp.zeros((2 * m, cfg.hidden_size), F32), rows=jnp.zeros((R, d), F32),
                     index_rows=jnp.zeros((R, cfg.index_head_dim), F32) if kind is Attention.CSA else None)

@@ -19,6 +19,7 @@ import sys
 
 from absl import app, flags
 
+from ds4jax.checkpoint.safetensors_reader import CheckpointError
 from experiments import device_memory, qualification
 
 
@@ -28,7 +29,7 @@ def main(argv):
   device_memory.claim()  # before JAX starts its backend
   try:
     doc = qualification.run(qualification.options_from_flags(flags.FLAGS))
-  except qualification.STARTUP_ERRORS as e:
+  except (*qualification.STARTUP_ERRORS, CheckpointError) as e:
     sys.exit(f"prefill: {e}")
   if qualification.failed(doc):  # a script can tell: non-zero exit on a FAIL or a planted bug that passes
     sys.exit(f"prefill: {qualification.summary_line(doc)}")

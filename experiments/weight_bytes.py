@@ -13,8 +13,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from ds4jax import config, model
-from ds4jax.checkpoint.mapping import weights
-from ds4jax.layers import QuantizedWeight
+from ds4jax.checkpoint.mapping import weight_bytes, weights
 from ds4jax.quant import policy as quant_policy
 
 _PRESET = flags.DEFINE_string("preset", "v4_flash", "Model preset.")
@@ -42,8 +41,7 @@ def bytes_by_component(cfg, pol) -> dict[str, int]:
   m = model.abstract_model(cfg, jnp.bfloat16, pol)
   out = collections.Counter()
   for path, w in weights(m):
-    leaves = [getattr(w, n) for n in w.names] if isinstance(w, QuantizedWeight) else [w]
-    out[component(path)] += sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves)
+    out[component(path)] += weight_bytes(w)
   return dict(out)
 
 

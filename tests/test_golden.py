@@ -9,7 +9,7 @@ import chex
 import numpy as np
 import pytest
 
-from ds4jax import model
+from ds4jax import decode, model
 from ds4jax.checkpoint.mapping import load_checkpoint
 from ds4jax.metrics import nmse
 
@@ -55,3 +55,19 @@ def test_golden_comparison_can_fail(golden):
   ids[len(ids) // 2] = (ids[len(ids) // 2] + 1) % 256
   moved = np.abs(np.asarray(model.forward(m, ids, return_streams=True)[0]) - g["logits"])[len(ids) // 2:].max()
   assert moved > 100 * ATOL
+
+
+def test_decode_matches_transformers(golden):
+  """ds4jax.decode from a 13-token prefix (not a multiple of 4 or 8), one token at a time, against transformers'
+  logits (whose own cached decode make_goldens.py checked against them). `mixed` holds every layer kind; the other
+  two goldens add nothing decode-specific and would cost a compile of every band width each."""
+  name, g, _, _, m = golden
+  if name != "mixed":
+    pytest.skip("decode is checked on the `mixed` golden")
+  ids, prefix = g["input_ids"], 13
+  state = decode.start(m, ids[:prefix], capacity=len(ids), widest=1)
+  got = [np.asarray(state.logits)]
+  for t in ids[prefix:-1]:
+    logits, state = decode.extend(m, state, [t])
+    got.append(np.asarray(logits[0]))
+  chex.assert_trees_all_close(np.stack(got), g["logits"][prefix - 1:-1], atol=ATOL, rtol=0)

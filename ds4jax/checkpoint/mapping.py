@@ -9,6 +9,7 @@ join the path with '.', except that
     `layers.L.ffn.experts.{e}.w1.weight`.
 Quantized tensors are recognised by dtype: F8_E4M3 (+ `.scale`, 128x128 UE8M0 blocks) and
 I8/U8 packed FP4 E2M1 (+ `.scale`, per-32 UE8M0). `mtp.*` (the MTP layer) is ignored.
+Checkpoints saved by transformers are read through their official names (hf_names.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ds4jax.checkpoint import hf_names
 from ds4jax.checkpoint.safetensors_reader import CheckpointError, SafetensorsCheckpoint
 from ds4jax.checkpoint.safetensors_writer import save_file
 from ds4jax.config import DeepseekV4Config
@@ -68,6 +70,14 @@ def _scale_name(name: str) -> str:
   return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
 
+def _scale_bytes(ckpt: SafetensorsCheckpoint, scale: str) -> np.ndarray:
+  """The raw UE8M0 bytes of a scale tensor; a NaN byte (0xFF) is a corrupt checkpoint."""
+  try:
+    return ue8m0.check_scale_bytes(np.asarray(ckpt.read(scale)).view(np.uint8), ckpt.where(scale))
+  except ValueError as e:
+    raise CheckpointError(str(e)) from e
+
+
 def read_tensor(ckpt: SafetensorsCheckpoint, name: str, used: set[str]) -> np.ndarray:
   """One tensor as numpy, dequantized to f32 when it is stored in FP8 or FP4. Records what it read."""
   spec = ckpt.spec(name)
@@ -77,17 +87,17 @@ def read_tensor(ckpt: SafetensorsCheckpoint, name: str, used: set[str]) -> np.nd
   if spec.dtype in ("F8_E4M3", "I8", "U8"):
     scale = _scale_name(name)
     if scale not in ckpt:
-      raise CheckpointError(f"{name}: stored as {spec.dtype} but its scale tensor {scale!r} is missing")
+      raise CheckpointError(f"{ckpt.where(name)}: stored as {spec.dtype} but its scale tensor {scale!r} is missing")
     if ckpt.spec(scale).dtype not in ("F8_E8M0", "U8"):
-      raise CheckpointError(f"{scale}: scales must be F8_E8M0 (UE8M0 bytes), got {ckpt.spec(scale).dtype}")
+      raise CheckpointError(f"{ckpt.where(scale)}: scales must be F8_E8M0 (UE8M0 bytes), got {ckpt.spec(scale).dtype}")
     used.add(scale)
-    scale_bytes = ue8m0.check_scale_bytes(np.asarray(ckpt.read(scale)).view(np.uint8), scale)
+    scale_bytes = _scale_bytes(ckpt, scale)
     dequantize = _dequantize_fp8 if spec.dtype == "F8_E4M3" else _dequantize_fp4
     try:
       return np.asarray(dequantize(np.asarray(ckpt.read(name)), scale_bytes))
     except (ValueError, TypeError) as e:
-      raise CheckpointError(f"{name}: {e}") from e
-  raise CheckpointError(f"{name}: unsupported dtype {spec.dtype} for a model weight")
+      raise CheckpointError(f"{ckpt.where(name)}: {e}") from e
+  raise CheckpointError(f"{ckpt.where(name)}: unsupported dtype {spec.dtype} for a model weight")
 
 
 def weights(model: DeepseekV4) -> list[tuple[tuple, nnx.Variable | QuantizedWeight]]:
@@ -101,14 +111,42 @@ def weights(model: DeepseekV4) -> list[tuple[tuple, nnx.Variable | QuantizedWeig
   return out
 
 
+def weight_bytes(w: nnx.Variable | QuantizedWeight) -> int:
+  """Bytes a weight takes once loaded: for a quantized one, all its storage (codes, scales, codebooks)."""
+  leaves = [getattr(w, n) for n in w.names] if isinstance(w, QuantizedWeight) else [w]
+  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+
+def _device_memory_stats() -> dict | None:
+  """memory_stats() of the device that jax.device_put fills (None on CPU)."""
+  device = jax.config.jax_default_device
+  if not isinstance(device, jax.Device):
+    device = jax.devices(device)[0] if device else jax.devices()[0]
+  return device.memory_stats()
+
+
+def check_fits(model: DeepseekV4, stats: dict | None) -> None:
+  """Refuses, before any tensor is read, weights that exceed the device's free memory (`stats`: memory_stats())."""
+  if not stats or not stats.get("bytes_limit"):
+    return
+  need = sum(weight_bytes(w) for _, w in weights(model))
+  free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  if need > free:
+    raise CheckpointError(f"the weights need {_gib(need)} but the device has {_gib(free)} free (bytes_limit "
+                          f"{_gib(stats['bytes_limit'])}): use a smaller --quant_policy or a larger device")
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.4g} GiB"
+
+
 def _read_stored(ckpt: SafetensorsCheckpoint, names: list[str], fmt: str, used: set[str]) -> dict | None:
   """The storage arrays of an official FP8/FP4 tensor copied as they are, when the target format is the same."""
   want = {"fp8_e4m3": ("F8_E4M3",), "fp4_e2m1": ("I8", "U8")}.get(fmt)
   if not want or any(ckpt.spec(n).dtype not in want or _scale_name(n) not in ckpt for n in names):
     return None
   codes = [np.asarray(ckpt.read(n)) for n in names]
-  scales = [ue8m0.check_scale_bytes(np.asarray(ckpt.read(_scale_name(n))).view(np.uint8), _scale_name(n))
-            for n in names]
+  scales = [_scale_bytes(ckpt, _scale_name(n)) for n in names]
   used.update(names + [_scale_name(n) for n in names])
   stack = (lambda xs: np.stack(xs)) if len(names) > 1 else (lambda xs: xs[0])
   key = "weight" if fmt == "fp8_e4m3" else "packed"
@@ -120,20 +158,27 @@ def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None
   """Builds the model from a checkpoint directory (config.json + safetensors, single or sharded).
 
   Every model weight must be present with the right shape and a usable dtype, and every tensor in the
-  checkpoint must be used (except `mtp.*`); otherwise a CheckpointError names the tensors. Weights go
-  to the default device one at a time. Under a quantization `policy`, each weight is converted to its
-  role's format (FP8/FP4 tensors already in the target format are copied, not re-encoded).
+  checkpoint must be used (except `mtp.*`); otherwise a CheckpointError names the file and tensors.
+  Official and transformers (`save_pretrained`) names are both read. Weights that would not fit in the
+  default device's free memory are refused before any is read. Weights go to the default device one at a
+  time. Under a quantization `policy`, each weight is converted to its role's format (FP8/FP4 tensors
+  already in the target format are copied, not re-encoded).
   """
   cfg = cfg or DeepseekV4Config.from_hf_config(path)
   model = abstract_model(cfg, dtype, policy)
+  check_fits(model, _device_memory_stats())
   used: set[str] = set()
   t0 = time.time()
-  with SafetensorsCheckpoint(path) as ckpt:
+  with SafetensorsCheckpoint(path) as file:
+    ckpt = hf_names.HFNamedCheckpoint(file) if hf_names.is_hf_named(file) else file
     wanted = [(p, w, checkpoint_names(p, cfg)) for p, w in weights(model)]
     missing = [n for _, _, names in wanted for n in names if n not in ckpt]
     if missing:
+      needed = {n for _, _, names in wanted for n in names}
+      unnamed = [ckpt.where(n) for n in ckpt.names() if n not in needed and not n.startswith(IGNORED_PREFIXES)]
       raise CheckpointError(f"checkpoint {os.fspath(path)} lacks {len(missing)} tensor(s) the model needs, "
-                            f"e.g. {missing[:5]}")
+                            f"e.g. {missing[:5]}" + (f"; it has {len(unnamed)} the model does not name, e.g. "
+                                                     f"{unnamed[:3]}" if unnamed else ""))
     for i, (p, w, names) in enumerate(wanted):
       if isinstance(w, QuantizedWeight):
         stored = _read_stored(ckpt, names, w.format, used)
@@ -143,19 +188,19 @@ def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None
         for name, array in stored.items():
           var = getattr(w, name)
           if array.shape != tuple(var.shape):
-            raise CheckpointError(f"{names[0]}: {name} shape {array.shape} does not match the config's "
-                                  f"{tuple(var.shape)}")
+            raise CheckpointError(f"{ckpt.where(names[0])}: {name} shape {array.shape} does not match the "
+                                  f"config's {tuple(var.shape)}")
           var.set_value(jax.device_put(array.astype(var.dtype)))
       else:
         is_int = jnp.issubdtype(w.dtype, jnp.integer)
         value = _read_float(ckpt, names, is_stacked(p), tuple(w.shape), used, integer=is_int)
         if names[0].endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):
-          raise CheckpointError(f"{names[0]}: expert ids must lie in [0, {cfg.n_routed_experts}), "
+          raise CheckpointError(f"{ckpt.where(names[0])}: expert ids must lie in [0, {cfg.n_routed_experts}), "
                                 f"got [{value.min()}, {value.max()}]")
         w.set_value(jax.device_put(value.astype(w.dtype)))
       if log and (i + 1) % 200 == 0:
         log(f"  loaded {i + 1}/{len(wanted)} weights ({time.time() - t0:.0f}s)")
-    unexpected = sorted(n for n in ckpt.names() if n not in used and not n.startswith(IGNORED_PREFIXES))
+    unexpected = [ckpt.where(n) for n in ckpt.names() if n not in used and not n.startswith(IGNORED_PREFIXES)]
   if unexpected:
     raise CheckpointError(f"checkpoint {os.fspath(path)} has {len(unexpected)} tensor(s) the model does not "
                           f"use, e.g. {unexpected[:5]} (wrong config?)")
@@ -168,10 +213,10 @@ def _read_float(ckpt, names, stacked: bool, shape, used, integer: bool = False) 
   arrays = [read_tensor(ckpt, n, used) for n in names]
   for n, a in zip(names, arrays):
     if np.issubdtype(a.dtype, np.integer) != integer:
-      raise CheckpointError(f"{n}: expected {'an integer' if integer else 'a floating-point or FP8/FP4'} "
+      raise CheckpointError(f"{ckpt.where(n)}: expected {'an integer' if integer else 'a floating-point or FP8/FP4'} "
                             f"tensor, got {ckpt.spec(n).dtype}")
     if a.shape != want:
-      raise CheckpointError(f"{n}: shape {a.shape} does not match the config's {want}")
+      raise CheckpointError(f"{ckpt.where(n)}: shape {a.shape} does not match the config's {want}")
   return np.stack(arrays) if stacked else arrays[0]
 
 

@@ -198,6 +198,7 @@ class SafetensorsCheckpoint:
     elif path.name.endswith(".index.json"):
       self.index_path = path
 
+    self.path = path  # the data file, or the index
     self._files: dict[Path, SafetensorsFile] = {}
     if self.index_path is None:
       single = SafetensorsFile(path)
@@ -247,6 +248,10 @@ class SafetensorsCheckpoint:
     """(shape, safetensors dtype name) of a tensor, from the header only."""
     return self._file_of(name).spec(name)
 
+  def where(self, name: str) -> str:
+    """'<file>: <name>', the start of an error message about one tensor."""
+    return f"{self._where.get(name, self.path)}: {name}"
+
   def read(self, name: str) -> np.ndarray:
     """The tensor as a read-only numpy array backed by the memory-mapped file."""
     return self._file_of(name).read(name)
@@ -260,7 +265,7 @@ class SafetensorsCheckpoint:
     try:
       path = self._where[name]
     except KeyError:
-      raise CheckpointError(f"checkpoint has no tensor named {name!r}") from None
+      raise CheckpointError(f"{self.path}: no tensor named {name!r}") from None
     if path not in self._files:
       self._files[path] = SafetensorsFile(path)
     f = self._files[path]

@@ -1,0 +1,260 @@
+"""Decode and q-wide verification on the prefill's layer steps (docs/decode.md).
+
+    state = start(model, prompt, features, capacity=...)   # prefill; state.logits: next-token logits [vocab]
+    logits, state = extend(model, state, tokens)            # q tokens at [state.length, +q) -> [q, vocab]
+    tokens = generate(model, prompt, 16, features)          # greedy
+    outcome = verify(model, state, draft)                   # accept the longest draft prefix greedy agrees with
+
+A decode step is a band of one token (a verification step, a band of q) through the same layer code and kernels
+as a prefill band, on the same per-layer state (ds4jax/layer_cache.py). A `State` is immutable: extending it makes
+a new one and leaves the old one usable, so a rejected draft is rolled back by keeping the old state and replaying
+the accepted tokens on it. Nothing is overwritten in place, which is why upstream's ring-slot preservation has no
+counterpart here (docs/decode.md §3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ds4jax import layer_cache
+from ds4jax import model as model_lib
+from ds4jax import prefill as prefill_lib
+from ds4jax.config import Attention
+from ds4jax.features import REFERENCE, Features
+from ds4jax.layer_cache import LayerCache
+
+MAX_VERIFY = 8  # widest draft a state is sized for (upstream verifies 2-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+  """Everything a prompt of `length` tokens leaves behind: each layer's cache, sized for `capacity` positions,
+  and the logits of its last position (what the next token is chosen from)."""
+  length: int
+  capacity: int
+  widest: int  # the widest band its compressed rows have room for (decode.cache_rows)
+  caches: tuple[LayerCache, ...]
+  logits: jax.Array  # [vocab] f32
+  features: Features
+
+
+def cache_rows(cfg, layer: int, capacity: int, widest: int) -> int:
+  """Compressed rows a layer must hold when bands of up to `widest` tokens may start anywhere below capacity."""
+  if cfg.attention[layer] is Attention.WINDOW:
+    return 0
+  m = cfg.compress_ratio(layer)
+  return max(layer_cache.row_capacity(capacity, b, m) for b in range(1, min(widest, capacity) + 1))
+
+
+def empty_state(m: model_lib.DeepseekV4, capacity: int, widest: int, features: Features = REFERENCE) -> State:
+  """The state before position 0."""
+  cfg = m.cfg
+  if not 0 < capacity <= cfg.max_position_embeddings:
+    raise ValueError(f"capacity {capacity} must lie in (0, max_position_embeddings={cfg.max_position_embeddings}]")
+  caches = tuple(layer_cache.empty(cfg, i, capacity, 1, rows=cache_rows(cfg, i, capacity, widest))
+                 for i in range(cfg.num_layers))
+  return State(0, capacity, widest, caches, jnp.zeros((cfg.vocab_size,), jnp.float32), features)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "features"))
+def _step(graphdef, state, X, tokens, s0, cache, features: Features):
+  """One layer over one band; unlike prefill's step it does not donate the cache: the caller's State keeps it."""
+  X, cache, _ = nnx.merge(graphdef, state).band(X, tokens, s0, cache, features)
+  return X, cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _all_logits(graphdef, state, X):
+  return model_lib.output_logits(nnx.merge(graphdef, state), X)
+
+
+def _band(m: model_lib.DeepseekV4, state: State, tokens: np.ndarray) -> tuple[jax.Array, State]:
+  """Tokens at positions [state.length, +len(tokens)) as one band through every layer -> ([q, vocab], state)."""
+  q = tokens.shape[0]
+  inner = prefill_lib.layer_features(state.features, q)
+  toks = jnp.asarray(tokens)
+  X = model_lib.embed_streams(m.embed[...], toks, m.cfg.hc_mult)
+  caches = []
+  for block, cache in zip(m.layers, state.caches):
+    X, cache = _step(*nnx.split(block), X, toks, jnp.int32(state.length), cache, inner)
+    caches.append(cache)
+  logits = _all_logits(*nnx.split(m.output()), X)
+  return logits, dataclasses.replace(state, length=state.length + q, caches=tuple(caches), logits=logits[-1])
+
+
+def _check_room(state: State, q: int) -> None:
+  if q > state.widest:
+    raise ValueError(f"a band of {q} tokens is wider than the state was made for ({state.widest}; pass widest= "
+                     f"to start)")
+  if state.length + q > state.capacity:
+    raise ValueError(f"{q} more tokens at position {state.length} exceed the state's capacity of "
+                     f"{state.capacity} positions (pass a larger capacity to start)")
+
+
+def extend(m: model_lib.DeepseekV4, state: State, tokens) -> tuple[jax.Array, State]:
+  """Appends tokens (1 = a decode step, q = a verification band) -> (their logits [q, vocab] f32, new state)."""
+  t = model_lib.check_tokens(tokens, m.cfg)
+  _check_room(state, t.shape[0])
+  return _band(m, state, t)
+
+
+def start(m: model_lib.DeepseekV4, prompt, features: Features = REFERENCE, capacity: int | None = None,
+          widest: int = MAX_VERIFY, offset: int = 0) -> State:
+  """Prefills `prompt` into a state with room for `capacity` positions (default: the model's maximum).
+
+  `offset` > 0 puts the prompt at positions [offset, offset + len) after an all-zero state (what nothing before
+  it leaves): long positions without a long prompt, for tests.
+
+  The prompt goes in bands of `prefill_band_tokens`, the last one cut to what is left (prefill pads it instead,
+  and padding would leave its tokens in the caches of the positions decode goes on to fill); a band longer than
+  `long_context_chunk` is a whole number of chunks.
+  """
+  t = model_lib.check_tokens(prompt, m.cfg)
+  capacity = capacity or m.cfg.max_position_embeddings
+  bands = prompt_bands(t.shape[0], features)
+  state = dataclasses.replace(empty_state(m, capacity, max([widest, *bands]), features), length=offset)
+  if offset + t.shape[0] > capacity:
+    raise ValueError(f"a prompt of {t.shape[0]} tokens at position {offset} exceeds the capacity of {capacity} "
+                     f"positions")
+  done = 0
+  for b in bands:
+    _, state = _band(m, state, t[done:done + b])
+    done += b
+  return state
+
+
+def prompt_bands(n: int, features: Features) -> list[int]:
+  """Band widths a prompt of n tokens is prefilled in: full bands, then the rest cut to whole chunks, then the
+  last partial chunk."""
+  B = prefill_lib.band_size(n, features)
+  full, rest = divmod(n, B)
+  chunk = features.long_context_chunk
+  tail = [rest - rest % chunk, rest % chunk] if chunk and rest > chunk else [rest]
+  return [B] * full + [b for b in tail if b]
+
+
+def generate(m: model_lib.DeepseekV4, prompt, n_new: int, features: Features = REFERENCE) -> np.ndarray:
+  """Greedy continuation: the n_new token ids after `prompt`, one decode step each."""
+  t = model_lib.check_tokens(prompt, m.cfg)
+  return greedy(m, start(m, t, features, t.shape[0] + n_new, widest=1), n_new)
+
+
+def greedy(m: model_lib.DeepseekV4, state: State, n_new: int, progress=None) -> np.ndarray:
+  """n_new greedy tokens from a state, one decode step each (the last one chosen, not decoded)."""
+  out = []
+  for _ in range(n_new):
+    out.append(int(jnp.argmax(state.logits)))
+    if len(out) < n_new:
+      _, state = extend(m, state, [out[-1]])
+    if progress:
+      progress(len(out), len(out) - 1, 0, 0)
+  return np.asarray(out, np.int32)
+
+
+def ngram_draft(context: Sequence[int], q: int, n: int = 3) -> list[int]:
+  """Up to q tokens that followed the latest earlier occurrence of the context's last n tokens (self-speculation:
+  text repeats itself); [] if they never occurred before."""
+  c = list(context)
+  if len(c) <= n:
+    return []
+  tail = c[-n:]
+  for i in range(len(c) - n - 1, -1, -1):
+    if c[i:i + n] == tail:
+      return c[i + n:i + n + q]
+  return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+  tokens: np.ndarray   # the continuation, equal to `generate`'s
+  bands: int           # verification bands run
+  drafted: int         # drafted tokens offered
+  accepted: int        # drafted tokens accepted
+
+
+def speculate(m: model_lib.DeepseekV4, state: State, context: Sequence[int], n_new: int, ngram: int = 3,
+              widths: tuple[int, int] = (2, 5), progress=None) -> Speculation:
+  """n_new greedy tokens from a state (reached by `context`) with self-speculative verification: each band is the
+  pending token (greedy's choice, so always accepted) followed by an n-gram draft, q adaptive within `widths` (one
+  wider after a fully accepted draft, back to the narrowest after a rejection). The tokens equal `greedy`'s; fewer
+  bands run when drafts hit. The state needs room for n_new + widths[1] more positions."""
+  lo, hi = widths
+  if not 2 <= lo <= hi <= MAX_VERIFY:
+    raise ValueError(f"draft widths {widths} must satisfy 2 <= min <= max <= MAX_VERIFY={MAX_VERIFY}")
+  context, out = list(context), []
+  pending = int(jnp.argmax(state.logits))
+  q, bands, drafted, accepted = lo, 0, 0, 0
+  while True:
+    out.append(pending)
+    context.append(pending)
+    if len(out) >= n_new:
+      if progress:
+        progress(n_new, bands, drafted, accepted)
+      break
+    draft = ngram_draft(context, q - 1, ngram)
+    v = verify(m, state, [pending] + draft)
+    bands, drafted, accepted = bands + 1, drafted + len(draft), accepted + v.accepted - 1
+    took = draft[:v.accepted - 1]
+    out += took
+    context += took
+    state, pending = v.state, v.next_token
+    q = min(q + 1, hi) if draft and v.accepted == len(draft) + 1 else lo
+    if progress and len(out) < n_new:
+      progress(len(out), bands, drafted, accepted)
+  return Speculation(np.asarray(out[:n_new], np.int32), bands, drafted, accepted)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+  """One verification step: `accepted` draft tokens matched greedy decoding; `next_token` is greedy's choice after
+  them (the correction, or the bonus token when the whole draft was accepted); `state` has decoded exactly the
+  accepted tokens, not `next_token`."""
+  accepted: int
+  next_token: int
+  state: State
+
+
+def verify(m: model_lib.DeepseekV4, state: State, draft: Sequence[int]) -> Verified:
+  """Checks a draft of q tokens in one band. The longest prefix equal to greedy's choices is accepted; on a
+  rejection the band's state is dropped and the accepted prefix replayed on the old one."""
+  d = model_lib.check_tokens(draft, m.cfg)
+  q = d.shape[0]
+  if q > MAX_VERIFY:
+    raise ValueError(f"a draft of {q} tokens exceeds MAX_VERIFY={MAX_VERIFY}")
+  _check_room(state, q)
+  logits, after = _band(m, state, d)
+  greedy = np.asarray(jnp.argmax(jnp.concatenate([state.logits[None], logits]), axis=-1))  # [q + 1]
+  accepted = int(np.argmin(np.append(d == greedy[:q], False)))  # first mismatch
+  if accepted == q:
+    return Verified(q, int(greedy[q]), after)
+  kept = _band(m, state, d[:accepted])[1] if accepted else state
+  return Verified(accepted, int(greedy[accepted]), kept)
+
+
+def valid_view(cfg, state: State) -> dict[str, np.ndarray]:
+  """The parts of a state that positions below state.length determine (what two ways of reaching the same
+  length must agree on): compressed rows of complete windows, the raw KV tail, the compressor's tail. Rows of the
+  window in progress are scratch, rewritten before any query can see them."""
+  P, out = state.length, {}
+  for i, c in enumerate(state.caches):
+    out[f"{i}.kv_tail"] = np.asarray(c.kv_tail)
+    if c.rows is not None:
+      done = P // cfg.compress_ratio(i)
+      out[f"{i}.rows"] = np.asarray(c.rows[:done])
+      out[f"{i}.x_tail"] = np.asarray(c.x_tail[:max(0, min(2 * cfg.compress_ratio(i), P - _tail_start(cfg, i, P)))])
+      if c.index_rows is not None:
+        out[f"{i}.index_rows"] = np.asarray(c.index_rows[:done])
+  out["logits"] = np.asarray(state.logits)
+  return out
+
+
+def _tail_start(cfg, layer: int, P: int) -> int:
+  m = cfg.compress_ratio(layer)
+  return (P // m) * m - m

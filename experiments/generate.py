@@ -1,0 +1,114 @@
+"""Greedy generation from a prompt, optionally with self-speculative verification (ds4jax/decode.py).
+
+    python -m experiments.generate --checkpoint=experiments/checkpoints/tiny_stdlib --prompt="def main(" \
+        --max_new_tokens=64 [--speculate]
+
+The prompt is text (through the checkpoint's tokenizer.json, or --tokenizer) or --prompt_ids. With --speculate
+each band verifies an n-gram draft from the text so far (q adaptive 2-5); the output is the same tokens as
+without it. Prints the continuation, then prefill and decode tok/s and the acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from ds4jax import config, decode, model
+from ds4jax.checkpoint import mapping
+from experiments import flags as ds4_flags
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint directory (config.json + safetensors).")
+_PRESET = flags.DEFINE_string("preset", "tiny_sparse", "Model preset for random weights (no --checkpoint).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
+_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (tokenized with --tokenizer or the checkpoint's).")
+_PROMPT_IDS = flags.DEFINE_list("prompt_ids", None, "Prompt token ids, instead of --prompt.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json (default: the checkpoint's).")
+_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
+_SPECULATE = flags.DEFINE_boolean("speculate", False, "Verify n-gram drafts of 2-5 tokens in one band each.")
+_NGRAM = flags.DEFINE_integer("ngram", 3, "Context tokens an n-gram draft is matched on.")
+_DTYPE = flags.DEFINE_enum("dtype", "f32", ["f32", "bf16"], "Weight dtype.")
+_JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
+ds4_flags.define_feature_flags()
+ds4_flags.define_quant_policy_flag()
+
+
+class UsageError(ValueError):
+  """A bad command line: printed as one line (as experiments.prefill prints its start-up errors)."""
+
+
+def _tokenizer():
+  path = _TOKENIZER.value or (os.path.join(_CHECKPOINT.value, "tokenizer.json") if _CHECKPOINT.value else None)
+  if not path or not os.path.exists(path):
+    raise UsageError(f"--prompt needs a tokenizer.json (--tokenizer, or one in --checkpoint); got {path}")
+  import tokenizers  # pylint: disable=import-outside-toplevel  (optional: only for text prompts)
+  return tokenizers.Tokenizer.from_file(path)
+
+
+def main(argv):
+  del argv
+  try:
+    run()
+  except ValueError as e:  # UsageError, CheckpointError, FeatureError, bad token ids, ...
+    sys.exit(f"generate: {e}")
+
+
+def run() -> dict:
+  if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
+    raise UsageError("give exactly one of --prompt and --prompt_ids")
+  feats = ds4_flags.features_from_flags(flags.FLAGS)
+  dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
+  tok = _tokenizer() if _PROMPT.value is not None else None
+  if _CHECKPOINT.value:
+    m = mapping.load_checkpoint(_CHECKPOINT.value, dtype=dtype, policy=flags.FLAGS.quant_policy, log=None)
+  else:
+    m = model.init_random(config.preset(_PRESET.value), _SEED.value, dtype, flags.FLAGS.quant_policy)
+  ids = (np.asarray(tok.encode(_PROMPT.value).ids) if tok else np.asarray([int(x) for x in _PROMPT_IDS.value]))
+  n = _NEW.value
+  room = m.cfg.max_position_embeddings - len(ids) - (decode.MAX_VERIFY if _SPECULATE.value else 1)
+  if not 0 < n <= room:
+    raise UsageError(f"--max_new_tokens={n}: the prompt of {len(ids)} tokens leaves room for 1..{room} "
+                     f"(max_position_embeddings={m.cfg.max_position_embeddings})")
+  print(f"{m.cfg.name} {'checkpoint ' + _CHECKPOINT.value if _CHECKPOINT.value else 'random weights'}; "
+        f"{len(ids)} prompt tokens; switches on: {feats.on() or 'none'}", flush=True)
+
+  say = lambda done, bands, drafted, accepted: print(
+      f"\r  {done}/{n} tokens, {bands} bands" + (f", {accepted}/{drafted} drafted accepted" if drafted else ""),
+      end="", flush=True)
+  widest = decode.MAX_VERIFY if _SPECULATE.value else 1
+  t0 = time.perf_counter()
+  state = decode.start(m, ids, feats, capacity=len(ids) + n + widest, widest=widest)
+  jax.block_until_ready(state.logits)
+  prefill_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  if _SPECULATE.value:
+    spec = decode.speculate(m, state, ids, n, ngram=_NGRAM.value, progress=say)
+    out, extra = spec.tokens, dict(bands=spec.bands, drafted=spec.drafted, accepted=spec.accepted,
+                                    acceptance=spec.accepted / max(spec.drafted, 1))
+  else:
+    out, extra = decode.greedy(m, state, n, progress=say), dict(bands=n - 1)
+  print()
+  decode_s = time.perf_counter() - t0
+  text = tok.decode(out.tolist()) if tok else " ".join(map(str, out.tolist()))
+  print(text)
+  result = dict(model=m.cfg.name, checkpoint=_CHECKPOINT.value, prompt_tokens=len(ids), new_tokens=int(n),
+                tokens=out.tolist(), speculate=_SPECULATE.value, features=feats.to_dict(),
+                prefill_tok_per_s=len(ids) / prefill_s, decode_tok_per_s=n / decode_s, **extra)
+  print(f"prefill {result['prefill_tok_per_s']:.1f} tok/s (first call, compile included); decode "
+        f"{result['decode_tok_per_s']:.1f} tok/s (compiles included)"
+        + (f"; {spec.accepted}/{spec.drafted} drafted tokens accepted in {spec.bands} bands" if _SPECULATE.value
+           else ""))
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(result, f, indent=1)
+  return result
+
+
+if __name__ == "__main__":
+  app.run(main)

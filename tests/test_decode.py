@@ -1,0 +1,173 @@
+"""ds4jax/decode.py on the exact path: decode equals prefill, and q-wide verification equals sequential decode, at
+positions that put the band across the window's wrap and the compression windows' boundaries.
+
+One model (tiny with a window of 4, so that bands of 4 and 5 reach past it; CSA ratio 4, HCA ratio 8 standing in
+for V4's 128) and one state shape (capacity 128K, made for bands up to 8) for every test: each band width is then
+one compile per layer kind for the whole file."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ds4jax import config, decode, features, model, prefill
+
+PROMPT = 3  # decode runs from here to LENGTH, one token at a time
+LENGTH = 36
+CAPACITY = 131072
+WINDOW = 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return model.init_random(config.tiny(sliding_window=WINDOW, max_position_embeddings=CAPACITY), seed=3,
+                           dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def sequential(tiny):
+  """Greedy decode from a 3-token prompt, one token per step: the states after each length and the tokens."""
+  prompt = np.random.default_rng(3).integers(0, tiny.cfg.vocab_size, PROMPT)
+  state = decode.start(tiny, prompt, capacity=CAPACITY)
+  states, tokens = {PROMPT: state}, list(prompt)
+  while state.length < LENGTH:
+    tokens.append(int(jnp.argmax(state.logits)))
+    _, state = decode.extend(tiny, state, tokens[-1:])
+    states[state.length] = state
+  return states, np.asarray(tokens, np.int32)
+
+
+def assert_same_state(cfg, got, want):
+  a, b = decode.valid_view(cfg, got), decode.valid_view(cfg, want)
+  assert got.length == want.length and a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=2e-5, err_msg=k)
+
+
+def band_logits_match(tiny, states, tokens, s, width):
+  logits, state = decode.extend(tiny, states[s], tokens[s:s + width])
+  want = np.stack([np.asarray(states[s + i + 1].logits) for i in range(width)])
+  np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-5, atol=2e-5, err_msg=f"band [{s}, +{width})")
+  return state
+
+
+def test_decode_equals_prefill(tiny, sequential):
+  """Each decode step's logits equal a full prefill of the sequence up to it (positions 3..35: the window wraps at
+  4, CSA windows complete every 4, HCA every 8), and greedy decoding chose their argmax. (Decode against
+  transformers: tests/test_golden.py.)"""
+  states, tokens = sequential
+  full = np.asarray(prefill.prefill(tiny, tokens, all_logits=True))
+  got = np.stack([np.asarray(states[n].logits) for n in range(PROMPT, LENGTH)])
+  np.testing.assert_allclose(got, full[PROMPT - 1:LENGTH - 1], rtol=1e-5, atol=2e-5)
+  assert np.array_equal(got.argmax(-1), tokens[PROMPT:])
+  assert np.abs(full).max() > 1 and np.std(full) > 0.5  # real logits, not a degenerate model
+  assert np.array_equal(decode.greedy(tiny, states[PROMPT], 6), tokens[PROMPT:PROMPT + 6])
+
+
+# Start positions: at / after the window wrap (4), before / at CSA (8, 16, 24) and HCA (8, 16, 24) boundaries,
+# so each band of width 2-5 straddles one; the draft rejected at the first, a middle and no draft token.
+STARTS = (3, 4, 7, 15, 22, 30)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4, 5])
+def test_verification_equals_sequential_decode(tiny, sequential, width):
+  states, tokens = sequential
+  vocab = tiny.cfg.vocab_size
+  cases = 0
+  for s in STARTS:
+    greedy = tokens[s:s + width + 1]
+    for reject in sorted({0, width // 2, width}):
+      draft = greedy[:width].copy()
+      if reject < width:
+        draft[reject] = (draft[reject] + 1) % vocab
+      out = decode.verify(tiny, states[s], draft)
+      assert (out.accepted, out.next_token) == (reject, greedy[reject]), (s, width, reject)
+      assert_same_state(tiny.cfg, out.state, states[s + reject])
+      cases += 1
+  assert cases == len(STARTS) * 3  # with widths 2-5: 72 cases
+
+
+def test_review_4_sparse_selection_after_a_window_wrap(tiny, sequential):
+  """Upstream review item 4 (docs/upstream.md §8): a q-wide band that crosses the window's wrap must give every
+  token the logits of sequential decoding, on the CSA layers' sparse selection too."""
+  states, tokens = sequential
+  for width in (2, 3, 4, 5):
+    for s in range(max(PROMPT, WINDOW - width + 1), WINDOW + 1):  # bands [s, s + width) that hold position 4
+      band_logits_match(tiny, states, tokens, s, width)
+
+
+def test_review_5_a_band_wider_than_the_window(tiny, sequential):
+  """Upstream review item 5: the verifier's mask range with future >= n_swa. Bands of 4 and 5 tokens (the window
+  and more) from past the wrap: each token sees its own window, not the band's first token's."""
+  states, tokens = sequential
+  for s, width in ((9, 4), (9, 5), (17, 5)):
+    assert_same_state(tiny.cfg, band_logits_match(tiny, states, tokens, s, width), states[s + width])
+
+
+def test_long_positions_by_offset(tiny, sequential):
+  """Positions near 128K without a 128K prompt: a 3-token prompt at offset 131000 (YaRN-scaled RoPE, rows past
+  32K on CSA layers), then a verification band of 3 against three decode steps."""
+  ids = np.random.default_rng(4).integers(0, tiny.cfg.vocab_size, 6)
+  off = 131000
+  state = decode.start(tiny, ids[:3], capacity=CAPACITY, offset=off)
+  assert state.length == off + 3 and state.caches[1].rows.shape[0] == CAPACITY // 4 + 2
+  band, band_state = decode.extend(tiny, state, ids[3:6])
+  seq = state
+  for i in range(3):
+    logits, seq = decode.extend(tiny, seq, ids[3 + i:4 + i])
+    np.testing.assert_allclose(np.asarray(band[i]), np.asarray(logits[0]), rtol=1e-5, atol=2e-5)
+  assert_same_state(tiny.cfg, band_state, seq)
+  assert np.abs(np.asarray(band_state.caches[1].rows[off // 4])).max() > 0  # the window [off, off + 4), pooled
+  # Not the logits of the same tokens at position 3: the position matters.
+  assert np.abs(np.asarray(band[-1]) - np.asarray(decode.extend(tiny, sequential[0][PROMPT], ids[3:6])[0][-1])).max() > 0.1
+
+
+def test_state_is_not_consumed(tiny, sequential):
+  """A verification band leaves the state it started from as it was (the rollback keeps it)."""
+  states, tokens = sequential
+  before = decode.valid_view(tiny.cfg, states[15])
+  decode.verify(tiny, states[15], tokens[15:19])
+  after = decode.valid_view(tiny.cfg, states[15])
+  assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_bad_input_is_refused(tiny, sequential):
+  states, _ = sequential
+  near_end = decode.start(tiny, [1, 2, 3], capacity=CAPACITY, offset=CAPACITY - 3)
+  with pytest.raises(ValueError, match="exceed the state's capacity of 131072 positions"):
+    decode.extend(tiny, near_end, [1])
+  with pytest.raises(ValueError, match=r"a band of 9 tokens is wider than the state was made for \(8"):
+    decode.extend(tiny, states[PROMPT], np.zeros(9, np.int32))
+  with pytest.raises(ValueError, match="exceeds MAX_VERIFY"):
+    decode.verify(tiny, states[PROMPT], np.zeros(decode.MAX_VERIFY + 1, np.int32))
+  with pytest.raises(ValueError, match="token id 256 at position 1 is outside the vocabulary"):
+    decode.extend(tiny, states[PROMPT], [3, 256])
+  with pytest.raises(ValueError, match=r"capacity 200000 must lie in \(0, max_position_embeddings=131072\]"):
+    decode.start(tiny, [1, 2, 3], capacity=200000)
+  with pytest.raises(ValueError, match="a prompt of 3 tokens at position 131070 exceeds the capacity"):
+    decode.start(tiny, [1, 2, 3], capacity=CAPACITY, offset=CAPACITY - 2)
+
+
+def test_prompt_bands():
+  f = dataclasses.replace(features.REFERENCE, prefill_band_tokens=16, long_context_chunk=4)
+  assert decode.prompt_bands(37, f) == [16, 16, 4, 1]
+  assert decode.prompt_bands(32, f) == [16, 16]
+  assert decode.prompt_bands(3, f) == [3]
+
+
+def test_speculation_gives_greedys_tokens(tiny, sequential):
+  """Self-speculative decoding (n-gram drafts verified in bands of 2-5) continues exactly as greedy decoding, in
+  fewer bands when drafts are accepted."""
+  states, tokens = sequential
+  n = LENGTH - PROMPT - decode.MAX_VERIFY
+  spec = decode.speculate(tiny, states[PROMPT], tokens[:PROMPT], n)
+  print(f"{spec.accepted}/{spec.drafted} drafted tokens accepted in {spec.bands} bands for {n} tokens")
+  assert np.array_equal(spec.tokens, tokens[PROMPT:PROMPT + n])
+  assert n - 1 <= spec.bands + spec.accepted < n - 1 + 5 and spec.drafted >= spec.accepted  # the last band may overshoot
+
+
+def test_ngram_draft():
+  assert decode.ngram_draft([5, 6, 7, 1, 2, 5, 6, 7], 3, n=3) == [1, 2, 5]
+  assert decode.ngram_draft([5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7], 2, n=3) == [2, 5]  # the latest occurrence
+  assert decode.ngram_draft([1, 2, 3, 4], 3, n=3) == []
