@@ -37,7 +37,7 @@ def test_every_device_class_has_every_switch():
       assert cap.supported or not cap.default, f"{cls}: {s} is on by default but unsupported"
 
 
-def test_gfx1151_defaults_do_not_leak_to_other_rdna35():
+def test_review_6_gfx1151_defaults_do_not_leak_to_other_rdna35():
   """A gfx1151-only default must not apply to gfx1150 (upstream review item 6)."""
   g51, g50 = CAPABILITIES["gfx1151"], CAPABILITIES["rdna35_other"]
   for s in SWITCHES:

@@ -309,7 +309,7 @@ def test_decode_has_no_unsafe_contraction(fmt):
   assert all(c.exact for c in sites), [c.product for c in sites if not c.exact][:3]
 
 
-def test_rocmfp3_decode_fma_is_exact_on_gfx1151_and_sm90():
+def test_review_7_rocmfp3_decode_fma_is_exact_on_gfx1151_and_sm90():
   """Upstream's review item: the paired ROCmFP3 helper used fmaf. Ours: the sign factor 1 − 2·s (s ∈ {0, 1}) is
   fused into v_fma_f32 s, −2.0, 1.0 on gfx1151 (fma.rn.f32 on sm_90) by triton 3.9 with fp fusion on; its product
   2·s is exact, so the fused and the chained form give the same bits. The sm_90 lowering is checked the same way."""
