@@ -180,11 +180,12 @@ class Speculation:
 
 
 def speculate(m: model_lib.DeepseekV4, state: State, context: Sequence[int], n_new: int, ngram: int = 3,
-              widths: tuple[int, int] = (2, 5), progress=None) -> Speculation:
+              widths: tuple[int, int] = (2, 5), progress=None, drafter=None) -> Speculation:
   """n_new greedy tokens from a state (reached by `context`) with self-speculative verification: each band is the
   pending token (greedy's choice, so always accepted) followed by an n-gram draft, q adaptive within `widths` (one
   wider after a fully accepted draft, back to the narrowest after a rejection). The tokens equal `greedy`'s; fewer
-  bands run when drafts hit. The state needs room for n_new + widths[1] more positions."""
+  bands run when drafts hit. The state needs room for n_new + widths[1] more positions. `drafter(context, k)`
+  replaces the n-gram lookup (at most k tokens)."""
   lo, hi = widths
   if not 2 <= lo <= hi <= MAX_VERIFY:
     raise ValueError(f"draft widths {widths} must satisfy 2 <= min <= max <= MAX_VERIFY={MAX_VERIFY}")
@@ -198,7 +199,7 @@ def speculate(m: model_lib.DeepseekV4, state: State, context: Sequence[int], n_n
       if progress:
         progress(n_new, bands, drafted, accepted)
       break
-    draft = ngram_draft(context, q - 1, ngram)
+    draft = list(drafter(context, q - 1) if drafter else ngram_draft(context, q - 1, ngram))[:q - 1]
     v = verify(m, state, [pending] + draft)
     bands, drafted, accepted = bands + 1, drafted + len(draft), accepted + v.accepted - 1
     took = draft[:v.accepted - 1]

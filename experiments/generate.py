@@ -33,6 +33,8 @@ _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json (default: th
 _NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
 _SPECULATE = flags.DEFINE_boolean("speculate", False, "Verify n-gram drafts of 2-5 tokens in one band each.")
 _NGRAM = flags.DEFINE_integer("ngram", 3, "Context tokens an n-gram draft is matched on.")
+_COMPARE = flags.DEFINE_boolean("compare_greedy", False, "With --speculate, also decode without verification and "
+                                "report whether the tokens are identical (exit status 1 if not).")
 _DTYPE = flags.DEFINE_enum("dtype", "f32", ["f32", "bf16"], "Weight dtype.")
 _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
 ds4_flags.define_feature_flags()
@@ -95,6 +97,8 @@ def run() -> dict:
     out, extra = decode.greedy(m, state, n, progress=say), dict(bands=n - 1)
   print()
   decode_s = time.perf_counter() - t0
+  if _SPECULATE.value and _COMPARE.value:
+    extra["same_as_greedy"] = bool(np.array_equal(out, decode.greedy(m, state, n)))
   text = tok.decode(out.tolist()) if tok else " ".join(map(str, out.tolist()))
   print(text)
   result = dict(model=m.cfg.name, checkpoint=_CHECKPOINT.value, prompt_tokens=len(ids), new_tokens=int(n),
@@ -104,9 +108,14 @@ def run() -> dict:
         f"{result['decode_tok_per_s']:.1f} tok/s (compiles included)"
         + (f"; {spec.accepted}/{spec.drafted} drafted tokens accepted in {spec.bands} bands" if _SPECULATE.value
            else ""))
+  if "same_as_greedy" in extra:
+    print("the same tokens as greedy decoding without verification" if extra["same_as_greedy"] else
+          "NOT the tokens of greedy decoding without verification")
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump(result, f, indent=1)
+  if not extra.get("same_as_greedy", True):
+    raise UsageError("speculative decoding diverged from greedy decoding")
   return result
 
 
