@@ -68,6 +68,23 @@ def shared_compilation_cache(tmp_path_factory):
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
 
 
+# The files that take longest on the 2-core CI machine (seconds, roughly, 2026-12-01), heaviest first. `scripts/dev
+# test` hands files to the two workers in collection order (--dist loadfile --no-loadscope-reorder): started first,
+# they cannot be what one worker is still running alone while the other idles at the end.
+HEAVY_FILES = {
+    "tests/test_model_features.py": 140, "tests/test_prefill.py": 135,
+    "tests/kernels_pallas/moe/test_moe_quantized.py": 130, "tests/experiments/test_qualification.py": 105,
+    "tests/test_decode.py": 100, "tests/kernels_pallas/test_lowering_gfx1151.py": 60,
+    "tests/kernels_pallas/mla/test_mla.py": 60, "tests/kernels_pallas/moe/test_moe_kernels.py": 55,
+    "tests/experiments/test_verdicts.py": 45, "tests/notebooks/test_ablation_notebook.py": 40,
+    "tests/test_golden.py": 35, "tests/quant/test_policy.py": 35, "tests/experiments/test_train_tiny.py": 30,
+}
+
+
+def pytest_collection_modifyitems(items):
+  items.sort(key=lambda item: -HEAVY_FILES.get(item.nodeid.split("::")[0], 0))  # stable: the rest keep their order
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
   report = (yield).get_result()
