@@ -26,6 +26,7 @@ KINDS = {
     "qual_v4flash_h200_parity_by_switch_rerun.json": "parity_by_switch",
     "qual_v4flash_h200_per_layer.json": "per_layer_parity",
     "qual_v4flash_h200_wave2.json": "qualification",
+    "qual_v4flash_h200_wave2b.json": "qualification",
     "reference_prefill_v4flash4L_h200.json": "bench_reference",
     "trace_prefill_h200_8192.json": "trace_prefill",
     "trace_prefill_h200_122879.json": "trace_prefill",
