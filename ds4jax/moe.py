@@ -7,7 +7,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from ds4jax import mesh as mesh_lib
 from ds4jax.config import DeepseekV4Config, Routing
 from ds4jax.features import REFERENCE, Features
 from ds4jax.layers import F32, RESIDUAL_GAIN, Linear, QuantizedWeight, dense, make_weight, matmul_t, normal
@@ -57,7 +59,11 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-  """The routed experts, stacked: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down)."""
+  """The routed experts, stacked: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down).
+
+  `mesh` is the spec of the mesh the stacks are split over ("" = one device holds them all). `ds4jax.mesh.place`
+  sets it when it splits the stacks over the `expert` axis; the routed experts then run where they live
+  (`routed`)."""
 
   def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"]):
     E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -65,39 +71,96 @@ class Experts(nnx.Module):
     self.w1 = make_weight(rngs, (E, I, D), D ** -0.5, dtype, policy.gate_up)
     self.w2 = make_weight(rngs, (E, D, I), RESIDUAL_GAIN * I ** -0.5, dtype, policy.down)  # writes the residual
     self.w3 = make_weight(rngs, (E, I, D), D ** -0.5, dtype, policy.gate_up)
+    self.mesh = ""
 
-  def kernel_weights(self, dtype, quantized: bool) -> tuple:
+  def stacks(self) -> tuple:
+    """(w1, w2, w3) as pytrees of arrays that all lead with the expert dimension: a float stack, or a quantized
+    stack's storage arrays by name (what `ds4jax.mesh.place` splits and `routed` hands each device a slice of)."""
+    return tuple(w.storage() if isinstance(w, QuantizedWeight) else w[...] for w in (self.w1, self.w2, self.w3))
+
+  def as_formats(self, stacks: tuple) -> tuple:
+    """`stacks` (all experts, or one device's slice of them) as the reference takes them: float arrays as they are,
+    quantized storage as `QuantizedExpertWeights` of as many experts as it holds."""
+    return tuple(_quantized(w, s) if isinstance(w, QuantizedWeight) else s
+                 for w, s in zip((self.w1, self.w2, self.w3), stacks))
+
+  def kernel_weights(self, dtype, quantized: bool, stacks: tuple | None = None) -> tuple:
     """(w1, w2, w3) as the kernels' `ExpertWeights`: quantized storage as is (`quantized`, decoded in-kernel), or
-    dense stacks in `dtype` (a quantized stack decoded first, in XLA: "dequantize-then-matmul")."""
-    def one(w):
+    dense stacks in `dtype` (a quantized stack decoded first, in XLA: "dequantize-then-matmul"). `stacks`: a slice
+    of `stacks()` (one device's experts); default all of them."""
+    def one(w, s):
       if not isinstance(w, QuantizedWeight):  # f32 operands read the stored dtype as is
-        return moe_kernels.DenseWeights(w[...] if dtype == F32 else w[...].astype(dtype))
+        return moe_kernels.DenseWeights(s if dtype == F32 else s.astype(dtype))
       if quantized:
-        return moe_kernels.QuantizedExpertWeights.from_storage(w.format, w.storage(), w.logical_shape)
-      return moe_kernels.DenseWeights(w.dequantize().astype(dtype))  # the cast fuses into the decode
-    return tuple(one(w) for w in (self.w1, self.w2, self.w3))
+        return _quantized(w, s)
+      return moe_kernels.DenseWeights(formats.get(w.format).dequantize(**s).astype(dtype))  # the cast fuses in
+    return tuple(one(w, s) for w, s in zip((self.w1, self.w2, self.w3), self.stacks() if stacks is None else stacks))
 
   def decode_quantized(self, dtype, abstract: bool = False) -> None:
     """Replaces the quantized stacks by their dense decode in `dtype`, in place (call it on a copy): the decode
     `kernel_weights` would otherwise repeat on every call, done once (the weights-stationary prefill does this per
-    layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead."""
+    layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead. On a mesh the decode stays split as the
+    storage was."""
     names = [n for n in ("w1", "w2", "w3") if isinstance(getattr(self, n), QuantizedWeight)]
     ws = [getattr(self, n) for n in names]
+    where = mesh_lib.expert_sharding(self.mesh) if self.mesh else None
     if abstract:
-      dense = [jax.ShapeDtypeStruct(w.logical_shape, dtype) for w in ws]
+      dense = [jax.ShapeDtypeStruct(w.logical_shape, dtype, sharding=where) for w in ws]
     else:  # one program for all three, as when the decode sits inside the layer step (XLA fuses them alike)
       dense = _decoded(tuple(w.format for w in ws), tuple(w.storage() for w in ws), dtype)
+      dense = dense if where is None else [jax.device_put(d, where) for d in dense]
     for name, value in zip(names, dense):
       setattr(self, name, nnx.Param(value))
+
+  def routed(self, run, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, shared=None) -> jnp.ndarray:
+    """`run(stacks, x, weights, ids, shared)` -> [S, D] f32 over the routed experts `stacks` (and `shared`): on all
+    of them, or, on a mesh, on each device's own experts (`on_local_experts`), the shared expert's output [S, D]
+    added once, after the devices' sum."""
+    if not self.mesh:
+      return run(self.stacks(), x, weights, idx, shared)
+    y = on_local_experts(self.mesh, lambda s, x, w, i: run(s, x, w, i, None), self.stacks(), x, weights, idx)
+    return y if shared is None else y + jnp.asarray(shared, F32)
 
   def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, shared=None,
                operand_dtype=F32) -> jnp.ndarray:
     """y[t] = shared[t] + sum_k weights[t,k] * E_{idx[t,k]}(x[t]), by the exact reference
     (kernels_pallas/moe/reference.py: every expert on every token, quantized experts decoded one at a time)."""
-    stacks = [moe_kernels.QuantizedExpertWeights.from_storage(w.format, w.storage(), w.logical_shape)
-              if isinstance(w, QuantizedWeight) else w[...] for w in (self.w1, self.w2, self.w3)]
-    return moe_reference(x, weights, idx, *stacks, swiglu_limit=self.limit, shared=shared,
-                         operand_dtype=operand_dtype)
+    def run(stacks, x, w, ids, shared):
+      return moe_reference(x, w, ids, *self.as_formats(stacks), swiglu_limit=self.limit, shared=shared,
+                           operand_dtype=operand_dtype)
+    return self.routed(run, x, weights, idx, shared)
+
+
+def _quantized(w: QuantizedWeight, storage: dict) -> moe_kernels.QuantizedExpertWeights:
+  """A quantized stack's storage (all experts, or one device's slice) as the kernels' and the reference's format."""
+  n = storage[next(iter(storage))].shape[0]
+  return moe_kernels.QuantizedExpertWeights.from_storage(w.format, storage, (n, *w.logical_shape[1:]))
+
+
+def local_routes(weights, idx, first, count) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """The routes [S, K] as a device holding experts [first, first + count) sees them: ids made local (id - first),
+  routes to experts it does not hold masked (id -1, weight 0), so that they contribute nothing there."""
+  ids = idx - first
+  mine = (ids >= 0) & (ids < count)
+  return jnp.where(mine, weights, 0.0), jnp.where(mine, ids, -1)
+
+
+def on_local_experts(spec: str, run, stacks: tuple, x, weights, idx) -> jnp.ndarray:
+  """Expert parallelism over the `expert` axis of the mesh `spec` (ds4jax/mesh.py): inside `jax.shard_map` device d
+  holds experts [d·E/n, (d+1)·E/n) of `stacks` (split on their leading dimension) and runs
+  `run(its stacks, x, weights, ids)` on the routes as it sees them (`local_routes`). The devices' [S, D] f32 outputs
+  are summed (psum). x, weights, idx and the result are replicated.
+
+  check_vma=False: the reference's scan carry and the Pallas calls are not written for shard_map's varying-axis
+  types (a zero carry starts invariant and turns varying); the one cross-device value is the psum's, replicated by
+  construction."""
+  def local(stacks, x, weights, idx):
+    per_device = jax.tree.leaves(stacks)[0].shape[0]
+    first = jax.lax.axis_index(mesh_lib.EXPERT) * per_device
+    return jax.lax.psum(run(stacks, x, *local_routes(weights, idx, first, per_device)), mesh_lib.EXPERT)
+
+  return jax.shard_map(local, mesh=mesh_lib.build(spec), in_specs=(P(mesh_lib.EXPERT), P(), P(), P()),
+                       out_specs=P(), check_vma=False)(stacks, x, weights, idx)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -147,9 +210,11 @@ class MoE(nnx.Module):
     return routed_with_kernels(self.experts, x, weights, idx, shared, features), idx
 
 
-def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: int) -> moe_kernels.Config:
-  """The grouped-MoE kernel knobs that the feature switches select."""
-  E, I, D = experts.n_experts, experts.intermediate, experts.hidden
+def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: int,
+                  num_experts: int | None = None) -> moe_kernels.Config:
+  """The grouped-MoE kernel knobs that the feature switches select (`num_experts`: the experts the kernels see,
+  one device's on a mesh; default all)."""
+  E, I, D = num_experts or experts.n_experts, experts.intermediate, experts.hidden
   forced = dict(block_m=features.moe_tile_rows, adaptive_tile=False) if features.moe_tile_rows else {}
   return moe_kernels.Config.default(
       num_tokens=x.shape[0], top_k=top_k, num_experts=E, hidden=D, intermediate=I, dtype=x.dtype,
@@ -165,10 +230,13 @@ def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Fea
   `moe_sparse_gate_up` feeds the quantized storage to the kernels, which dequantize each tile in-kernel;
   without it the stacked weights are dequantized first (in XLA, by the same canonical decode) and the
   kernels read bf16/f32 ("dequantize-then-matmul"). f32 operands make exact IEEE f32 dots; bf16
-  (`bf16_matmul`) tensor-core dots.
+  (`bf16_matmul`) tensor-core dots. On a mesh each device runs the kernels on its own experts (`Experts.routed`).
   """
   x = x.astype(features.matmul_dtype)
-  return moe_kernels.moe(x, weights, idx, *experts.kernel_weights(x.dtype, features.moe_sparse_gate_up),
-                         swiglu_limit=experts.limit, shared=shared,
-                         config=kernel_config(features, x, experts, idx.shape[1]),
-                         interpret=features.interpret, validate_routes=False)
+
+  def run(stacks, x, w, ids, shared):
+    ws = experts.kernel_weights(x.dtype, features.moe_sparse_gate_up, stacks)
+    return moe_kernels.moe(x, w, ids, *ws, swiglu_limit=experts.limit, shared=shared,
+                           config=kernel_config(features, x, experts, ids.shape[1], ws[0].shape[0]),
+                           interpret=features.interpret, validate_routes=False)
+  return experts.routed(run, x, weights, idx, shared)

@@ -21,6 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from ds4jax import config, decode, model
+from ds4jax import mesh as mesh_lib
 from ds4jax.checkpoint import mapping
 from experiments import flags as ds4_flags
 
@@ -37,6 +38,9 @@ _COMPARE = flags.DEFINE_boolean("compare_greedy", False, "With --speculate, also
                                 "report whether the tokens are identical (exit status 1 if not).")
 _DTYPE = flags.DEFINE_enum("dtype", "f32", ["f32", "bf16"], "Weight dtype.")
 _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
+_MESH = flags.DEFINE_string("mesh", "", "Devices to split the model over, e.g. expert=2: each device holds and runs "
+                            "its share of every layer's routed experts, the rest is replicated (docs/mesh.md). "
+                            "Empty: one device.")
 ds4_flags.define_feature_flags()
 ds4_flags.define_quant_policy_flag()
 
@@ -53,6 +57,14 @@ def _tokenizer():
   return tokenizers.Tokenizer.from_file(path)
 
 
+def _check_mesh(spec: str, cfg) -> None:
+  """--mesh: its axes (cfg None), or whether it fits the model and the devices."""
+  try:
+    mesh_lib.parse(spec) if cfg is None else mesh_lib.check(spec, cfg)
+  except mesh_lib.MeshError as e:
+    raise UsageError(f"--mesh: {e}") from e
+
+
 def main(argv):
   del argv
   try:
@@ -67,10 +79,17 @@ def run() -> dict:
   feats = ds4_flags.features_from_flags(flags.FLAGS)
   dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
   tok = _tokenizer() if _PROMPT.value is not None else None
+  mesh_spec = _MESH.value
+  _check_mesh(mesh_spec, None)
   if _CHECKPOINT.value:
+    if mesh_spec and os.path.isfile(os.path.join(_CHECKPOINT.value, "config.json")):  # before reading the weights
+      _check_mesh(mesh_spec, config.DeepseekV4Config.from_hf_config(_CHECKPOINT.value))
     m = mapping.load_checkpoint(_CHECKPOINT.value, dtype=dtype, policy=flags.FLAGS.quant_policy, log=None)
   else:
-    m = model.init_random(config.preset(_PRESET.value), _SEED.value, dtype, flags.FLAGS.quant_policy)
+    cfg = config.preset(_PRESET.value)
+    _check_mesh(mesh_spec, cfg)  # before drawing the weights
+    m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy)
+  m = mesh_lib.place(m, mesh_spec)
   ids = (np.asarray(tok.encode(_PROMPT.value).ids) if tok else np.asarray([int(x) for x in _PROMPT_IDS.value]))
   n = _NEW.value
   room = m.cfg.max_position_embeddings - len(ids) - (decode.MAX_VERIFY if _SPECULATE.value else 1)
@@ -78,7 +97,8 @@ def run() -> dict:
     raise UsageError(f"--max_new_tokens={n}: the prompt of {len(ids)} tokens leaves room for 1..{room} "
                      f"(max_position_embeddings={m.cfg.max_position_embeddings})")
   print(f"{m.cfg.name} {'checkpoint ' + _CHECKPOINT.value if _CHECKPOINT.value else 'random weights'}; "
-        f"{len(ids)} prompt tokens; switches on: {feats.on() or 'none'}", flush=True)
+        f"{len(ids)} prompt tokens; switches on: {feats.on() or 'none'}; {mesh_lib.describe(mesh_spec, m.cfg)}",
+        flush=True)
 
   say = lambda done, bands, drafted, accepted: print(
       f"\r  {done}/{n} tokens, {bands} bands" + (f", {accepted}/{drafted} drafted accepted" if drafted else ""),
@@ -102,7 +122,7 @@ def run() -> dict:
   text = tok.decode(out.tolist()) if tok else " ".join(map(str, out.tolist()))
   print(text)
   result = dict(model=m.cfg.name, checkpoint=_CHECKPOINT.value, prompt_tokens=len(ids), new_tokens=int(n),
-                tokens=out.tolist(), speculate=_SPECULATE.value, features=feats.to_dict(),
+                tokens=out.tolist(), speculate=_SPECULATE.value, features=feats.to_dict(), mesh=mesh_spec,
                 prefill_tok_per_s=len(ids) / prefill_s, decode_tok_per_s=n / decode_s, **extra)
   print(f"prefill {result['prefill_tok_per_s']:.1f} tok/s (first call, compile included); decode "
         f"{result['decode_tok_per_s']:.1f} tok/s (compiles included)"

@@ -13,8 +13,10 @@ from flax import nnx
 
 from ds4jax import config
 from ds4jax.config import Routing
-from ds4jax.moe import MoE, Router, Experts, SharedExpert
-from kernels_pallas.moe.reference import clamped_swiglu
+from ds4jax.moe import MoE, Router, Experts, SharedExpert, local_routes
+from ds4jax.layers import QuantizedWeight
+from ds4jax.quant import formats
+from kernels_pallas.moe.reference import clamped_swiglu, moe_reference
 
 S = 10
 HASH_LAYER, TOPK_LAYER = 0, 1  # in the tiny preset
@@ -290,3 +292,60 @@ def test_moe_hand_written_tid2eid_with_duplicates(seed, rng):
   dedup = table.copy()
   dedup[:, 1] = table[:, 2]
   assert np.max(np.abs(got - ref_moe(moe, cfg, x, tokens, dedup))) > 1e-3
+
+
+# ---- one device's share of the experts (expert parallelism, ds4jax/mesh.py) ----
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_devices_shares_of_the_experts_sum_to_the_whole(seed, rng, n):
+  """What each device of an `expert=n` mesh computes (moe.on_local_experts, without the mesh): its experts' slice,
+  with the routes as it sees them (local ids; other devices' experts masked). The shares sum to the whole MoE, and
+  each is only its own experts' part."""
+  cfg = cfg_()
+  ex = make_experts(seed, rng, cfg)
+  x = rng.standard_normal((S, cfg.hidden_size)).astype(np.float32)
+  w, idx = random_routing(rng, cfg)
+  whole = np.asarray(_experts(ex, jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx)))
+  per = cfg.n_routed_experts // n
+  shares = []
+  for d in range(n):
+    lw, li = local_routes(jnp.asarray(w), jnp.asarray(idx), d * per, per)
+    mine = (idx >= d * per) & (idx < (d + 1) * per)
+    np.testing.assert_array_equal(np.asarray(li), np.where(mine, idx - d * per, -1))
+    np.testing.assert_array_equal(np.asarray(lw), np.where(mine, w, 0))
+    stacks = tuple(a[d * per:(d + 1) * per] for a in ex.stacks())
+    shares.append(np.asarray(_local_share(ex, stacks, jnp.asarray(x), lw, li)))
+    own = ref_experts(x, np.where(mine, w, 0), idx, ex.w1[...], ex.w2[...], ex.w3[...], cfg.swiglu_limit)
+    np.testing.assert_allclose(shares[-1], own, atol=1e-5, rtol=1e-5)
+  assert all(np.abs(s).max() > 1e-2 for s in shares)
+  np.testing.assert_allclose(np.sum(shares, axis=0), whole, atol=1e-5, rtol=1e-5)
+
+
+_local_share = nnx.jit(lambda e, stacks, x, w, i: moe_reference(x, w, i, *e.as_formats(stacks), swiglu_limit=e.limit))
+
+
+def test_a_slice_of_quantized_experts_is_those_experts(seed, rng):
+  """A device holds a slice of every storage array along the experts (codes, scales, codebooks, mode): it decodes to
+  those experts, as the reference's format and as the kernels' (in-kernel and decoded-first) weights."""
+  cfg = cfg_()
+  ex = make_experts(seed, rng, cfg)
+  for name in ("w1", "w2", "w3"):  # the numpy encoder fits each expert's own codebooks
+    w = np.asarray(getattr(ex, name)[...])
+    storage = {k: jnp.asarray(a) for k, a in formats.get("rocmfp3_mix").quantize(w).items()}
+    setattr(ex, name, QuantizedWeight("rocmfp3_mix", w.shape, storage))
+  part = tuple({k: a[2:4] for k, a in s.items()} for s in ex.stacks())
+  whole, decoded = _slice_decodes(ex, part)
+  whole = [np.asarray(w) for w in whole]
+  for got, ours in zip(decoded, whole * 3):
+    assert got.shape[0] == 2
+    np.testing.assert_array_equal(np.asarray(got), ours[2:4])
+  assert whole[0][2:4].std() > 0
+
+
+@nnx.jit
+def _slice_decodes(ex, part):
+  """(every expert decoded, then the slice `part` decoded three ways: reference format, in-kernel, decoded first)."""
+  return [w.dequantize() for w in (ex.w1, ex.w2, ex.w3)], (
+      [f.dequantize() for f in ex.as_formats(part)]
+      + [f.dequantize() for f in ex.kernel_weights(jnp.float32, True, part)]
+      + [f.w for f in ex.kernel_weights(jnp.float32, False, part)])

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from ds4jax import config as config_lib
+from ds4jax import mesh as mesh_lib
 from ds4jax import model as model_lib
 from ds4jax.checkpoint import mapping
 from experiments.qualification.options import DTYPES, Options, StartupError
@@ -72,6 +73,16 @@ def weights_fingerprint(m, samples_per_leaf: int = 1024) -> str:
 
 
 def model_config(opts: Options) -> config_lib.DeepseekV4Config:
+  """The model's config; also checks that --mesh fits it and the devices (before any weights exist)."""
+  cfg = _config(opts)
+  try:
+    mesh_lib.check(opts.mesh, cfg)
+  except mesh_lib.MeshError as e:
+    raise StartupError(f"--mesh: {e}") from e
+  return cfg
+
+
+def _config(opts: Options) -> config_lib.DeepseekV4Config:
   if (opts.preset is None) == (opts.checkpoint is None):
     raise StartupError("give exactly one of --preset (random weights) or --checkpoint (a checkpoint directory)")
   if opts.checkpoint is not None:
@@ -123,7 +134,14 @@ def prompt_ids(opts: Options, cfg: config_lib.DeepseekV4Config) -> tuple[np.ndar
 
 
 def build_model(opts: Options, cfg: config_lib.DeepseekV4Config, log: Callable[[str], None] = print):
+  """The weights, placed on --mesh (each device its share of the routed experts, the rest replicated). A checkpoint
+  is read onto the default device first, then placed (docs/mesh.md: per-shard loading is not done yet)."""
   dtype = DTYPES[opts.dtype]
   if opts.checkpoint is not None:
-    return mapping.load_checkpoint(opts.checkpoint, cfg, dtype=dtype, policy=opts.quant_policy, log=log)
-  return model_lib.init_random(cfg, opts.seed, dtype=dtype, policy=opts.quant_policy)
+    m = mapping.load_checkpoint(opts.checkpoint, cfg, dtype=dtype, policy=opts.quant_policy, log=log)
+  else:
+    m = model_lib.init_random(cfg, opts.seed, dtype=dtype, policy=opts.quant_policy)
+  if opts.mesh:
+    m = mesh_lib.place(m, opts.mesh)
+    log(mesh_lib.describe(opts.mesh, cfg))
+  return m

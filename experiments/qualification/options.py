@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from ds4jax import config as config_lib
+from ds4jax import mesh as mesh_lib
 from ds4jax.features import KNOBS, SWITCHES, FeatureError
 from experiments import flags as flags_lib
 from experiments import mutations
@@ -52,6 +53,7 @@ class Options:
   stop_after_s: float = 0.0            # > 0: start nothing new this long after the start (a bounded call)
   features: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # switch/knob -> value (None = table)
   device_class: str | None = None      # default: the capability-table class of jax.devices()[0]
+  mesh: str = ""                       # "expert=N": routed experts split over N devices (ds4jax/mesh.py); "" = one
 
 
 def define_flags(flag_values=None) -> None:
@@ -109,6 +111,10 @@ def define_flags(flag_values=None) -> None:
                      "weights included: a call bounded by a time limit ends on its own with everything it finished "
                      "on file, and --append continues. Runs not started are listed in the results. 0 = no limit.",
                      flag_values=fv)
+  flags.DEFINE_string("mesh", d.mesh,
+                      "Devices to split the model over, e.g. expert=2: each device holds 1/2 of every layer's routed "
+                      "experts and runs them; attention, dense projections, router and shared expert are replicated "
+                      "(docs/mesh.md). Only the expert axis exists yet. Empty: one device.", flag_values=fv)
   flags.DEFINE_boolean("append", d.append, "Keep the records in --out; skip (length, config) pairs already done with "
                        "the same weights and prompt; retry failed ones.", flag_values=fv)
   flags_lib.define_quant_policy_flag(fv)
@@ -127,7 +133,7 @@ def options_from_flags(fv) -> Options:
                  exact_max_tokens=fv.exact_max_tokens, parity_prefix_tokens=fv.parity_prefix_tokens,
                  verdict_tokens=fv.verdict_tokens, kl_gate=fv.kl_gate, noise_floor_eps=fv.noise_floor_eps,
                  out=fv.out, append=fv.append, precompile_workers=fv.precompile_workers, max_cold_s=fv.max_cold_s,
-                 stop_after_s=fv.stop_after_s,
+                 stop_after_s=fv.stop_after_s, mesh=fv.mesh,
                  features={k: getattr(fv, k) for k in list(SWITCHES) + list(KNOBS)})
 
 
@@ -170,5 +176,9 @@ def validate(opts: Options) -> None:
                        "below one f32 rounding the perturbed streams would round back to the exact ones")
   if opts.dtype not in DTYPES:
     raise StartupError(f"--dtype must be one of {list(DTYPES)}, got {opts.dtype!r}")
+  try:
+    mesh_lib.parse(opts.mesh)  # the axes; whether they fit the model and the devices: inputs.model_config
+  except mesh_lib.MeshError as e:
+    raise StartupError(f"--mesh: {e}") from e
   if not opts.out or not opts.out.endswith(".json"):
     raise StartupError(f"--out must name a .json file, got {opts.out!r}")

@@ -103,8 +103,8 @@ def _done_pairs(opts: Options, setup: Setup, fingerprint: str) -> set[tuple[int,
   by_name = {c.name: c for c in setup.configs}
   for r in setup.existing.records if setup.existing else []:
     conf = by_name.get(r.config) if r.length in opts.lengths else None
-    why = store.same_run(r, fingerprint, setup.prompt_sha, conf and conf.features.to_dict())
-    if why and (r.status in ("ok", "too_slow") or "weights fingerprint" in why or "prompt ids" in why):
+    why = store.same_run(r, fingerprint, setup.prompt_sha, conf and conf.features.to_dict(), opts.mesh)
+    if why and (r.status in ("ok", "too_slow") or {"weights fingerprint", "prompt ids", "mesh"} & set(why)):
       raise StartupError(
           f"{opts.out} holds a record for length {r.length} / {r.config} made with different "
           f"{', '.join(why)}: a matched matrix needs the same weights, prompt and features; use another --out")

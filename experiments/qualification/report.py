@@ -112,7 +112,8 @@ def markdown_table(results) -> str:
     lines += [f"Prefill qualification: {mdl['name']} ({mdl['policy']}, {mdl['dtype']}"
               f"{', ' + mdl['checkpoint'] if mdl.get('checkpoint') else ', random weights seed ' + str(mdl['seed'])}), "
               f"weights {r0.weights_fingerprint[:12]}, prompt {r0.prompt['source']['kind']}; "
-              f"{env['device_kind']} ({r0.features['device_class']}), jax {env['jax']}, "
+              f"{env['device_kind']} ({r0.features['device_class']})"
+              f"{', mesh ' + r0.options['mesh'] if (r0.options or {}).get('mesh') else ''}, jax {env['jax']}, "
               f"commit {env['git_commit'][:10]}{' (dirty)' if env.get('git_dirty') else ''}.", ""]
   lines += ["| length | config | tok/s | speedup vs all_off | cold s | verdict (tokens) | worst layer NMSE / bound "
             "| teacher-forced KL / bound | final-position KL | timing |",

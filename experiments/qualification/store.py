@@ -78,11 +78,15 @@ def save(out: str, results: Results) -> None:
     f.write(report.markdown_table(results))
 
 
-def same_run(r: Record, fingerprint: str, prompt_sha: Mapping[int, str], features: dict | None) -> list[str]:
-  """Why an existing record does not belong to this run's matched matrix (empty list: it does)."""
+def same_run(r: Record, fingerprint: str, prompt_sha: Mapping[int, str], features: dict | None,
+             mesh: str = "") -> list[str]:
+  """Why an existing record does not belong to this run's matched matrix (empty list: it does). A sharded run
+  (--mesh) is not the unsharded one: same weights and features, other programs and collectives."""
   why = []
   if r.weights_fingerprint != fingerprint:
     why.append("weights fingerprint")
+  if (r.options or {}).get("mesh", "") != mesh:
+    why.append("mesh")
   if r.length in prompt_sha and r.prompt.get("sha256") != prompt_sha[r.length]:
     why.append("prompt ids")
   if features is not None and r.features != features:
@@ -102,18 +106,20 @@ def merge_results(out: str, sources: list[str]) -> Results:
   (created if missing) and rewrites its .md table; returns the merged results.
 
   A (length, config) record from a source replaces the one in `out` unless that one measured more (`rank`).
-  Records must share the weights fingerprint, and per length the prompt ids and per config the features;
+  Records must share the weights fingerprint and the mesh, and per length the prompt ids and per config the features;
   invocations and noise floors are kept once each. Raises StartupError on a mixed set, before writing."""
   doc = load_results(out) if os.path.exists(out) else Results()
   by_key = {r.key: r for r in doc.records}
   fingerprint = next(iter(by_key.values())).weights_fingerprint if by_key else None
   prompt_sha = {r.length: r.prompt["sha256"] for r in by_key.values()}
   features = {r.config: r.features for r in by_key.values()}
+  mesh = (next(iter(by_key.values())).options or {}).get("mesh", "") if by_key else None
   for path in sources:
     src = load_results(path)
     for r in src.records:
       fingerprint = fingerprint or r.weights_fingerprint
-      why = same_run(r, fingerprint, prompt_sha, features.get(r.config))
+      mesh = (r.options or {}).get("mesh", "") if mesh is None else mesh
+      why = same_run(r, fingerprint, prompt_sha, features.get(r.config), mesh)
       if why:
         raise StartupError(f"{path}: record {r.key} differs from the records merged so far in {', '.join(why)}: "
                            "not one matched matrix")

@@ -547,6 +547,16 @@ def test_merge_results_of_side_by_side_calls(tmp_path, tiny_model):
   with pytest.raises(q.StartupError, match="differs from the records merged so far in weights fingerprint"):
     q.merge_results(main, [a])
   assert q.load_results(main) == doc  # nothing written
+  # A sharded run (--mesh) is another matrix: same weights and features, other programs.
+  bad["records"][-1]["weights_fingerprint"] = doc.records[0].weights_fingerprint
+  bad["records"][-1]["options"]["mesh"] = "expert=2"
+  with open(a, "w") as f:
+    json.dump(bad, f)
+  with pytest.raises(q.StartupError, match="differs from the records merged so far in mesh"):
+    q.merge_results(main, [a])
+  on = doc.records[0]  # --append on the CPU (one device) cannot ask for a mesh: the check itself
+  assert store.same_run(on, on.weights_fingerprint, {}, None, "expert=2") == ["mesh"]
+  assert store.same_run(on, on.weights_fingerprint, {}, None) == []
 
 
 # ---- start-up errors ----

@@ -1,0 +1,145 @@
+"""Where a model's weights live on several devices of one host: the mesh spec, its checks, and weight placement.
+
+    spec = "expert=2"                         # "" = one device (no mesh)
+    mesh.check(spec, cfg)                     # MeshError (a ValueError) naming what is wrong, before any weights
+    m = mesh.place(model, spec)               # a new model over the same values: routed experts split, rest replicated
+
+One axis is supported, `expert`: each device holds E/n of every layer's routed experts (every storage array of a
+quantized stack leads with the expert dimension: codes, scales, codebooks, mode) and everything else is replicated.
+A placed model carries its spec on each `Experts` module (a static attribute, so it is part of the layer programs'
+graphdef and keys their jit caches); the MoE then runs each device's experts inside `jax.shard_map` and sums the
+devices' outputs (ds4jax/moe.py, `Experts.routed`). Why the model carries the spec rather than `Features` or jax's
+context mesh: where the weights live and where the experts run cannot disagree then (a `Features.mesh` could ask
+for a split of weights that sit whole on one device, or forget one that is split, and each call would silently
+gather or scatter every expert), and every entry point, the banded prefill and decoding run sharded with no
+argument added anywhere. docs/mesh.md says what is sharded, what is not yet, and why.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+EXPERT = "expert"
+SUPPORTED = (EXPERT,)
+# Axes a later increment may add: named here so that a spec using one fails with a message that says so.
+NOT_YET = {"head": "attention heads and the dense projections are replicated in this increment (V4-Flash's dense "
+                   "part is small next to its routed experts; docs/mesh.md)"}
+
+
+class MeshError(ValueError):
+  """A mesh spec that is malformed, names an unsupported axis, or does not fit the model or the devices."""
+
+
+def parse(spec: str) -> tuple[tuple[str, int], ...]:
+  """"expert=2" -> (("expert", 2),); "" -> () (one device). Raises MeshError."""
+  spec = (spec or "").strip()
+  if not spec:
+    return ()
+  axes: dict[str, int] = {}
+  for item in spec.split(","):
+    name, eq, size = (s.strip() for s in item.partition("="))
+    if not eq or not name or not size.isdigit() or int(size) < 1:
+      raise MeshError(f"mesh spec {spec!r}: {item.strip()!r} is not axis=size with a positive integer size "
+                      f"(e.g. {EXPERT}=2)")
+    if name in NOT_YET:
+      raise MeshError(f"mesh spec {spec!r}: axis {name!r} is not supported yet: {NOT_YET[name]}; supported: "
+                      f"{', '.join(f'{a}=N' for a in SUPPORTED)}")
+    if name not in SUPPORTED:
+      raise MeshError(f"mesh spec {spec!r}: unknown axis {name!r}; supported: "
+                      f"{', '.join(f'{a}=N' for a in SUPPORTED)}")
+    if name in axes:
+      raise MeshError(f"mesh spec {spec!r}: axis {name!r} is given twice")
+    axes[name] = int(size)
+  return tuple(axes.items())
+
+
+def expert_devices(spec: str) -> int:
+  """Devices the routed experts are split over (1 without a mesh)."""
+  return dict(parse(spec)).get(EXPERT, 1)
+
+
+def check(spec: str, cfg, n_devices: int | None = None) -> tuple[tuple[str, int], ...]:
+  """The parsed spec, if it fits the model config `cfg` (E divisible by the expert axis) and the devices jax sees
+  (`n_devices`, default jax.device_count()). Raises MeshError naming the rule."""
+  axes = parse(spec)
+  if not axes:
+    return axes
+  n = expert_devices(spec)
+  E = cfg.n_routed_experts
+  if E % n:
+    raise MeshError(f"mesh spec {spec!r}: {cfg.name}'s {E} routed experts do not split evenly over {n} devices "
+                    f"({EXPERT}=N needs N to divide {E})")
+  have = jax.device_count() if n_devices is None else n_devices
+  need = int(np.prod([size for _, size in axes]))
+  if need > have:
+    raise MeshError(f"mesh spec {spec!r} needs {need} devices; jax sees {have} (on the CPU, "
+                    f"XLA_FLAGS=--xla_force_host_platform_device_count={need} gives more)")
+  return axes
+
+
+@functools.lru_cache(maxsize=None)
+def build(spec: str) -> Mesh:
+  """The Mesh of a spec: its axes over the first devices jax lists, in order (the same spec gives the same Mesh,
+  so the programs that use it are cached once)."""
+  axes = parse(spec)
+  if not axes:
+    raise MeshError("an empty mesh spec means one device: there is no mesh to build")
+  shape = tuple(size for _, size in axes)
+  need = int(np.prod(shape))
+  devices = jax.devices()
+  if need > len(devices):
+    raise MeshError(f"mesh spec {spec!r} needs {need} devices; jax sees {len(devices)}")
+  return Mesh(np.asarray(devices[:need]).reshape(shape), tuple(name for name, _ in axes))
+
+
+def expert_sharding(spec: str) -> NamedSharding:
+  """Leading (expert) dimension split over the `expert` axis, the rest whole."""
+  return NamedSharding(build(spec), P(EXPERT))
+
+
+def replicated(spec: str) -> NamedSharding:
+  return NamedSharding(build(spec), P())
+
+
+def is_expert_path(path: tuple) -> bool:
+  """A routed-expert stack's parameter: under `layers.L.ffn.experts` (the official names' `ffn.experts.E.w1`, stacked;
+  the shared expert is `ffn.shared_experts`)."""
+  return any(path[i:i + 2] == ("ffn", "experts") for i in range(len(path) - 1))
+
+
+def place(m, spec: str):
+  """A new model over `m`'s values (m itself is left as it was) with its routed experts split over the spec's
+  `expert` axis and every other weight replicated over the mesh; its `Experts` modules carry the spec, so the MoE
+  runs each device's experts where they live. "" returns `m`. The spec is checked against m.cfg first."""
+  if not parse(spec):
+    return m
+  check(spec, m.cfg)
+  graphdef, state = nnx.split(m)
+  E = m.cfg.n_routed_experts
+  split, whole = expert_sharding(spec), replicated(spec)
+  placed = []
+  for path, var in nnx.to_flat_state(state):
+    value = var[...]
+    if is_expert_path(tuple(path)) and value.shape[:1] != (E,):
+      raise MeshError(f"{'.'.join(map(str, path))}: shape {value.shape} does not lead with the {E} experts")
+    placed.append((path, var.replace(jax.device_put(value, split if is_expert_path(tuple(path)) else whole))))
+  copy = nnx.merge(graphdef, nnx.from_flat_state(placed))  # new modules and variables: m keeps its own
+  for path, module in nnx.iter_modules(copy):
+    if tuple(path)[-2:] == ("ffn", "experts"):
+      module.mesh = spec  # moe.Experts: its routed experts run where they live (ds4jax/moe.py)
+  return copy
+
+
+def describe(spec: str, cfg) -> str:
+  """One start-up line: how the model is laid out over the devices."""
+  if not parse(spec):
+    return "mesh: none (one device)"
+  n = expert_devices(spec)
+  return (f"mesh {spec}: {cfg.n_routed_experts // n} of {cfg.n_routed_experts} routed experts per device on "
+          f"{n} devices; attention, dense projections, router and shared expert replicated")

@@ -1,0 +1,210 @@
+"""ds4jax/mesh.py: the mesh spec and its checks; a placed model (routed experts split over the `expert` axis, the rest
+replicated) prefills the same logits as the one-device model, on the exact path and through the MoE kernels.
+
+jax fixes its device count when its backend starts, and the suite runs on one CPU device, so the sharded runs happen
+in one subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4: this file run as a script (`main`) builds
+a one-layer tiny_sparse model (8 experts: 4 per device on expert=2, 2 on expert=4) with quantized experts, places
+it, prefills 16 seeded random tokens on one device (the exact path) and sharded (under each feature set below), and
+prints one JSON line that the tests below read. One layer keeps it to one layer program per (features, mesh): the
+MoE is what is split, and every layer passes its input and output through the same streams.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES = 4
+EXPERT_FORMAT = "rocmfp3_mix"  # quantized experts: codes, scales, codebooks and mode [E] all split
+# Sharded runs: the exact path; every MoE switch the CPU advertises (in-kernel decode of the quantized experts,
+# adaptive tile, compact queue, persistent programs, fused combine); dequantize-then-matmul with weights-stationary
+# bands (the experts decoded once per layer, outside the layer step, kept split). Each is a compile of its own, so
+# each takes one mesh size (both sizes are covered), and all are held to the one-device exact path: in f32 these
+# switches change kernels, not math (tests/test_model_features.py holds them within NMSE 1e-10 of it; ~2e-6 apart
+# here, in logits up to ~12).
+MOE_KERNELS = {"moe_sparse_gate_up": True, "moe_adaptive_tile": True, "moe_compact_queue": True,
+               "moe_persistent": True, "moe_fused_combine": True}
+SHARDED = {
+    "exact/expert=4": ({}, "expert=4"),
+    "moe_kernels/expert=2": (MOE_KERNELS, "expert=2"),
+    "stationary_decoded/expert=4": ({"moe_compact_queue": True, "prefill_weights_stationary": True,
+                                     "prefill_band_tokens": 8}, "expert=4"),
+}
+TOKENS = 16
+RTOL, ATOL = 1e-5, 1e-5  # summation order: the devices' partial sums, the shared expert added after them
+
+
+def quantized_experts(m):
+  """`m` with its routed experts encoded in EXPERT_FORMAT by the format's numpy encoder (the random-storage init of a
+  quantized policy costs ~10 s of compiles here), which fits each expert's own codebooks: a device handed another
+  device's side data would decode other values."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from ds4jax.layers import QuantizedWeight  # pylint: disable=import-outside-toplevel
+  from ds4jax.quant import formats  # pylint: disable=import-outside-toplevel
+
+  for block in m.layers:
+    for name in ("w1", "w2", "w3"):
+      w = np.asarray(getattr(block.ffn.experts, name)[...])
+      storage = {k: jnp.asarray(a) for k, a in formats.get(EXPERT_FORMAT).quantize(w).items()}
+      setattr(block.ffn.experts, name, QuantizedWeight(EXPERT_FORMAT, w.shape, storage))
+  return m
+
+
+def main():
+  """The subprocess: prints {"placement": ..., "logits": {name: [max |diff|, max |ref|, excess over the tolerance]},
+  "errors": ...}."""
+  import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS, set by the parent)
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from ds4jax import config, features, mesh, model, prefill  # pylint: disable=import-outside-toplevel
+  from ds4jax.config import Attention, Routing  # pylint: disable=import-outside-toplevel
+
+  assert jax.device_count() == DEVICES, jax.devices()
+  cfg = config.tiny_sparse(attention=(Attention.WINDOW,), routing=(Routing.TOPK,))
+  m = quantized_experts(model.init_random(cfg, seed=int(sys.argv[2]), dtype=jnp.float32))
+  tokens = np.random.default_rng(int(sys.argv[2])).integers(0, cfg.vocab_size, TOKENS)
+  out = {"logits": {}, "errors": {}}
+
+  placed = {spec: mesh.place(m, spec) for spec in ("expert=2", "expert=4")}
+  leaves = lambda mm: {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(mm))}
+  s4, orig = leaves(placed["expert=4"]), leaves(m)
+  experts = [k for k in s4 if mesh.is_expert_path(tuple(k.split(".")))]
+  out["placement"] = {
+      "expert_leaves": sorted(k.rsplit(".", 1)[-1] for k in experts if k.startswith("layers.0.ffn.experts.w1")),
+      "expert_local_rows": sorted({s4[k].sharding.shard_shape(s4[k].shape)[0] for k in experts}),
+      "expert_devices": sorted({len(s4[k].sharding.device_set) for k in experts}),
+      "other_replicated_on": sorted({len(v.sharding.device_set) if v.sharding.is_fully_replicated else -1
+                                     for k, v in s4.items() if k not in experts}),
+      "values_equal": all(np.array_equal(np.asarray(s4[k]), np.asarray(orig[k])) for k in s4),
+      "experts_mesh": [blk.ffn.experts.mesh for blk in placed["expert=4"].layers],
+      "original_mesh": [blk.ffn.experts.mesh for blk in m.layers],
+      "original_on_devices": sorted({len(v.sharding.device_set) for v in orig.values()}),
+  }
+
+  run = lambda mm, overrides: np.asarray(prefill.prefill(
+      mm, tokens, features.resolve("cpu_interpret", {"prefill_band_tokens": 0} | overrides), all_logits=True))
+  ref = run(m, {})
+  for key, (overrides, spec) in SHARDED.items():
+    got = run(placed[spec], overrides)
+    excess = float(np.max(np.abs(got - ref) - (ATOL + RTOL * np.abs(ref))))
+    out["logits"][key] = [float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref))), excess]
+
+  for spec in ("expert=8", "expert=3"):
+    try:
+      mesh.place(m, spec)
+      out["errors"][spec] = None
+    except mesh.MeshError as e:
+      out["errors"][spec] = str(e)
+  print("MESH_RESULT " + json.dumps(out), flush=True)
+
+
+@pytest.fixture(scope="module")
+def sharded(module_seed):
+  flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}").strip()
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+  p = subprocess.run([sys.executable, os.path.abspath(__file__), "main", str(module_seed)], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=600)
+  lines = [ln for ln in p.stdout.splitlines() if ln.startswith("MESH_RESULT ")]
+  assert p.returncode == 0 and lines, p.stderr[-3000:]
+  return json.loads(lines[-1].removeprefix("MESH_RESULT "))
+
+
+def test_place_splits_every_expert_array_and_replicates_the_rest(sharded):
+  got = sharded["placement"]
+  assert got["expert_leaves"] == ["books", "codes_hi", "codes_lo", "mode", "scales"]  # rocmfp3_mix storage
+  assert got["expert_local_rows"] == [2] and got["expert_devices"] == [DEVICES]  # 8 experts, 2 per device
+  assert got["other_replicated_on"] == [DEVICES]  # attention, router, shared expert, head: whole on every device
+  assert got["values_equal"]
+  assert got["experts_mesh"] == ["expert=4"]  # the MoE runs where the experts live
+  assert got["original_mesh"] == [""] and got["original_on_devices"] == [1]  # place() leaves its input alone
+
+
+@pytest.mark.parametrize("key", list(SHARDED))
+def test_sharded_prefill_equals_one_device(sharded, key):
+  diff, scale, excess = sharded["logits"][key]
+  print(f"{key}: max |logits - one device| {diff:.2e} (logits up to {scale:.1f})")
+  assert scale > 1 and excess <= 0, (diff, scale)
+
+
+def test_place_refuses_a_mesh_that_does_not_fit(sharded):
+  assert sharded["errors"]["expert=8"] == ("mesh spec 'expert=8' needs 8 devices; jax sees 4 (on the CPU, "
+                                           "XLA_FLAGS=--xla_force_host_platform_device_count=8 gives more)")
+  assert "8 routed experts do not split evenly over 3 devices" in sharded["errors"]["expert=3"]
+
+
+# ---- the spec and its checks, in this process (one device) ----
+
+def test_parse():
+  from ds4jax import mesh  # pylint: disable=import-outside-toplevel
+
+  assert mesh.parse("") == () and mesh.parse(" ") == ()
+  assert mesh.parse("expert=2") == (("expert", 2),) and mesh.parse(" expert = 4 ") == (("expert", 4),)
+  assert mesh.expert_devices("") == 1 and mesh.expert_devices("expert=4") == 4
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("head=2", "mesh spec 'head=2': axis 'head' is not supported yet: attention heads and the dense projections are "
+               "replicated in this increment"),
+    ("expert=2,head=2", "axis 'head' is not supported yet: attention heads"),
+    ("tensor=2", "mesh spec 'tensor=2': unknown axis 'tensor'; supported: expert=N"),
+    ("expert", "'expert' is not axis=size with a positive integer size (e.g. expert=2)"),
+    ("expert=0", "'expert=0' is not axis=size"),
+    ("expert=two", "'expert=two' is not axis=size"),
+    ("expert=2,expert=2", "axis 'expert' is given twice"),
+])
+def test_bad_spec_is_refused_with_its_reason(spec, message):
+  from ds4jax import mesh  # pylint: disable=import-outside-toplevel
+
+  with pytest.raises(mesh.MeshError) as e:
+    mesh.parse(spec)
+  assert message in str(e.value) and str(e.value).startswith(f"mesh spec {spec!r}: ")
+
+
+def test_check_against_the_model_and_the_devices():
+  from ds4jax import config, mesh  # pylint: disable=import-outside-toplevel
+
+  four = config.tiny_sparse(n_routed_experts=4)
+  with pytest.raises(mesh.MeshError, match=r"^mesh spec 'expert=3': tiny_sparse's 4 routed experts do not split "
+                                           r"evenly over 3 devices \(expert=N needs N to divide 4\)$"):
+    mesh.check("expert=3", four, n_devices=8)
+  with pytest.raises(mesh.MeshError, match=r"needs 4 devices; jax sees 2 \(on the CPU, "
+                                           r"XLA_FLAGS=--xla_force_host_platform_device_count=4 gives more\)$"):
+    mesh.check("expert=4", four, n_devices=2)
+  assert mesh.check("expert=4", four, n_devices=4) == (("expert", 4),)
+  assert mesh.check("", four) == ()
+  assert mesh.is_expert_path(("layers", 3, "ffn", "experts", "w1", "codes"))
+  assert not mesh.is_expert_path(("layers", 3, "ffn", "shared_experts", "w1", "weight"))
+  assert not mesh.is_expert_path(("layers", 3, "ffn", "gate", "weight"))
+
+
+def test_qualification_refuses_a_bad_mesh_at_start_up():
+  from experiments import qualification as q  # pylint: disable=import-outside-toplevel
+
+  for spec, message in (
+      ("head=2", "--mesh: mesh spec 'head=2': axis 'head' is not supported yet"),  # options.validate
+      ("expert=3", "--mesh: mesh spec 'expert=3': tiny_sparse's 8 routed experts do not split evenly over 3 devices"),
+      ("expert=2", "--mesh: mesh spec 'expert=2' needs 2 devices; jax sees 1"),  # inputs.model_config
+  ):
+    with pytest.raises(q.StartupError) as e:
+      q.qualify.start_up(q.Options(preset="tiny_sparse", lengths=(16,), mesh=spec))
+    assert str(e.value).startswith(message)
+
+
+def test_generate_refuses_a_bad_mesh_in_one_line():
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  p = subprocess.run([sys.executable, "-m", "experiments.generate", "--preset=tiny_window", "--prompt_ids=1,2",
+                      "--mesh=expert=3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
+      "generate: --mesh: mesh spec 'expert=3': tiny_window's 8 routed experts do not split evenly over 3 devices "
+      "(expert=N needs N to divide 8)"), p.stderr[-2000:]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["main"]:
+  main()
