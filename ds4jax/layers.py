@@ -5,6 +5,7 @@ Weights use the checkpoint's [out, in] layout.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -26,9 +27,26 @@ RESIDUAL_GAIN = 0.3
 def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> nnx.Param:
   """A N(0, std^2) parameter. Draws a power-of-two sized vector and reshapes it: eager random
   draws compile once per shape, and this keeps a tiny model's init from compiling ~100 of them."""
+  return nnx.Param(_normal(rngs.params(), tuple(shape), std, dtype))
+
+
+def _normal(key, shape: tuple, std: float, dtype) -> jax.Array:
   n = math.prod(shape)
-  draw = jax.random.normal(rngs.params(), (1 << max(n - 1, 0).bit_length(),), F32)[:n]
-  return nnx.Param((std * draw.reshape(shape)).astype(dtype))
+  draw = jax.random.normal(key, (1 << max(n - 1, 0).bit_length(),), F32)[:n]
+  return (std * draw.reshape(shape)).astype(dtype)
+
+
+def _draw(key, shape: tuple, std: float, dtype, fmt: str):
+  if fmt == "bf16":
+    return _normal(key, shape, std, dtype)
+  return quant_policy.random_storage(formats.get(fmt), shape, key, std)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "std", "dtype", "fmt", "sharding"))
+def _draw_sharded(key, *, shape: tuple, std: float, dtype, fmt: str, sharding):
+  """The same draw (same key, same bits) made straight into `sharding`: on a mesh each device computes its own shard,
+  so a model larger than one device is never whole on one (ds4jax/mesh.py)."""
+  return jax.lax.with_sharding_constraint(_draw(key, shape, std, dtype, fmt), sharding)
 
 
 class QuantStorage(nnx.Variable):
@@ -51,11 +69,13 @@ class QuantizedWeight(nnx.Module):
     return formats.get(self.format).dequantize(**self.storage())
 
 
-def make_weight(rngs: nnx.Rngs, shape, std: float, dtype, fmt: str = "bf16"):
-  """A random weight: a plain parameter in `dtype` for the "bf16" format, else quantized storage."""
-  if fmt == "bf16":
-    return normal(rngs, shape, std, dtype)
-  return QuantizedWeight(fmt, shape, quant_policy.random_storage(formats.get(fmt), tuple(shape), rngs.params(), std))
+def make_weight(rngs: nnx.Rngs, shape, std: float, dtype, fmt: str = "bf16", sharding=None):
+  """A random weight: a plain parameter in `dtype` for the "bf16" format, else quantized storage. `sharding`: drawn
+  straight into it (the routed experts on a mesh), with the bits of the unsharded draw."""
+  key, shape = rngs.params(), tuple(shape)
+  w = (_draw(key, shape, std, dtype, fmt) if sharding is None else
+       _draw_sharded(key, shape=shape, std=std, dtype=dtype, fmt=fmt, sharding=sharding))
+  return nnx.Param(w) if fmt == "bf16" else QuantizedWeight(fmt, shape, w)
 
 
 def dense(w) -> jnp.ndarray:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ds4jax import mesh as mesh_lib
 from ds4jax.attention import Attention
 from ds4jax.config import DeepseekV4Config
 from ds4jax.decisions import Decisions
@@ -30,14 +31,15 @@ LOGIT_STD = 3.0
 class Block(nnx.Module):
   """One layer: HC site around attention, HC site around the MoE."""
 
-  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype, policy: QuantPolicy):
+  def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype, policy: QuantPolicy,
+               mesh: str = ""):
     D, n, eps = cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps
     self.hc_attn = HyperConnection(D, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, rngs=rngs)
     self.attn_norm = RMSNorm(D, eps)
     self.attn = Attention(cfg, layer, rngs=rngs, dtype=dtype, policy=policy)
     self.hc_ffn = HyperConnection(D, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, rngs=rngs)
     self.ffn_norm = RMSNorm(D, eps)
-    self.ffn = MoE(cfg, layer, rngs=rngs, dtype=dtype, policy=policy)
+    self.ffn = MoE(cfg, layer, rngs=rngs, dtype=dtype, policy=policy, mesh=mesh)
 
   def __call__(self, X: jnp.ndarray, tokens: jnp.ndarray, positions: jnp.ndarray,
                features: Features = REFERENCE) -> jnp.ndarray:
@@ -64,13 +66,15 @@ class Block(nnx.Module):
 class DeepseekV4(nnx.Module):
   """tokens [S] -> logits [S, vocab] (f32), for a prompt that starts at position 0."""
 
-  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: str | QuantPolicy = "bf16"):
+  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: str | QuantPolicy = "bf16",
+               mesh: str = ""):
     policy = quant_policy.get(policy) if isinstance(policy, str) else policy
     quant_policy.check_config(policy, cfg)
     self.cfg, self.policy = cfg, policy
     D, n = cfg.hidden_size, cfg.hc_mult
     self.embed = normal(rngs, (cfg.vocab_size, D), 1.0, dtype)
-    self.layers = nnx.List([Block(cfg, i, rngs=rngs, dtype=dtype, policy=policy) for i in range(cfg.num_layers)])
+    self.layers = nnx.List([Block(cfg, i, rngs=rngs, dtype=dtype, policy=policy, mesh=mesh)
+                            for i in range(cfg.num_layers)])
     self.hc_head = HyperHead(D, n, cfg.hc_eps, cfg.rms_norm_eps, rngs=rngs)
     self.norm = RMSNorm(D, cfg.rms_norm_eps)
     self.head = Linear(D, cfg.vocab_size, rngs=rngs, dtype=dtype, gain=LOGIT_STD)
@@ -142,10 +146,15 @@ def forward(model: DeepseekV4, tokens, *, return_streams: bool = False, features
 
 
 def init_random(cfg: DeepseekV4Config, seed: int = 0, dtype=jnp.bfloat16,
-                policy: str | QuantPolicy = "bf16") -> DeepseekV4:
+                policy: str | QuantPolicy = "bf16", mesh: str = "") -> DeepseekV4:
   """Random weights under a quantization policy. Each one is drawn by a jax op on the default device,
-  so on a GPU nothing is staged in host memory (peak memory is the model itself plus one weight)."""
-  return DeepseekV4(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, policy=policy)
+  so on a GPU nothing is staged in host memory (peak memory is the model itself plus one weight). `mesh`
+  ("expert=N", ds4jax/mesh.py): each device draws its share of the routed experts, the rest is drawn once and
+  replicated; the values are the unsharded init's, bit for bit."""
+  if not mesh:
+    return DeepseekV4(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, policy=policy)
+  mesh_lib.check(mesh, cfg)
+  return mesh_lib.place(DeepseekV4(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, policy=policy, mesh=mesh), mesh)
 
 
 def abstract_model(cfg: DeepseekV4Config, dtype=jnp.bfloat16, policy: str | QuantPolicy = "bf16") -> DeepseekV4:

@@ -65,13 +65,15 @@ class Experts(nnx.Module):
   sets it when it splits the stacks over the `expert` axis; the routed experts then run where they live
   (`routed`)."""
 
-  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"]):
+  def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"],
+               mesh: str = ""):
     E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     self.limit, self.n_experts, self.intermediate, self.hidden = cfg.swiglu_limit, E, I, D
-    self.w1 = make_weight(rngs, (E, I, D), D ** -0.5, dtype, policy.gate_up)
-    self.w2 = make_weight(rngs, (E, D, I), RESIDUAL_GAIN * I ** -0.5, dtype, policy.down)  # writes the residual
-    self.w3 = make_weight(rngs, (E, I, D), D ** -0.5, dtype, policy.gate_up)
-    self.mesh = ""
+    where = dict(sharding=mesh_lib.expert_sharding(mesh)) if mesh else {}  # each device draws its own experts
+    self.w1 = make_weight(rngs, (E, I, D), D ** -0.5, dtype, policy.gate_up, **where)
+    self.w2 = make_weight(rngs, (E, D, I), RESIDUAL_GAIN * I ** -0.5, dtype, policy.down, **where)  # the residual
+    self.w3 = make_weight(rngs, (E, I, D), D ** -0.5, dtype, policy.gate_up, **where)
+    self.mesh = mesh
 
   def stacks(self) -> tuple:
     """(w1, w2, w3) as pytrees of arrays that all lead with the expert dimension: a float stack, or a quantized
@@ -191,9 +193,9 @@ class SharedExpert(nnx.Module):
 class MoE(nnx.Module):
 
   def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32,
-               policy: QuantPolicy = POLICIES["bf16"]):
+               policy: QuantPolicy = POLICIES["bf16"], mesh: str = ""):
     self.gate = Router(cfg, layer, rngs=rngs, dtype=dtype)
-    self.experts = Experts(cfg, rngs=rngs, dtype=dtype, policy=policy)
+    self.experts = Experts(cfg, rngs=rngs, dtype=dtype, policy=policy, mesh=mesh)
     self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype, policy=policy)
 
   def __call__(self, x: jnp.ndarray, tokens: jnp.ndarray, features: Features = REFERENCE) -> jnp.ndarray:

@@ -88,7 +88,7 @@ def run() -> dict:
   else:
     cfg = config.preset(_PRESET.value)
     _check_mesh(mesh_spec, cfg)  # before drawing the weights
-    m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy)
+    m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=mesh_spec)
   m = mesh_lib.place(m, mesh_spec)
   ids = (np.asarray(tok.encode(_PROMPT.value).ids) if tok else np.asarray([int(x) for x in _PROMPT_IDS.value]))
   n = _NEW.value

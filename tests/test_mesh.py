@@ -96,6 +96,19 @@ def main():
     excess = float(np.max(np.abs(got - ref) - (ATOL + RTOL * np.abs(ref))))
     out["logits"][key] = [float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref))), excess]
 
+  # init_random on the mesh: each device draws its own experts (official: FP4 experts, FP8 dense), the bits of the
+  # one-device init placed afterwards.
+  direct = leaves(model.init_random(cfg, seed=1, dtype=jnp.float32, policy="official", mesh="expert=4"))
+  after = leaves(mesh.place(model.init_random(cfg, seed=1, dtype=jnp.float32, policy="official"), "expert=4"))
+  drawn = leaves(model.DeepseekV4(cfg, rngs=nnx.Rngs(params=1), dtype=jnp.float32, policy="official",
+                                  mesh="expert=4"))  # as drawn, before init_random places the rest
+  out["sharded_init"] = {
+      "same_bits": sorted(k for k in direct if np.array_equal(np.asarray(direct[k]), np.asarray(after[k]))) == sorted(after),
+      "same_shardings": all(direct[k].sharding == after[k].sharding for k in direct),
+      "drawn_expert_rows": sorted({v.sharding.shard_shape(v.shape)[0] for k, v in drawn.items()
+                                   if mesh.is_expert_path(tuple(k.split(".")))}),
+  }
+
   for spec in ("expert=8", "expert=3"):
     try:
       mesh.place(m, spec)
@@ -124,6 +137,11 @@ def test_place_splits_every_expert_array_and_replicates_the_rest(sharded):
   assert got["values_equal"]
   assert got["experts_mesh"] == ["expert=4"]  # the MoE runs where the experts live
   assert got["original_mesh"] == [""] and got["original_on_devices"] == [1]  # place() leaves its input alone
+
+
+def test_init_random_on_a_mesh_draws_each_share_on_its_device(sharded):
+  got = sharded["sharded_init"]
+  assert got == {"same_bits": True, "same_shardings": True, "drawn_expert_rows": [2]}
 
 
 @pytest.mark.parametrize("key", list(SHARDED))

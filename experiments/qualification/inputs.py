@@ -140,7 +140,7 @@ def build_model(opts: Options, cfg: config_lib.DeepseekV4Config, log: Callable[[
   if opts.checkpoint is not None:
     m = mapping.load_checkpoint(opts.checkpoint, cfg, dtype=dtype, policy=opts.quant_policy, log=log)
   else:
-    m = model_lib.init_random(cfg, opts.seed, dtype=dtype, policy=opts.quant_policy)
+    m = model_lib.init_random(cfg, opts.seed, dtype=dtype, policy=opts.quant_policy, mesh=opts.mesh)
   if opts.mesh:
     m = mesh_lib.place(m, opts.mesh)
     log(mesh_lib.describe(opts.mesh, cfg))
