@@ -84,7 +84,8 @@ def run() -> dict:
   if _CHECKPOINT.value:
     if mesh_spec and os.path.isfile(os.path.join(_CHECKPOINT.value, "config.json")):  # before reading the weights
       _check_mesh(mesh_spec, config.DeepseekV4Config.from_hf_config(_CHECKPOINT.value))
-    m = mapping.load_checkpoint(_CHECKPOINT.value, dtype=dtype, policy=flags.FLAGS.quant_policy, log=None)
+    m = mapping.load_checkpoint(_CHECKPOINT.value, dtype=dtype, policy=flags.FLAGS.quant_policy, log=None,
+                                mesh=mesh_spec)
   else:
     cfg = config.preset(_PRESET.value)
     _check_mesh(mesh_spec, cfg)  # before drawing the weights

@@ -109,6 +109,28 @@ def main():
                                    if mesh.is_expert_path(tuple(k.split(".")))}),
   }
 
+  # load_checkpoint on the mesh: each device reads its own experts; the same arrays as loading whole then placing.
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from ds4jax.checkpoint import mapping  # pylint: disable=import-outside-toplevel
+
+  out["sharded_load"] = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    source = model.init_random(cfg, seed=2, dtype=jnp.float32)
+    for kind, official in (("fp4_stored", True), ("float_stored", False)):
+      path = os.path.join(tmp, kind)
+      mapping.save_checkpoint(source, path, official_formats=official)
+      for policy in ("official", "bf16"):  # FP4 experts (copied or encoded per share), float experts
+        load = lambda spec: leaves(mapping.load_checkpoint(path, cfg, dtype=jnp.float32, policy=policy, log=None,
+                                                           mesh=spec))
+        direct, after = load("expert=4"), leaves(mesh.place(mapping.load_checkpoint(
+            path, cfg, dtype=jnp.float32, policy=policy, log=None), "expert=4"))
+        out["sharded_load"][f"{kind}/{policy}"] = [
+            sorted(direct) == sorted(after)
+            and all(np.array_equal(np.asarray(direct[k]), np.asarray(after[k])) for k in after),
+            all(direct[k].sharding == after[k].sharding for k in direct),
+            sorted({v.sharding.shard_shape(v.shape)[0] for k, v in direct.items()
+                    if mesh.is_expert_path(tuple(k.split(".")))})]
+
   for spec in ("expert=8", "expert=3"):
     try:
       mesh.place(m, spec)
@@ -142,6 +164,13 @@ def test_place_splits_every_expert_array_and_replicates_the_rest(sharded):
 def test_init_random_on_a_mesh_draws_each_share_on_its_device(sharded):
   got = sharded["sharded_init"]
   assert got == {"same_bits": True, "same_shardings": True, "drawn_expert_rows": [2]}
+
+
+def test_load_checkpoint_on_a_mesh_reads_each_share_onto_its_device(sharded):
+  """FP4 experts copied as stored or encoded share by share, and float experts: the arrays of a whole load placed
+  afterwards, 2 of the 8 experts on each of 4 devices."""
+  assert sharded["sharded_load"] == {f"{k}/{p}": [True, True, [2]] for k in ("fp4_stored", "float_stored")
+                                     for p in ("official", "bf16")}
 
 
 @pytest.mark.parametrize("key", list(SHARDED))

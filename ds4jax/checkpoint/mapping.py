@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ds4jax import mesh as mesh_lib
 from ds4jax.checkpoint import hf_names
 from ds4jax.checkpoint.safetensors_reader import CheckpointError, SafetensorsCheckpoint
 from ds4jax.checkpoint.safetensors_writer import save_file
@@ -125,22 +126,31 @@ def _device_memory_stats() -> dict | None:
   return device.memory_stats()
 
 
-def check_fits(model: DeepseekV4, stats: dict | None) -> None:
-  """Refuses, before any tensor is read, weights that exceed the device's free memory (`stats`: memory_stats())."""
+def check_fits(model: DeepseekV4, stats: dict | None, expert_devices: int = 1) -> None:
+  """Refuses, before any tensor is read, weights that exceed the device's free memory (`stats`: memory_stats()).
+  `expert_devices` > 1: the routed experts are split over that many devices (ds4jax/mesh.py) and the rest is
+  replicated, so each device needs its share of the experts plus the rest."""
   if not stats or not stats.get("bytes_limit"):
     return
-  need = sum(weight_bytes(w) for _, w in weights(model))
+  experts = sum(weight_bytes(w) for p, w in weights(model) if is_stacked(p))
+  need = sum(weight_bytes(w) for _, w in weights(model)) - experts + -(-experts // expert_devices)
   free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
   if need > free:
-    raise CheckpointError(f"the weights need {_gib(need)} but the device has {_gib(free)} free (bytes_limit "
-                          f"{_gib(stats['bytes_limit'])}): use a smaller --quant_policy or a larger device")
+    if expert_devices == 1:
+      raise CheckpointError(f"the weights need {_gib(need)} but the device has {_gib(free)} free (bytes_limit "
+                            f"{_gib(stats['bytes_limit'])}): use a smaller --quant_policy or a larger device")
+    raise CheckpointError(f"the weights need {_gib(need)} on each of the {expert_devices} devices (routed experts "
+                          f"{_gib(experts)} split {expert_devices} ways, the rest whole) but each has {_gib(free)} "
+                          f"free (bytes_limit {_gib(stats['bytes_limit'])}): use a smaller --quant_policy, more "
+                          "devices or larger ones")
 
 
 def _gib(n: int) -> str:
   return f"{n / 2**30:.4g} GiB"
 
 
-def _read_stored(ckpt: SafetensorsCheckpoint, names: list[str], fmt: str, used: set[str]) -> dict | None:
+def _read_stored(ckpt: SafetensorsCheckpoint, names: list[str], fmt: str, used: set[str],
+                 stacked: bool) -> dict | None:
   """The storage arrays of an official FP8/FP4 tensor copied as they are, when the target format is the same."""
   want = {"fp8_e4m3": ("F8_E4M3",), "fp4_e2m1": ("I8", "U8")}.get(fmt)
   if not want or any(ckpt.spec(n).dtype not in want or _scale_name(n) not in ckpt for n in names):
@@ -148,13 +158,14 @@ def _read_stored(ckpt: SafetensorsCheckpoint, names: list[str], fmt: str, used: 
   codes = [np.asarray(ckpt.read(n)) for n in names]
   scales = [_scale_bytes(ckpt, _scale_name(n)) for n in names]
   used.update(names + [_scale_name(n) for n in names])
-  stack = (lambda xs: np.stack(xs)) if len(names) > 1 else (lambda xs: xs[0])
+  stack = (lambda xs: np.stack(xs)) if stacked else (lambda xs: xs[0])
   key = "weight" if fmt == "fp8_e4m3" else "packed"
   return {key: stack([c.view(np.int8) if fmt == "fp4_e2m1" else c for c in codes]), "scale": stack(scales)}
 
 
 def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None, *, dtype=jnp.bfloat16,
-                    policy: str | QuantPolicy = "bf16", log: Callable[[str], None] | None = print) -> DeepseekV4:
+                    policy: str | QuantPolicy = "bf16", log: Callable[[str], None] | None = print,
+                    mesh: str = "") -> DeepseekV4:
   """Builds the model from a checkpoint directory (config.json + safetensors, single or sharded).
 
   Every model weight must be present with the right shape and a usable dtype, and every tensor in the
@@ -162,11 +173,16 @@ def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None
   Official and transformers (`save_pretrained`) names are both read. Weights that would not fit in the
   default device's free memory are refused before any is read. Weights go to the default device one at a
   time. Under a quantization `policy`, each weight is converted to its role's format (FP8/FP4 tensors
-  already in the target format are copied, not re-encoded).
+  already in the target format are copied, not re-encoded). `mesh` ("expert=N", ds4jax/mesh.py): each device reads
+  and receives only its own routed experts (host memory holds one device's share of one weight at a time), the rest
+  is replicated; the model fits when each device's share does.
   """
   cfg = cfg or DeepseekV4Config.from_hf_config(path)
+  if mesh:
+    mesh_lib.check(mesh, cfg)
   model = abstract_model(cfg, dtype, policy)
-  check_fits(model, _device_memory_stats())
+  check_fits(model, _device_memory_stats(), mesh_lib.expert_devices(mesh))
+  put = _Placer(mesh)
   used: set[str] = set()
   t0 = time.time()
   with SafetensorsCheckpoint(path) as file:
@@ -181,30 +197,64 @@ def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None
                                                      f"{unnamed[:3]}" if unnamed else ""))
     for i, (p, w, names) in enumerate(wanted):
       if isinstance(w, QuantizedWeight):
-        stored = _read_stored(ckpt, names, w.format, used)
-        if stored is None:
-          value = _read_float(ckpt, names, is_stacked(p), w.logical_shape, used)
-          stored = quant_policy.quantize(formats.get(w.format), value)
-        for name, array in stored.items():
+        def read(names, shape):
+          stored = _read_stored(ckpt, names, w.format, used, is_stacked(p))
+          if stored is None:
+            value = _read_float(ckpt, names, is_stacked(p), shape, used)
+            stored = quant_policy.quantize(formats.get(w.format), value)
+          return stored
+        for name, array in put.stored(p, names, w.logical_shape, read).items():
           var = getattr(w, name)
           if array.shape != tuple(var.shape):
             raise CheckpointError(f"{ckpt.where(names[0])}: {name} shape {array.shape} does not match the "
                                   f"config's {tuple(var.shape)}")
-          var.set_value(jax.device_put(array.astype(var.dtype)))
+          var.set_value(array if array.dtype == var.dtype else array.astype(var.dtype))
+      elif put.split(p):
+        var = w
+        value = put.stored(p, names, tuple(w.shape), lambda names, shape: {
+            "v": _read_float(ckpt, names, True, shape, used).astype(var.dtype)})["v"]
+        w.set_value(value)
       else:
         is_int = jnp.issubdtype(w.dtype, jnp.integer)
         value = _read_float(ckpt, names, is_stacked(p), tuple(w.shape), used, integer=is_int)
         if names[0].endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):
           raise CheckpointError(f"{ckpt.where(names[0])}: expert ids must lie in [0, {cfg.n_routed_experts}), "
                                 f"got [{value.min()}, {value.max()}]")
-        w.set_value(jax.device_put(value.astype(w.dtype)))
+        w.set_value(put.whole(value.astype(w.dtype)))
       if log and (i + 1) % 200 == 0:
         log(f"  loaded {i + 1}/{len(wanted)} weights ({time.time() - t0:.0f}s)")
     unexpected = [ckpt.where(n) for n in ckpt.names() if n not in used and not n.startswith(IGNORED_PREFIXES)]
   if unexpected:
     raise CheckpointError(f"checkpoint {os.fspath(path)} has {len(unexpected)} tensor(s) the model does not "
                           f"use, e.g. {unexpected[:5]} (wrong config?)")
-  return model
+  return mesh_lib.place(model, mesh) if mesh else model  # arrays already where they belong: place marks the MoE
+
+
+class _Placer:
+  """Where a loaded weight goes: the default device, or on a mesh its expert stacks split (each device's share read
+  and sent on its own) and the rest replicated."""
+
+  def __init__(self, mesh: str):
+    self.mesh = mesh
+
+  def split(self, path: tuple) -> bool:
+    return bool(self.mesh) and is_stacked(path)
+
+  def whole(self, value: np.ndarray) -> jax.Array:
+    return jax.device_put(value, mesh_lib.replicated(self.mesh) if self.mesh else None)
+
+  def stored(self, path: tuple, names: list[str], shape: tuple, read) -> dict[str, jax.Array]:
+    """read(names, shape) -> {storage name: numpy array} for the experts `names` (all, or one device's), placed."""
+    if not self.split(path):
+      return {k: self.whole(a) for k, a in read(names, shape).items()}
+    sharding = mesh_lib.expert_sharding(self.mesh)
+    shards: dict[str, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+      rows = index[0]
+      for k, a in read(names[rows], (rows.stop - rows.start, *shape[1:])).items():
+        shards.setdefault(k, []).append(jax.device_put(a, device))
+    return {k: jax.make_array_from_single_device_arrays((len(names), *parts[0].shape[1:]), sharding, parts)
+            for k, parts in shards.items()}
 
 
 def _read_float(ckpt, names, stacked: bool, shape, used, integer: bool = False) -> np.ndarray:

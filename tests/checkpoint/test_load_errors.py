@@ -167,3 +167,17 @@ def test_memory_check_counts_quantized_storage(need):
   with pytest.raises(CheckpointError, match=f"need {allocated / 2**30:.4g} GiB"):
     mapping.check_fits(m, {"bytes_limit": allocated - 1})
   mapping.check_fits(m, {"bytes_limit": allocated})
+
+
+def test_memory_check_on_a_mesh_counts_each_devices_share_of_the_experts(need):
+  """expert=N: a device holds 1/N of the routed experts and the whole rest (ds4jax/mesh.py)."""
+  m = mapping.load_checkpoint(SAVED / "official", dtype=jnp.float32, log=None)
+  experts = sum(mapping.weight_bytes(w) for p, w in mapping.weights(m) if mapping.is_stacked(p))
+  per_device = need - experts + experts // 2
+  assert 0 < experts < need and experts % 2 == 0
+  with pytest.raises(CheckpointError, match=rf"need {per_device / 2**30:.4g} GiB on each of the 2 devices \(routed "
+                                            rf"experts {experts / 2**30:.4g} GiB split 2 ways, the rest whole\)"):
+    mapping.check_fits(m, {"bytes_limit": per_device - 1}, expert_devices=2)
+  mapping.check_fits(m, {"bytes_limit": per_device}, expert_devices=2)
+  with pytest.raises(CheckpointError, match="but the device has"):
+    mapping.check_fits(m, {"bytes_limit": per_device})
