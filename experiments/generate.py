@@ -24,6 +24,7 @@ from ds4jax import config, decode, model
 from ds4jax import mesh as mesh_lib
 from ds4jax.checkpoint import mapping
 from experiments import flags as ds4_flags
+from experiments import processes
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint directory (config.json + safetensors).")
 _PRESET = flags.DEFINE_string("preset", "tiny_sparse", "Model preset for random weights (no --checkpoint).")
@@ -43,6 +44,7 @@ _MESH = flags.DEFINE_string("mesh", "", "Devices to split the model over, e.g. e
                             "Empty: one device.")
 ds4_flags.define_feature_flags()
 ds4_flags.define_quant_policy_flag()
+processes.define_flags()
 
 
 class UsageError(ValueError):
@@ -68,6 +70,9 @@ def _check_mesh(spec: str, cfg) -> None:
 def main(argv):
   del argv
   try:
+    where = processes.start(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes, flags.FLAGS.process_id)
+    if where:
+      print(where, flush=True)
     run()
   except ValueError as e:  # UsageError, CheckpointError, FeatureError, bad token ids, ...
     sys.exit(f"generate: {e}")
@@ -132,7 +137,7 @@ def run() -> dict:
   if "same_as_greedy" in extra:
     print("the same tokens as greedy decoding without verification" if extra["same_as_greedy"] else
           "NOT the tokens of greedy decoding without verification")
-  if _JSON.value:
+  if _JSON.value and processes.writes():
     with open(_JSON.value, "w") as f:
       json.dump(result, f, indent=1)
   if not extra.get("same_as_greedy", True):

@@ -10,7 +10,8 @@ knobs, all_off (the exact path). Every configuration uses the same prompt ids an
 retried, so a full matrix can be run in several bounded calls. The logic lives in experiments/qualification/. Each
 record has a verdict (PASS, FAIL or not run, with the reasons), taken on the first min(length, --verdict_tokens)
 tokens: per-layer pinned parity, decision accounting and the teacher-forced KL (docs/qualification.md);
---mutations adds planted bugs, judged beside the matrix, each of which must FAIL.
+--mutations adds planted bugs, judged beside the matrix, each of which must FAIL. --mesh splits the routed experts
+over devices, --coordinator_address/--num_processes/--process_id over processes (experiments/processes.py).
 The last line says `N pass, M fail, K not run; planted bugs: X of Y caught`; the exit status is non-zero when a
 configuration FAILs or a planted bug passes.
 """
@@ -20,7 +21,7 @@ import sys
 from absl import app, flags
 
 from ds4jax.checkpoint.safetensors_reader import CheckpointError
-from experiments import device_memory, qualification
+from experiments import device_memory, processes, qualification
 
 
 def main(argv):
@@ -28,8 +29,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   device_memory.claim()  # before JAX starts its backend
   try:
+    where = processes.start(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes, flags.FLAGS.process_id)
+    if where:
+      print(where, flush=True)
     doc = qualification.run(qualification.options_from_flags(flags.FLAGS))
-  except (*qualification.STARTUP_ERRORS, CheckpointError) as e:
+  except (*qualification.STARTUP_ERRORS, CheckpointError, processes.ProcessError) as e:
     sys.exit(f"prefill: {e}")
   if qualification.failed(doc):  # a script can tell: non-zero exit on a FAIL or a planted bug that passes
     sys.exit(f"prefill: {qualification.summary_line(doc)}")
@@ -37,4 +41,5 @@ def main(argv):
 
 if __name__ == "__main__":
   qualification.define_flags(flags.FLAGS)  # only as a program: tests import main
+  processes.define_flags(flags.FLAGS)
   app.run(main)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from experiments import run_record
+from experiments import processes, run_record
 from experiments.qualification import report
 from experiments.qualification.inputs import sha256_array
 from experiments.qualification.options import StartupError
@@ -73,6 +73,9 @@ def load_results(path: str) -> Results:
 
 
 def save(out: str, results: Results) -> None:
+  """Writes the results and their table (process 0 only: every process of a multi-process run holds the same)."""
+  if not processes.writes():
+    return
   run_record.write_json(out, results.to_json())
   with open(markdown_path(out), "w") as f:
     f.write(report.markdown_table(results))
@@ -181,7 +184,7 @@ class ExactPrefixes:
     return self._lookup(n, noise) is not None
 
   def _save(self) -> None:
-    if not self.path:
+    if not self.path or not processes.writes():
       return
     keep = self._stored() | self.computed
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
