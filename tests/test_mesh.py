@@ -3,7 +3,7 @@ replicated) prefills the same logits as the one-device model, on the exact path 
 
 jax fixes its device count when its backend starts, and the suite runs on one CPU device, so the sharded runs happen
 in one subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4: this file run as a script (`main`) builds
-a one-layer tiny_sparse model (8 experts: 4 per device on expert=2, 2 on expert=4) with quantized experts, places
+a one-layer (CSA) tiny_sparse model (8 experts: 4 per device on expert=2, 2 on expert=4) with quantized experts, places
 it, prefills 16 seeded random tokens on one device (the exact path) and sharded (under each feature set below), and
 prints one JSON line that the tests below read. One layer keeps it to one layer program per (features, mesh): the
 MoE is what is split, and every layer passes its input and output through the same streams.
@@ -19,22 +19,25 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 4
 EXPERT_FORMAT = "rocmfp3_mix"  # quantized experts: codes, scales, codebooks and mode [E] all split
-# Sharded runs: the exact path; every MoE switch the CPU advertises (in-kernel decode of the quantized experts,
-# adaptive tile, compact queue, persistent programs, fused combine); dequantize-then-matmul with weights-stationary
-# bands (the experts decoded once per layer, outside the layer step, kept split). Each is a compile of its own, so
-# each takes one mesh size (both sizes are covered), and all are held to the one-device exact path: in f32 these
-# switches change kernels, not math (tests/test_model_features.py holds them within NMSE 1e-10 of it; ~2e-6 apart
-# here, in logits up to ~12).
-MOE_KERNELS = {"moe_sparse_gate_up": True, "moe_adaptive_tile": True, "moe_compact_queue": True,
-               "moe_persistent": True, "moe_fused_combine": True}
+# Sharded runs: the exact path; every switch the CPU advertises at once (f32 operands: the MoE kernels with the
+# in-kernel decode of the quantized experts inside the shard_map, the indexer and sparse MLA kernels outside it on
+# replicated inputs; the one layer is a CSA layer, so every kernel runs); dequantize-then-matmul with
+# weights-stationary bands (the experts decoded once per layer, outside the layer step, kept split). Each is a compile
+# of its own, so each takes one mesh size (both sizes are covered), and all are held to the one-device exact path:
+# in f32 these switches change kernels, not math (tests/test_model_features.py holds them within NMSE 1e-10 of it).
+ALL_CPU = {"moe_sparse_gate_up": True, "moe_adaptive_tile": True, "moe_compact_queue": True,
+           "moe_persistent": True, "moe_fused_combine": True, "indexer_score_kernel": True,
+           "direct_indexer_topk": True, "mla_stream_topk": True, "mla_stream_f32_stage": True,
+           "mla_stream_fast_exp": True}
 SHARDED = {
     "exact/expert=4": ({}, "expert=4"),
-    "moe_kernels/expert=2": (MOE_KERNELS, "expert=2"),
+    "every_cpu_switch/expert=2": (ALL_CPU, "expert=2"),
     "stationary_decoded/expert=4": ({"moe_compact_queue": True, "prefill_weights_stationary": True,
                                      "prefill_band_tokens": 8}, "expert=4"),
 }
 TOKENS = 16
-RTOL, ATOL = 1e-5, 1e-5  # summation order: the devices' partial sums, the shared expert added after them
+RTOL, ATOL = 1e-5, 5e-5  # summation order: the devices' partial sums, the shared expert added after them; and the
+# attention kernels against the exact path (measured 1.8e-5 in logits up to 11; a missing psum is off by ~1)
 
 
 def quantized_experts(m):
@@ -67,7 +70,7 @@ def main():
   from ds4jax.config import Attention, Routing  # pylint: disable=import-outside-toplevel
 
   assert jax.device_count() == DEVICES, jax.devices()
-  cfg = config.tiny_sparse(attention=(Attention.WINDOW,), routing=(Routing.TOPK,))
+  cfg = config.tiny_sparse(attention=(Attention.CSA,), routing=(Routing.TOPK,))
   m = quantized_experts(model.init_random(cfg, seed=int(sys.argv[2]), dtype=jnp.float32))
   tokens = np.random.default_rng(int(sys.argv[2])).integers(0, cfg.vocab_size, TOKENS)
   out = {"logits": {}, "errors": {}}
