@@ -103,8 +103,12 @@ class Attention(nnx.Module):
     q = rms_normalize(self.wq_b(qr, dt).reshape(B, H, d), cfg.rms_norm_eps)  # per-head norm, no weight
     q = apply_rope(q, positions, freqs)
     kv = apply_rope(self.kv_norm(self.wkv(x, dt)), positions, freqs)  # [B, d]
-    raw = jnp.concatenate([cache.kv_tail, kv])  # positions [s0 - W + 1, s0 + B)
-    new = dict(kv_tail=raw[B:])
+    # Keys are read as the cache stores them (bf16 in a bf16 decode state), the band's own too: a band of q tokens
+    # then sees what q one-token steps see (docs/decode.md §1). A no-op for f32 caches.
+    kv_dtype = cache.kv_tail.dtype
+    kv = kv.astype(kv_dtype).astype(F32)
+    raw = jnp.concatenate([cache.kv_tail.astype(F32), kv])  # positions [s0 - W + 1, s0 + B)
+    new = dict(kv_tail=raw[B:].astype(kv_dtype))
     rows = indices = index_scores = None
     if self.compressor is not None:
       m = self.compressor.ratio
@@ -150,7 +154,7 @@ class Attention(nnx.Module):
                               raw_start=raw_start, kind=kind, ratio=ratio, window=W, inv_freq=freqs, indices=ic,
                               f32_stage=features.mla_stream_f32_stage, fast_exp=features.mla_stream_fast_exp,
                               config=config, interpret=features.interpret)
-      keys = raw if rows is None else jnp.concatenate([raw, rows])
+      keys = raw if rows is None else jnp.concatenate([raw, rows.astype(F32)])
       bias = window_bias(pc, raw_start + jnp.arange(raw.shape[0]), W)
       if rows is not None:
         row_bias = (jnp.where(visible_rows(pc, rows.shape[0], ratio), 0.0, -jnp.inf) if ic is None

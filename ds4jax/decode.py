@@ -2,6 +2,7 @@
 
     state = start(model, prompt, features, capacity=...)   # prefill; state.logits: next-token logits [vocab]
     logits, state = extend(model, state, tokens)            # q tokens at [state.length, +q) -> [q, vocab]
+    state = start(model, prompt, cache_dtype=jnp.bfloat16)  # caches stored in bf16 (docs/decode.md §1)
     tokens = generate(model, prompt, 16, features)          # greedy
     outcome = verify(model, state, draft)                   # accept the longest draft prefix greedy agrees with
 
@@ -10,13 +11,16 @@ as a prefill band, on the same per-layer state (ds4jax/layer_cache.py). A `State
 a new one and leaves the old one usable, so a rejected draft is rolled back by keeping the old state and replaying
 the accepted tokens on it. Nothing is overwritten in place, which is why upstream's ring-slot preservation has no
 counterpart here (docs/decode.md §3).
+
+A state holds the model it was started with, split once into each layer's jitted program and weight arrays: a
+step walks no module graph on the host. Continuing a state takes that same model object (docs/decode.md §1).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +37,26 @@ from ds4jax.layer_cache import LayerCache
 MAX_VERIFY = 8  # widest draft a state is sized for (upstream verifies 2-5)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Weights:
+  """The model a state was started with, split once. A decode step dispatches each layer's program on its weight
+  arrays and walks no module graph: `nnx.split` of every layer per token, and hashing its graphdef as a static jit
+  argument, cost more host time than the tiny model's step itself."""
+  model: model_lib.DeepseekV4  # identity only: the caches were computed with these weights
+  layers: tuple[tuple[Callable, list], ...]  # (program, weight arrays) per layer
+  output: tuple[Callable, list]  # the same for the modules after the layers
+  embed: jax.Array
+
+  @classmethod
+  def of(cls, m: model_lib.DeepseekV4) -> Weights:
+    def split(module, program):
+      graphdef, state = nnx.split(module)
+      leaves, treedef = jax.tree.flatten(state)
+      return program(graphdef, treedef), leaves
+    return cls(m, tuple(split(b, _layer_program) for b in m.layers), split(m.output(), _logits_program),
+               m.embed[...])
+
+
 @dataclasses.dataclass(frozen=True)
 class State:
   """Everything a prompt of `length` tokens leaves behind: each layer's cache, sized for `capacity` positions,
@@ -43,6 +67,11 @@ class State:
   caches: tuple[LayerCache, ...]
   logits: jax.Array  # [vocab] f32
   features: Features
+  weights: Weights
+
+  @property
+  def cache_dtype(self):
+    return self.caches[0].kv_tail.dtype
 
 
 def cache_rows(cfg, layer: int, capacity: int, widest: int) -> int:
@@ -53,40 +82,86 @@ def cache_rows(cfg, layer: int, capacity: int, widest: int) -> int:
   return max(layer_cache.row_capacity(capacity, b, m) for b in range(1, min(widest, capacity) + 1))
 
 
-def empty_state(m: model_lib.DeepseekV4, capacity: int, widest: int, features: Features = REFERENCE) -> State:
-  """The state before position 0."""
-  cfg = m.cfg
+CACHE_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def empty_caches(cfg, capacity: int, widest: int, cache_dtype=jnp.float32) -> tuple[LayerCache, ...]:
+  """Every layer's cache before position 0 (what `empty_state` allocates; experiments/cache_memory.py counts it)."""
   if not 0 < capacity <= cfg.max_position_embeddings:
     raise ValueError(f"capacity {capacity} must lie in (0, max_position_embeddings={cfg.max_position_embeddings}]")
-  caches = tuple(layer_cache.empty(cfg, i, capacity, 1, rows=cache_rows(cfg, i, capacity, widest))
-                 for i in range(cfg.num_layers))
-  return State(0, capacity, widest, caches, jnp.zeros((cfg.vocab_size,), jnp.float32), features)
+  if jnp.dtype(cache_dtype) not in [jnp.dtype(d) for d in CACHE_DTYPES]:
+    raise ValueError(f"cache_dtype {jnp.dtype(cache_dtype).name} must be float32 or bfloat16")
+  return tuple(layer_cache.empty(cfg, i, capacity, 1, rows=cache_rows(cfg, i, capacity, widest), dtype=cache_dtype)
+               for i in range(cfg.num_layers))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "features"))
-def _step(graphdef, state, X, tokens, s0, cache, features: Features):
-  """One layer over one band; unlike prefill's step it does not donate the cache: the caller's State keeps it."""
-  X, cache, _ = nnx.merge(graphdef, state).band(X, tokens, s0, cache, features)
-  return X, cache
+def empty_state(m: model_lib.DeepseekV4, capacity: int, widest: int, features: Features = REFERENCE,
+                cache_dtype=jnp.float32) -> State:
+  """The state before position 0. `cache_dtype` bfloat16 stores the cached rows in bf16 (docs/decode.md §1)."""
+  caches = empty_caches(m.cfg, capacity, widest, cache_dtype)
+  return State(0, capacity, widest, caches, jnp.zeros((m.cfg.vocab_size,), jnp.float32), features, Weights.of(m))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _all_logits(graphdef, state, X):
-  return model_lib.output_logits(nnx.merge(graphdef, state), X)
+@functools.cache
+def _layer_program(graphdef, treedef) -> Callable:
+  """One layer over one band, a jitted function per distinct layer structure (layers of one kind share it, and so
+  do all states). Unlike prefill's step it does not donate the cache: the caller's State keeps it."""
+  @functools.partial(jax.jit, static_argnames=("features",))
+  def step(leaves, X, tokens, s0, cache, features: Features):
+    X, cache, _ = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)).band(X, tokens, s0, cache, features)
+    return X, cache
+  return step
+
+
+@functools.cache
+def _logits_program(graphdef, treedef) -> Callable:
+  @jax.jit
+  def logits(leaves, X):
+    out = model_lib.output_logits(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), X)
+    return out, out[-1]
+  return logits
+
+
+@functools.partial(jax.jit, static_argnames=("hc_mult",))
+def _embed(table, tokens, hc_mult: int):
+  return model_lib.embed_streams(table, tokens, hc_mult)
+
+
+@jax.jit
+def _choices(last, logits):
+  """Greedy's choice after each position: argmax of [last; logits] -> [q + 1]."""
+  return jnp.argmax(jnp.concatenate([last[None], logits]), axis=-1)
+
+
+_argmax_jit = jax.jit(jnp.argmax)
+
+
+def _argmax(logits: jax.Array) -> int:
+  return int(_argmax_jit(logits))
+
+
+def _weights(m: model_lib.DeepseekV4, state: State) -> Weights:
+  if state.weights.model is not m:
+    raise ValueError("this state was started with another model object, and its caches hold that model's keys; "
+                     "start a new state (decode.start) with this model to decode with it")
+  return state.weights
 
 
 def _band(m: model_lib.DeepseekV4, state: State, tokens: np.ndarray) -> tuple[jax.Array, State]:
   """Tokens at positions [state.length, +len(tokens)) as one band through every layer -> ([q, vocab], state)."""
+  w = _weights(m, state)
   q = tokens.shape[0]
   inner = prefill_lib.layer_features(state.features, q)
-  toks = jnp.asarray(tokens)
-  X = model_lib.embed_streams(m.embed[...], toks, m.cfg.hc_mult)
+  toks = jax.device_put(tokens)
+  s0 = np.int32(state.length)
+  X = _embed(w.embed, toks, m.cfg.hc_mult)
   caches = []
-  for block, cache in zip(m.layers, state.caches):
-    X, cache = _step(*nnx.split(block), X, toks, jnp.int32(state.length), cache, inner)
+  for (step, weights), cache in zip(w.layers, state.caches):
+    X, cache = step(weights, X, toks, s0, cache, inner)
     caches.append(cache)
-  logits = _all_logits(*nnx.split(m.output()), X)
-  return logits, dataclasses.replace(state, length=state.length + q, caches=tuple(caches), logits=logits[-1])
+  program, weights = w.output
+  logits, last = program(weights, X)
+  return logits, dataclasses.replace(state, length=state.length + q, caches=tuple(caches), logits=last)
 
 
 def _check_room(state: State, q: int) -> None:
@@ -106,7 +181,7 @@ def extend(m: model_lib.DeepseekV4, state: State, tokens) -> tuple[jax.Array, St
 
 
 def start(m: model_lib.DeepseekV4, prompt, features: Features = REFERENCE, capacity: int | None = None,
-          widest: int = MAX_VERIFY, offset: int = 0) -> State:
+          widest: int = MAX_VERIFY, offset: int = 0, cache_dtype=jnp.float32) -> State:
   """Prefills `prompt` into a state with room for `capacity` positions (default: the model's maximum).
 
   `offset` > 0 puts the prompt at positions [offset, offset + len) after an all-zero state (what nothing before
@@ -115,11 +190,14 @@ def start(m: model_lib.DeepseekV4, prompt, features: Features = REFERENCE, capac
   The prompt goes in bands of `prefill_band_tokens`, the last one cut to what is left (prefill pads it instead,
   and padding would leave its tokens in the caches of the positions decode goes on to fill); a band longer than
   `long_context_chunk` is a whole number of chunks.
+
+  `cache_dtype` bfloat16 stores the cached rows in bf16 (docs/decode.md §1). The state keeps `m`: continue it with
+  that model object.
   """
   t = model_lib.check_tokens(prompt, m.cfg)
   capacity = capacity or m.cfg.max_position_embeddings
   bands = prompt_bands(t.shape[0], features)
-  state = dataclasses.replace(empty_state(m, capacity, max([widest, *bands]), features), length=offset)
+  state = dataclasses.replace(empty_state(m, capacity, max([widest, *bands]), features, cache_dtype), length=offset)
   if offset + t.shape[0] > capacity:
     raise ValueError(f"a prompt of {t.shape[0]} tokens at position {offset} exceeds the capacity of {capacity} "
                      f"positions")
@@ -140,17 +218,18 @@ def prompt_bands(n: int, features: Features) -> list[int]:
   return [B] * full + [b for b in tail if b]
 
 
-def generate(m: model_lib.DeepseekV4, prompt, n_new: int, features: Features = REFERENCE) -> np.ndarray:
+def generate(m: model_lib.DeepseekV4, prompt, n_new: int, features: Features = REFERENCE,
+             cache_dtype=jnp.float32) -> np.ndarray:
   """Greedy continuation: the n_new token ids after `prompt`, one decode step each."""
   t = model_lib.check_tokens(prompt, m.cfg)
-  return greedy(m, start(m, t, features, t.shape[0] + n_new, widest=1), n_new)
+  return greedy(m, start(m, t, features, t.shape[0] + n_new, widest=1, cache_dtype=cache_dtype), n_new)
 
 
 def greedy(m: model_lib.DeepseekV4, state: State, n_new: int, progress=None) -> np.ndarray:
   """n_new greedy tokens from a state, one decode step each (the last one chosen, not decoded)."""
   out = []
   for _ in range(n_new):
-    out.append(int(jnp.argmax(state.logits)))
+    out.append(_argmax(state.logits))
     if len(out) < n_new:
       _, state = extend(m, state, [out[-1]])
     if progress:
@@ -190,7 +269,7 @@ def speculate(m: model_lib.DeepseekV4, state: State, context: Sequence[int], n_n
   if not 2 <= lo <= hi <= MAX_VERIFY:
     raise ValueError(f"draft widths {widths} must satisfy 2 <= min <= max <= MAX_VERIFY={MAX_VERIFY}")
   context, out = list(context), []
-  pending = int(jnp.argmax(state.logits))
+  pending = _argmax(state.logits)
   q, bands, drafted, accepted = lo, 0, 0, 0
   while True:
     out.append(pending)
@@ -231,7 +310,7 @@ def verify(m: model_lib.DeepseekV4, state: State, draft: Sequence[int]) -> Verif
     raise ValueError(f"a draft of {q} tokens exceeds MAX_VERIFY={MAX_VERIFY}")
   _check_room(state, q)
   logits, after = _band(m, state, d)
-  greedy = np.asarray(jnp.argmax(jnp.concatenate([state.logits[None], logits]), axis=-1))  # [q + 1]
+  greedy = np.asarray(_choices(state.logits, logits))  # [q + 1]
   accepted = int(np.argmin(np.append(d == greedy[:q], False)))  # first mismatch
   if accepted == q:
     return Verified(q, int(greedy[q]), after)
@@ -242,17 +321,18 @@ def verify(m: model_lib.DeepseekV4, state: State, draft: Sequence[int]) -> Verif
 def valid_view(cfg, state: State) -> dict[str, np.ndarray]:
   """The parts of a state that positions below state.length determine (what two ways of reaching the same
   length must agree on): compressed rows of complete windows, the raw KV tail, the compressor's tail. Rows of the
-  window in progress are scratch, rewritten before any query can see them."""
+  window in progress are scratch, rewritten before any query can see them. In f32, whatever the cache dtype."""
   P, out = state.length, {}
+  f32 = lambda a: np.asarray(a).astype(np.float32)
   for i, c in enumerate(state.caches):
-    out[f"{i}.kv_tail"] = np.asarray(c.kv_tail)
+    out[f"{i}.kv_tail"] = f32(c.kv_tail)
     if c.rows is not None:
       done = P // cfg.compress_ratio(i)
-      out[f"{i}.rows"] = np.asarray(c.rows[:done])
-      out[f"{i}.x_tail"] = np.asarray(c.x_tail[:max(0, min(2 * cfg.compress_ratio(i), P - _tail_start(cfg, i, P)))])
+      out[f"{i}.rows"] = f32(c.rows[:done])
+      out[f"{i}.x_tail"] = f32(c.x_tail[:max(0, min(2 * cfg.compress_ratio(i), P - _tail_start(cfg, i, P)))])
       if c.index_rows is not None:
-        out[f"{i}.index_rows"] = np.asarray(c.index_rows[:done])
-  out["logits"] = np.asarray(state.logits)
+        out[f"{i}.index_rows"] = f32(c.index_rows[:done])
+  out["logits"] = f32(state.logits)
   return out
 
 

@@ -8,6 +8,10 @@
 
 Shapes are static for a given (prompt capacity, band size), so every band of a layer reuses one compiled step.
 Positions before 0 hold zeros and are masked by position, never by value.
+
+Prefill keeps every array in f32. A decode state may store kv_tail, rows and index_rows in bf16 (`dtype`); x_tail,
+the compressor's input for windows not yet pooled, stays f32 so that a row is pooled from exact inputs and rounded
+once, when it is stored (docs/decode.md §1).
 """
 
 from __future__ import annotations
@@ -41,16 +45,18 @@ def row_capacity(capacity: int, band: int, ratio: int) -> int:
   return last_start // ratio + (3 * ratio + band) // ratio - 1
 
 
-def empty(cfg: DeepseekV4Config, layer: int, capacity: int, band: int, rows: int | None = None) -> LayerCache:
+def empty(cfg: DeepseekV4Config, layer: int, capacity: int, band: int, rows: int | None = None,
+          dtype=F32) -> LayerCache:
   """The state before position 0, for a prompt padded to `capacity` positions processed in bands of `band`
-  (`rows`: that many compressed rows instead, for bands of several widths: ds4jax/decode.py)."""
+  (`rows`: that many compressed rows instead, for bands of several widths: ds4jax/decode.py; `dtype`: of the
+  cached KV rows and indexer keys)."""
   if capacity % band:
     raise ValueError(f"capacity {capacity} must be a multiple of the band size {band}")
   kind, d = cfg.attention[layer], cfg.head_dim
-  kv_tail = jnp.zeros((cfg.sliding_window - 1, d), F32)
+  kv_tail = jnp.zeros((cfg.sliding_window - 1, d), dtype)
   if kind is Attention.WINDOW:
     return LayerCache(kv_tail)
   m = cfg.compress_ratio(layer)
   R = row_capacity(capacity, band, m) if rows is None else rows
-  return LayerCache(kv_tail, x_tail=jnp.zeros((2 * m, cfg.hidden_size), F32), rows=jnp.zeros((R, d), F32),
-                    index_rows=jnp.zeros((R, cfg.index_head_dim), F32) if kind is Attention.CSA else None)
+  return LayerCache(kv_tail, x_tail=jnp.zeros((2 * m, cfg.hidden_size), F32), rows=jnp.zeros((R, d), dtype),
+                    index_rows=jnp.zeros((R, cfg.index_head_dim), dtype) if kind is Attention.CSA else None)

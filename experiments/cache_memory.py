@@ -2,8 +2,9 @@
 
     python -m experiments.cache_memory [--preset=v4_flash] [--lengths=8192,32768,131072]
 
-Counts the arrays `decode.empty_state` allocates (shapes only: nothing is allocated), in f32 as ds4jax keeps them
-and in bf16 as a cache stored in bf16 would. A layer kind's caches are equal, so the table shows one row per kind.
+Counts the arrays `decode.empty_state` allocates (shapes only: nothing is allocated) with f32 caches (the default)
+and with `cache_dtype=bfloat16`, which stores every cached row in bf16 but keeps the compressor's input tail in f32
+(docs/decode.md §1). A layer kind's caches are equal, so the table shows one row per kind.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import collections
 
 import jax
+import jax.numpy as jnp
 from absl import app, flags
 
 from ds4jax import config, decode, layer_cache
@@ -27,6 +29,12 @@ def layer_arrays(cfg, layer: int, capacity: int) -> dict[str, tuple[int, ...]]:
   rows = decode.cache_rows(cfg, layer, capacity, decode.MAX_VERIFY)
   shapes = jax.eval_shape(lambda: layer_cache.empty(cfg, layer, capacity, 1, rows=rows))
   return {k: tuple(v.shape) for k, v in vars(shapes).items() if v is not None}
+
+
+def layer_bytes(cfg, capacity: int, cache_dtype=jnp.float32) -> list[int]:
+  """Bytes of each layer's decode state, as `decode.empty_state` allocates it with that cache dtype."""
+  caches = jax.eval_shape(lambda: decode.empty_caches(cfg, capacity, decode.MAX_VERIFY, cache_dtype))
+  return [sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(c)) for c in caches]
 
 
 def elements(cfg, capacity: int) -> list[tuple[str, int]]:
@@ -48,14 +56,14 @@ def table(cfg, capacities) -> str:
            "|---:|---|---:|---|---:|---:|"]
   totals = []
   for cap in capacities:
+    f32, bf16 = layer_bytes(cfg, cap), layer_bytes(cfg, cap, jnp.bfloat16)
     per_kind = collections.OrderedDict()
-    for i, (kind, n) in enumerate(elements(cfg, cap)):
-      per_kind.setdefault(kind, [n, 0, layer_arrays(cfg, i, cap)])[1] += 1
-    for kind, (n, count, shapes) in per_kind.items():
-      arrays = ", ".join(f"{k} {list(s)}" for k, s in shapes.items())
-      lines.append(f"| {cap} | {kind} | {count} | {arrays} | {4 * n / 2**20:.2f} | {2 * n / 2**20:.2f} |")
-    total = sum(n for _, n in elements(cfg, cap))
-    totals.append(f"{cap} positions: {4 * total / 2**20:.1f} MiB in f32, {2 * total / 2**20:.1f} MiB in bf16 "
+    for i in range(cfg.num_layers):
+      per_kind.setdefault(cfg.attention[i].value, [i, 0])[1] += 1
+    for kind, (i, count) in per_kind.items():
+      arrays = ", ".join(f"{k} {list(s)}" for k, s in layer_arrays(cfg, i, cap).items())
+      lines.append(f"| {cap} | {kind} | {count} | {arrays} | {f32[i] / 2**20:.2f} | {bf16[i] / 2**20:.2f} |")
+    totals.append(f"{cap} positions: {sum(f32) / 2**20:.1f} MiB in f32, {sum(bf16) / 2**20:.1f} MiB in bf16 "
                   f"({cfg.num_layers} layers)")
   return "\n".join(lines + [""] + totals)
 

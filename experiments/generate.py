@@ -38,6 +38,8 @@ _NGRAM = flags.DEFINE_integer("ngram", 3, "Context tokens an n-gram draft is mat
 _COMPARE = flags.DEFINE_boolean("compare_greedy", False, "With --speculate, also decode without verification and "
                                 "report whether the tokens are identical (exit status 1 if not).")
 _DTYPE = flags.DEFINE_enum("dtype", "f32", ["f32", "bf16"], "Weight dtype.")
+_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "f32", ["f32", "bf16"],
+                                 "Dtype the decode state stores its cached rows in (docs/decode.md §1).")
 _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
 _MESH = flags.DEFINE_string("mesh", "", "Devices to split the model over, e.g. expert=2: each device holds and runs "
                             "its share of every layer's routed experts, the rest is replicated (docs/mesh.md). "
@@ -70,7 +72,7 @@ def _check_mesh(spec: str, cfg) -> None:
 def main(argv):
   del argv
   try:
-    where = processes.start(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes, flags.FLAGS.process_id)
+    where = processes.start_from_flags(flags.FLAGS)
     if where:
       print(where, flush=True)
     run()
@@ -111,7 +113,8 @@ def run() -> dict:
       end="", flush=True)
   widest = decode.MAX_VERIFY if _SPECULATE.value else 1
   t0 = time.perf_counter()
-  state = decode.start(m, ids, feats, capacity=len(ids) + n + widest, widest=widest)
+  state = decode.start(m, ids, feats, capacity=len(ids) + n + widest, widest=widest,
+                       cache_dtype=jnp.float32 if _CACHE_DTYPE.value == "f32" else jnp.bfloat16)
   jax.block_until_ready(state.logits)
   prefill_s = time.perf_counter() - t0
   t0 = time.perf_counter()
@@ -129,6 +132,7 @@ def run() -> dict:
   print(text)
   result = dict(model=m.cfg.name, checkpoint=_CHECKPOINT.value, prompt_tokens=len(ids), new_tokens=int(n),
                 tokens=out.tolist(), speculate=_SPECULATE.value, features=feats.to_dict(), mesh=mesh_spec,
+                cache_dtype=_CACHE_DTYPE.value,
                 prefill_tok_per_s=len(ids) / prefill_s, decode_tok_per_s=n / decode_s, **extra)
   print(f"prefill {result['prefill_tok_per_s']:.1f} tok/s (first call, compile included); decode "
         f"{result['decode_tok_per_s']:.1f} tok/s (compiles included)"

@@ -29,7 +29,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   device_memory.claim()  # before JAX starts its backend
   try:
-    where = processes.start(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes, flags.FLAGS.process_id)
+    where = processes.start_from_flags(flags.FLAGS)
     if where:
       print(where, flush=True)
     doc = qualification.run(qualification.options_from_flags(flags.FLAGS))

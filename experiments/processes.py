@@ -55,6 +55,13 @@ def start(coordinator_address: str | None = None, num_processes: int | None = No
           f"devices here" + ("; this process writes the results" if pid == 0 else ""))
 
 
+def start_from_flags(flag_values: flags.FlagValues) -> str:
+  """`start` with this module's flags where they are defined (an entry point's main called as a function, as the
+  tests do, may have none: then the environment alone)."""
+  value = lambda name: flag_values[name].value if name in flag_values else None
+  return start(value("coordinator_address"), value("num_processes"), value("process_id"))
+
+
 def writes() -> bool:
   """Whether this process writes results files (process 0; always in a single process)."""
   return jax.process_index() == 0

@@ -1,22 +1,28 @@
 """ds4jax/decode.py on the exact path: decode equals prefill, and q-wide verification equals sequential decode, at
-positions that put the band across the window's wrap and the compression windows' boundaries.
+positions that put the band across the window's wrap and the compression windows' boundaries; the same with bf16
+caches (within bf16 rounding), and once through every fast path.
 
 One model (tiny with a window of 4, so that bands of 4 and 5 reach past it; CSA ratio 4, HCA ratio 8 standing in
-for V4's 128) and one state shape (capacity 128K, made for bands up to 8) for every test: each band width is then
-one compile per layer kind for the whole file."""
+for V4's 128) and one state shape (capacity 128K, made for bands up to 8) for every f32 test: each band width is then
+one compile per layer kind for the whole file. bf16 caches and the fast paths compile programs of their own."""
 
+import collections
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ds4jax import config, decode, features, model, prefill
+from ds4jax.metrics import nmse
+from experiments import cache_memory
 
 PROMPT = 3  # decode runs from here to LENGTH, one token at a time
 LENGTH = 36
 CAPACITY = 131072
 WINDOW = 4
+BF16_CAPACITY = 64
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +44,31 @@ def sequential(tiny):
   return states, np.asarray(tokens, np.int32)
 
 
-def assert_same_state(cfg, got, want):
+@pytest.fixture(scope="module")
+def full(tiny, sequential):
+  """A full prefill's logits [LENGTH, vocab] of the tokens decode chose (f32, exact path)."""
+  return np.asarray(prefill.prefill(tiny, sequential[1], all_logits=True))
+
+
+@pytest.fixture(scope="module")
+def bf16(tiny, sequential):
+  """The same tokens decoded again on bf16 caches, one per step (teacher-forced, so that its logits compare with the
+  prefill of those tokens): the states after each length. Its programs are its own (the cache dtype is part of
+  their signature), so its states are small: a step at 128K positions spends ~0.1 s copying and scanning rows."""
+  _, tokens = sequential
+  state = decode.start(tiny, tokens[:PROMPT], capacity=BF16_CAPACITY, cache_dtype=jnp.bfloat16)
+  states = {PROMPT: state}
+  while state.length < LENGTH:
+    _, state = decode.extend(tiny, state, tokens[state.length:state.length + 1])
+    states[state.length] = state
+  return states
+
+
+def assert_same_state(cfg, got, want, rtol=2e-5):
   a, b = decode.valid_view(cfg, got), decode.valid_view(cfg, want)
   assert got.length == want.length and a.keys() == b.keys()
   for k in a:
-    np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=2e-5, err_msg=k)
+    np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=2e-5, err_msg=k)
 
 
 def band_logits_match(tiny, states, tokens, s, width):
@@ -52,12 +78,11 @@ def band_logits_match(tiny, states, tokens, s, width):
   return state
 
 
-def test_decode_equals_prefill(tiny, sequential):
+def test_decode_equals_prefill(tiny, sequential, full):
   """Each decode step's logits equal a full prefill of the sequence up to it (positions 3..35: the window wraps at
   4, CSA windows complete every 4, HCA every 8), and greedy decoding chose their argmax. (Decode against
   transformers: tests/test_golden.py.)"""
   states, tokens = sequential
-  full = np.asarray(prefill.prefill(tiny, tokens, all_logits=True))
   got = np.stack([np.asarray(states[n].logits) for n in range(PROMPT, LENGTH)])
   np.testing.assert_allclose(got, full[PROMPT - 1:LENGTH - 1], rtol=1e-5, atol=2e-5)
   assert np.array_equal(got.argmax(-1), tokens[PROMPT:])
@@ -123,6 +148,75 @@ def test_long_positions_by_offset(tiny, sequential):
   assert np.abs(np.asarray(band[-1]) - np.asarray(decode.extend(tiny, sequential[0][PROMPT], ids[3:6])[0][-1])).max() > 0.1
 
 
+# bf16 caches round every stored key once (by up to 2^-8): decode's logits move from the f32 prefill's by an NMSE
+# of 2.4e-7 to 3.7e-7 (seeds 3-6; f32 caches: 6e-14). A band of q reads its own keys through the cache dtype too,
+# so it sees what q single steps see, but an f32 rounding difference upstream can still flip a stored bf16 value by
+# one ulp: band against sequential differ by up to 3.8e-5 of the largest logit (widths 2-5, the STARTS), and by up
+# to 5.7e-4 when the band's own keys are not rounded as the cache stores them.
+BF16_NMSE = 3e-6
+BF16_BAND_ATOL = 1e-4  # times the largest logit
+BF16_ULP = 2.0 ** -7  # relative: a stored value one bf16 ulp off
+
+
+def test_bf16_caches_decode_equals_prefill(tiny, sequential, full, bf16):
+  """bf16 caches: each step's logits are a full f32 prefill's within bf16 rounding, yet not the f32 caches' (the
+  option does store bf16); the cached rows stay bf16 through the steps, the compressor's input tail f32, and a state
+  holds the bytes experiments/cache_memory.py counts for it."""
+  states, _ = sequential
+  got = np.stack([np.asarray(bf16[n].logits) for n in range(PROMPT, LENGTH)])
+  f32 = np.stack([np.asarray(states[n].logits) for n in range(PROMPT, LENGTH)])
+  want = full[PROMPT - 1:LENGTH - 1]
+  print(f"bf16 caches: NMSE {nmse(got, want):.2e} against the f32 prefill (f32 caches: {nmse(f32, want):.2e})")
+  assert nmse(got, want) < BF16_NMSE and nmse(got, f32) > 1e-10
+  end = bf16[LENGTH]
+  assert end.cache_dtype == jnp.bfloat16 and states[LENGTH].cache_dtype == jnp.float32
+  for c in end.caches:
+    assert {a.dtype for a in (c.kv_tail, c.rows, c.index_rows) if a is not None} == {jnp.dtype(jnp.bfloat16)}
+    assert c.x_tail is None or c.x_tail.dtype == jnp.float32
+  for state, dtype in ((end, jnp.bfloat16), (states[LENGTH], jnp.float32)):
+    held = [sum(a.nbytes for a in jax.tree.leaves(c)) for c in state.caches]
+    assert held == cache_memory.layer_bytes(tiny.cfg, state.capacity, dtype)
+
+
+def test_bf16_verification_equals_sequential_decode(tiny, sequential, bf16):
+  """On bf16 caches a band of 3 gives the logits of three single steps (within one bf16 rounding flip), and
+  verification accepts greedy's prefix and returns sequential decoding's state, across the window's wrap (3) and
+  the CSA and HCA window boundaries (8, 24)."""
+  _, tokens = sequential
+  for s in (3, 7, 22):
+    logits, _ = decode.extend(tiny, bf16[s], tokens[s:s + 3])
+    want = np.stack([np.asarray(bf16[s + i + 1].logits) for i in range(3)])
+    err = np.abs(np.asarray(logits) - want).max() / np.abs(want).max()
+    print(f"bf16 caches, band [{s}, +3): {err:.1e} of the largest logit off sequential decoding")
+    assert err < BF16_BAND_ATOL
+    greedy = [int(np.argmax(bf16[s + i].logits)) for i in range(4)]
+    for reject in (0, 1, 3):
+      draft = tokens[s:s + 3].copy()
+      if reject < 3:
+        draft[reject] = (draft[reject] + 1) % tiny.cfg.vocab_size
+      accepted = next((i for i in range(3) if draft[i] != greedy[i]), 3)
+      out = decode.verify(tiny, bf16[s], draft)
+      assert (out.accepted, out.next_token) == (accepted, greedy[accepted]), (s, reject)
+      assert_same_state(tiny.cfg, out.state, bf16[s + accepted], rtol=BF16_ULP)
+
+
+def test_a_state_keeps_its_model(tiny, sequential, full):
+  """A state continues with the model it was started with, which is split once: another model's state decodes that
+  model's logits (sharing the compiled programs), and neither model continues the other's state."""
+  states, tokens = sequential
+  other = model.init_random(tiny.cfg, seed=4, dtype=jnp.float32)
+  want = np.asarray(prefill.prefill(other, tokens, all_logits=True))
+  state = decode.start(other, tokens[:PROMPT], capacity=CAPACITY)
+  logits, _ = decode.extend(other, state, tokens[PROMPT:PROMPT + 2])
+  got = np.concatenate([np.asarray(state.logits)[None], np.asarray(logits)])
+  np.testing.assert_allclose(got, want[PROMPT - 1:PROMPT + 2], rtol=1e-5, atol=2e-5)
+  assert np.abs(got - full[PROMPT - 1:PROMPT + 2]).max() > 0.1  # not tiny's
+  with pytest.raises(ValueError, match="started with another model object.*start a new state"):
+    decode.extend(other, states[PROMPT], [1])
+  with pytest.raises(ValueError, match="started with another model object"):
+    decode.verify(tiny, state, [1, 2])
+
+
 def test_state_is_not_consumed(tiny, sequential):
   """A verification band leaves the state it started from as it was (the rollback keeps it)."""
   states, tokens = sequential
@@ -147,6 +241,8 @@ def test_bad_input_is_refused(tiny, sequential):
     decode.start(tiny, [1, 2, 3], capacity=200000)
   with pytest.raises(ValueError, match="a prompt of 3 tokens at position 131070 exceeds the capacity"):
     decode.start(tiny, [1, 2, 3], capacity=CAPACITY, offset=CAPACITY - 2)
+  with pytest.raises(ValueError, match="cache_dtype float16 must be float32 or bfloat16"):
+    decode.start(tiny, [1, 2, 3], capacity=CAPACITY, cache_dtype=jnp.float16)
 
 
 def test_prompt_bands():
@@ -185,3 +281,41 @@ def test_ngram_draft():
   assert decode.ngram_draft([5, 6, 7, 1, 2, 5, 6, 7], 3, n=3) == [1, 2, 5]
   assert decode.ngram_draft([5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7], 2, n=3) == [2, 5]  # the latest occurrence
   assert decode.ngram_draft([1, 2, 3, 4], 3, n=3) == []
+
+
+def test_decode_through_every_fast_path():
+  """tiny_sparse with every switch this device runs on, f32 operands (the kernels' math is then the exact path's):
+  greedy decode after a 36-token prompt gives a full prefill's logits (the indexer keeps 4 of 9 rows), a band of 3
+  gives three single steps', and a decode step runs the kernels of a prefill band, one for one (logits alone would
+  not see a switch that decode drops).
+
+  Cost: each band width compiles one program per layer kind, ~4 s each in Pallas interpret mode. The prompt goes
+  in bands of 3, the verification band's width; the prefill (39 tokens in bands of 12, no query chunks) has the
+  shapes and features of tests/test_prefill.py's fast-path prefill, so in a full run its programs load from the
+  shared compilation cache (tests/conftest.py)."""
+  device = features.device_class()
+  m = model.init_random(config.tiny_sparse(), seed=5, dtype=jnp.float32)
+  on = {s: cap.supported and s != "bf16_matmul" for s, cap in features.CAPABILITIES[device].items()}
+  f = features.resolve(device, on | {"prefill_band_tokens": 12, "long_context_chunk": 0})
+  in_threes = dataclasses.replace(f, prefill_band_tokens=3)
+  assert prefill.layer_features(in_threes, 3) == prefill.layer_features(f, 3)  # the layers see the same features
+  P, n = 36, 3
+  tokens = list(np.random.default_rng(5).integers(0, m.cfg.vocab_size, P))
+  state = decode.start(m, tokens, in_threes, capacity=48)
+  states = {P: state}
+  for _ in range(n):
+    tokens.append(int(np.argmax(state.logits)))
+    _, state = decode.extend(m, state, tokens[-1:])
+    states[state.length] = state
+  tokens = np.asarray(tokens, np.int32)
+  full = np.asarray(prefill.prefill(m, tokens, f, all_logits=True))
+  got = np.stack([np.asarray(states[p].logits) for p in range(P, P + n + 1)])
+  np.testing.assert_allclose(got, full[P - 1:], rtol=1e-5, atol=2e-5)
+  assert np.abs(full).max() > 1
+  logits, band = decode.extend(m, states[P], tokens[P:])
+  np.testing.assert_allclose(np.asarray(logits), got[1:], rtol=1e-5, atol=2e-5)
+  assert_same_state(m.cfg, band, states[P + n])
+  step = collections.Counter(k for k, _ in features.pallas_calls(lambda: decode.extend(m, state, [1])[0]))
+  bands = collections.Counter(k for k, _ in features.pallas_calls(lambda: prefill.prefill(m, tokens, f)))
+  print(f"a decode step runs {dict(step)}")
+  assert step and {k: 4 * v for k, v in step.items()} == bands  # 4 bands of 12

@@ -1,4 +1,7 @@
-"""experiments/cache_memory.py: the decode state's bytes, against the shapes docs/decode.md derives by hand."""
+"""experiments/cache_memory.py: the decode state's bytes, against the shapes docs/decode.md derives by hand. (That they
+are the bytes a real State holds after decoding: tests/test_decode.py, bf16 caches.)"""
+
+import jax.numpy as jnp
 
 from ds4jax import config
 from experiments import cache_memory
@@ -16,5 +19,10 @@ def test_v4_flash_at_128k():
   n = sum(e for _, e in cache_memory.elements(cfg, cap))
   by_hand = 2 * 127 * 512 + 21 * (127 * 512 + 8 * 4096 + 32770 * 640) + 20 * (127 * 512 + 256 * 4096 + 1025 * 512)
   assert n == by_hand
+  x_tails = 21 * 8 * 4096 + 20 * 256 * 4096  # kept in f32 by a bf16 state (docs/decode.md §1)
+  bf16 = 2 * (by_hand - x_tails) + 4 * x_tails
+  assert sum(cache_memory.layer_bytes(cfg, cap)) == 4 * by_hand
+  assert sum(cache_memory.layer_bytes(cfg, cap, jnp.bfloat16)) == bf16
   text = cache_memory.table(cfg, [cap])
-  assert f"131072 positions: {4 * by_hand / 2**20:.1f} MiB in f32, {2 * by_hand / 2**20:.1f} MiB in bf16" in text
+  assert f"131072 positions: {4 * by_hand / 2**20:.1f} MiB in f32, {bf16 / 2**20:.1f} MiB in bf16" in text
+  assert "| 131072 | heavily_compressed_attention | 20 | " in text and "| 6.25 | 5.12 |" in text

@@ -27,6 +27,7 @@ def test_speculative_generation_gives_greedys_tokens(tmp_path):
   assert got["same_as_greedy"] is True and len(got["tokens"]) == 12 and len(set(got["tokens"])) > 1
   assert 11 <= got["bands"] + got["accepted"] < 16 and got["decode_tok_per_s"] > 0 and got["speculate"]
   assert got["features"]["bf16_matmul"] is False and got["prompt_tokens"] == 86 and got["drafted"] > 0
+  assert got["cache_dtype"] == "f32"
 
 
 def test_bad_input_is_one_line():
