@@ -97,7 +97,6 @@ def run() -> dict:
     cfg = config.preset(_PRESET.value)
     _check_mesh(mesh_spec, cfg)  # before drawing the weights
     m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=mesh_spec)
-  m = mesh_lib.place(m, mesh_spec)
   ids = (np.asarray(tok.encode(_PROMPT.value).ids) if tok else np.asarray([int(x) for x in _PROMPT_IDS.value]))
   n = _NEW.value
   room = m.cfg.max_position_embeddings - len(ids) - (decode.MAX_VERIFY if _SPECULATE.value else 1)

@@ -141,7 +141,6 @@ def build_model(opts: Options, cfg: config_lib.DeepseekV4Config, log: Callable[[
     m = mapping.load_checkpoint(opts.checkpoint, cfg, dtype=dtype, policy=opts.quant_policy, log=log, mesh=opts.mesh)
   else:
     m = model_lib.init_random(cfg, opts.seed, dtype=dtype, policy=opts.quant_policy, mesh=opts.mesh)
-  if opts.mesh:
-    m = mesh_lib.place(m, opts.mesh)
+  if opts.mesh:  # init_random and load_checkpoint placed it
     log(mesh_lib.describe(opts.mesh, cfg))
   return m
