@@ -18,6 +18,7 @@ step walks no module graph on the host. Continuing a state takes that same model
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from typing import Callable, Sequence
@@ -206,6 +207,28 @@ def start(m: model_lib.DeepseekV4, prompt, features: Features = REFERENCE, capac
     _, state = _band(m, state, t[done:done + b])
     done += b
   return state
+
+
+def precompile(m: model_lib.DeepseekV4, state: State, widths: Sequence[int], workers: int = 8) -> int:
+  """Compiles the layer programs that bands of each width in `widths` run on `state`'s caches, `workers` at a time,
+  into jax's persistent compilation cache (jax_compilation_cache_dir must be set): a decode then loads them instead
+  of compiling one after another (as prefill.precompile does for prefills). Returns the programs compiled."""
+  if not jax.config.jax_compilation_cache_dir:
+    raise ValueError("precompile fills the persistent compilation cache: set jax_compilation_cache_dir first")
+  w = _weights(m, state)
+  lowered, seen = [], set()
+  for q in widths:
+    inner = prefill_lib.layer_features(state.features, q)
+    toks = jax.ShapeDtypeStruct((q,), jnp.int32)
+    X = jax.eval_shape(functools.partial(_embed, hc_mult=m.cfg.hc_mult), w.embed, toks)
+    for (step, weights), cache in zip(w.layers, state.caches):
+      key = (step, q, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(cache)))
+      if key not in seen:
+        seen.add(key)
+        lowered.append(step.lower(weights, X, toks, np.int32(0), cache, inner))
+  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:  # XLA compiles release the GIL
+    list(pool.map(lambda low: low.compile(), lowered))
+  return len(lowered)
 
 
 def prompt_bands(n: int, features: Features) -> list[int]:

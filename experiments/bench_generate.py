@@ -1,0 +1,128 @@
+"""Decode speed (batch 1) after long prompts, with and without self-speculative verification (ds4jax/decode.py).
+
+    python -m experiments.bench_generate --preset=v4_flash --quant_policy=lucebox_mix --dtype=bf16 \\
+        --lengths=8192,131072 --new_tokens=64 --out=experiments/results/generate_h200.json
+
+For each prompt length (synthetic ids, seeded): the prompt is prefilled into a decode state, then from that state
+
+  band_ms     one band of q tokens, q = 1 (a decode step) .. 5 (the widest verification), median of --repeats:
+              what a verification of q tokens costs against q decode steps
+  greedy      --new_tokens greedy tokens, one step each: tok/s (the host's argmax per token included)
+  speculate   the same tokens with n-gram drafts verified in bands of 2-5: tok/s, bands, drafted and accepted tokens,
+              and whether the tokens equal greedy's
+
+Every length shares one state capacity (the longest prompt + new tokens + the widest band), so they share the layer
+programs, which are compiled ahead, --precompile_workers at a time, when JAX_COMPILATION_CACHE_DIR is set. With random
+weights the acceptance measures how repetitive the random model's own continuation is, not a language model's; the
+band costs are what carries over to real weights. Results are rewritten after every length.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from ds4jax import config, decode, model
+from experiments import flags as ds4_flags
+from experiments import run_record
+
+_PRESET = flags.DEFINE_string("preset", "v4_flash", "Model preset (random weights).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and of the prompt ids.")
+_DTYPE = flags.DEFINE_enum("dtype", "bf16", ["f32", "bf16"], "Weight dtype.")
+_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "f32", ["f32", "bf16"], "Dtype of the cached rows.")
+_LENGTHS = flags.DEFINE_list("lengths", ["8192", "131072"], "Prompt lengths (tokens).")
+_NEW = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per run.")
+_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed bands per width (median).")
+_NGRAM = flags.DEFINE_integer("ngram", 3, "Context tokens an n-gram draft is matched on.")
+_WORKERS = flags.DEFINE_integer("precompile_workers", 8, "Layer programs compiled at once.")
+_OUT = flags.DEFINE_string("out", None, "Results JSON.")
+ds4_flags.define_feature_flags()
+ds4_flags.define_quant_policy_flag()
+
+WIDTHS = (1, 2, 3, 4, 5)
+
+
+def band_ms(m, state: decode.State, q: int, repeats: int) -> float:
+  """Median wall time of one band of q tokens on `state` (its logits fetched), after one untimed band."""
+  tokens = np.arange(1, q + 1, dtype=np.int32)
+  times = []
+  for _ in range(repeats + 1):
+    t0 = time.perf_counter()
+    jax.block_until_ready(decode.extend(m, state, tokens)[0])
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times[1:])
+
+
+def measure(m, prompt: np.ndarray, features, capacity: int, widest: int, new_tokens: int, repeats: int,
+            ngram: int, cache_dtype, log=print) -> dict:
+  """One prompt length's figures (see the module docstring)."""
+  t0 = time.perf_counter()
+  state = decode.start(m, prompt, features, capacity=capacity, widest=widest, cache_dtype=cache_dtype)
+  jax.block_until_ready(state.logits)
+  prefill_s = time.perf_counter() - t0
+  log(f"{len(prompt)} tokens: prefill {prefill_s:.1f}s")
+  bands = {q: band_ms(m, state, q, repeats) for q in WIDTHS}
+  log("  band ms " + ", ".join(f"q={q}: {t:.2f}" for q, t in bands.items()))
+  decode.greedy(m, state, 3)  # the argmax and logits programs, and verification's choices at each width
+  for q in WIDTHS[1:]:
+    decode.verify(m, state, np.arange(1, q + 1, dtype=np.int32))
+  t0 = time.perf_counter()
+  greedy = decode.greedy(m, state, new_tokens)
+  greedy_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  spec = decode.speculate(m, state, prompt.tolist(), new_tokens, ngram=ngram)
+  spec_s = time.perf_counter() - t0
+  out = dict(prompt_tokens=len(prompt), prefill_s=prefill_s, band_ms={str(q): t for q, t in bands.items()},
+             greedy=dict(tok_per_s=new_tokens / greedy_s, tokens=greedy.tolist()),
+             speculate=dict(tok_per_s=new_tokens / spec_s, bands=spec.bands, drafted=spec.drafted,
+                            accepted=spec.accepted, acceptance=spec.accepted / max(spec.drafted, 1),
+                            same_as_greedy=bool(np.array_equal(spec.tokens, greedy))))
+  log(f"  greedy {out['greedy']['tok_per_s']:.1f} tok/s; speculative {out['speculate']['tok_per_s']:.1f} tok/s, "
+      f"{spec.accepted}/{spec.drafted} drafted accepted in {spec.bands} bands, "
+      f"{'the same tokens' if out['speculate']['same_as_greedy'] else 'NOT the same tokens'} as greedy")
+  return out
+
+
+def main(argv):
+  del argv
+  features = ds4_flags.features_from_flags(flags.FLAGS)
+  cfg = config.preset(_PRESET.value)
+  dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
+  cache_dtype = jnp.float32 if _CACHE_DTYPE.value == "f32" else jnp.bfloat16
+  lengths = sorted(int(n) for n in _LENGTHS.value)
+  capacity = lengths[-1] + _NEW.value + decode.MAX_VERIFY
+  if capacity > cfg.max_position_embeddings:
+    raise app.UsageError(f"--lengths: {lengths[-1]} tokens + {_NEW.value} new leave no room in "
+                         f"max_position_embeddings={cfg.max_position_embeddings}")
+  t0 = time.perf_counter()
+  m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy)
+  jax.block_until_ready(m.embed[...])
+  print(f"{cfg.name} {flags.FLAGS.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; on: "
+        f"{', '.join(features.on()) or 'none'}", flush=True)
+  prompt = np.random.default_rng(_SEED.value).integers(0, cfg.vocab_size, lengths[-1]).astype(np.int32)
+  widths = sorted({*WIDTHS, *(w for n in lengths for w in decode.prompt_bands(n, features))})
+  widest = max(decode.MAX_VERIFY, *widths)  # one cache shape for every length
+  if jax.config.jax_compilation_cache_dir:
+    t0 = time.perf_counter()
+    empty = decode.empty_state(m, capacity, widest, features, cache_dtype)
+    n = decode.precompile(m, empty, widths, _WORKERS.value)
+    del empty
+    print(f"precompiled {n} layer programs for bands of {widths} in {time.perf_counter() - t0:.0f}s", flush=True)
+  record = dict(env=run_record.environment(), preset=cfg.name, quant_policy=flags.FLAGS.quant_policy,
+                dtype=_DTYPE.value, cache_dtype=_CACHE_DTYPE.value, features=features.to_dict(), capacity=capacity,
+                new_tokens=_NEW.value, repeats=_REPEATS.value, ngram=_NGRAM.value,
+                prompt=dict(kind="synthetic", seed=_SEED.value), lengths={})
+  for n in lengths:
+    record["lengths"][str(n)] = measure(m, prompt[:n], features, capacity, widest, _NEW.value, _REPEATS.value,
+                                        _NGRAM.value, cache_dtype, log=lambda s: print(s, flush=True))
+    if _OUT.value:
+      run_record.write_json(_OUT.value, record)
+
+
+if __name__ == "__main__":
+  app.run(main)
