@@ -29,18 +29,25 @@ from absl import app, flags
 
 from ds4jax import config, decode, model
 from experiments import flags as ds4_flags
-from experiments import run_record
+from experiments import device_trace, run_record
 
 _PRESET = flags.DEFINE_string("preset", "v4_flash", "Model preset (random weights).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and of the prompt ids.")
 _DTYPE = flags.DEFINE_enum("dtype", "bf16", ["f32", "bf16"], "Weight dtype.")
 _CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "f32", ["f32", "bf16"], "Dtype of the cached rows.")
 _LENGTHS = flags.DEFINE_list("lengths", ["8192", "131072"], "Prompt lengths (tokens).")
+_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Prompt text, tokenized with --tokenizer and repeated up to "
+                                   "the longest length (default: seeded synthetic ids).")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "experiments/checkpoints/tiny_stdlib/tokenizer.json",
+                                 "tokenizer.json for --prompt_file.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per run.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed bands per width (median).")
 _NGRAM = flags.DEFINE_integer("ngram", 3, "Context tokens an n-gram draft is matched on.")
 _WORKERS = flags.DEFINE_integer("precompile_workers", 8, "Layer programs compiled at once.")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_TRACE = flags.DEFINE_string("trace_dir", None, "Also trace --trace_steps decode steps after the longest prompt "
+                             "here and record the device time by kernel (experiments/device_trace.py).")
+_TRACE_STEPS = flags.DEFINE_integer("trace_steps", 4, "Decode steps traced.")
 ds4_flags.define_feature_flags()
 ds4_flags.define_quant_policy_flag()
 
@@ -58,8 +65,21 @@ def band_ms(m, state: decode.State, q: int, repeats: int) -> float:
   return 1e3 * statistics.median(times[1:])
 
 
+def trace_steps(m, state: decode.State, steps: int, trace_dir: str) -> dict:
+  """Device time by kernel over `steps` decode steps (one token each), and their wall time."""
+  token = np.ones((1,), np.int32)
+  jax.block_until_ready(decode.extend(m, state, token)[0])
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      jax.block_until_ready(decode.extend(m, state, token)[0])
+    wall = time.perf_counter() - t0
+  out = device_trace.summary(device_trace.kernel_times(device_trace.read_trace(trace_dir)), top=20)
+  return dict(steps=steps, wall_ms_per_step=1e3 * wall / steps, device_ms_per_step=out["device_ms"] / steps, **out)
+
+
 def measure(m, prompt: np.ndarray, features, capacity: int, widest: int, new_tokens: int, repeats: int,
-            ngram: int, cache_dtype, log=print) -> dict:
+            ngram: int, cache_dtype, log=print, trace_dir: str | None = None) -> dict:
   """One prompt length's figures (see the module docstring)."""
   t0 = time.perf_counter()
   state = decode.start(m, prompt, features, capacity=capacity, widest=widest, cache_dtype=cache_dtype)
@@ -82,10 +102,30 @@ def measure(m, prompt: np.ndarray, features, capacity: int, widest: int, new_tok
              speculate=dict(tok_per_s=new_tokens / spec_s, bands=spec.bands, drafted=spec.drafted,
                             accepted=spec.accepted, acceptance=spec.accepted / max(spec.drafted, 1),
                             same_as_greedy=bool(np.array_equal(spec.tokens, greedy))))
+  if trace_dir:
+    out["trace"] = trace_steps(m, state, _TRACE_STEPS.value, trace_dir)
+    log(f"  traced: {out['trace']['wall_ms_per_step']:.1f} ms per step, {out['trace']['device_ms_per_step']:.1f} ms "
+        f"of it on the device; " + ", ".join(f"{k['kernel']} {k['ms']:.1f}" for k in out["trace"]["kernels"][:8]))
   log(f"  greedy {out['greedy']['tok_per_s']:.1f} tok/s; speculative {out['speculate']['tok_per_s']:.1f} tok/s, "
       f"{spec.accepted}/{spec.drafted} drafted accepted in {spec.bands} bands, "
       f"{'the same tokens' if out['speculate']['same_as_greedy'] else 'NOT the same tokens'} as greedy")
   return out
+
+
+def prompt_ids(n: int, vocab: int) -> tuple[np.ndarray, dict]:
+  """n prompt ids and where they came from: --prompt_file's text repeated, or seeded synthetic ids."""
+  if not _PROMPT_FILE.value:
+    ids = np.random.default_rng(_SEED.value).integers(0, vocab, n).astype(np.int32)
+    return ids, dict(kind="synthetic", seed=_SEED.value)
+  import tokenizers  # pylint: disable=import-outside-toplevel  (optional: only for text prompts)
+  with open(_PROMPT_FILE.value, encoding="utf-8") as f:
+    text = tokenizers.Tokenizer.from_file(_TOKENIZER.value).encode(f.read()).ids
+  if not text or max(text) >= vocab:
+    raise app.UsageError(f"--prompt_file gives {len(text)} tokens with ids up to {max(text, default=None)}; the "
+                         f"vocabulary has {vocab}")
+  ids = np.resize(np.asarray(text, np.int32), n)
+  return ids, dict(kind="file", path=_PROMPT_FILE.value, tokenizer=_TOKENIZER.value, tokens=len(text),
+                   repeated=n > len(text))
 
 
 def main(argv):
@@ -104,7 +144,7 @@ def main(argv):
   jax.block_until_ready(m.embed[...])
   print(f"{cfg.name} {flags.FLAGS.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; on: "
         f"{', '.join(features.on()) or 'none'}", flush=True)
-  prompt = np.random.default_rng(_SEED.value).integers(0, cfg.vocab_size, lengths[-1]).astype(np.int32)
+  prompt, source = prompt_ids(lengths[-1], cfg.vocab_size)
   widths = sorted({*WIDTHS, *(w for n in lengths for w in decode.prompt_bands(n, features))})
   widest = max(decode.MAX_VERIFY, *widths)  # one cache shape for every length
   if jax.config.jax_compilation_cache_dir:
@@ -116,10 +156,11 @@ def main(argv):
   record = dict(env=run_record.environment(), preset=cfg.name, quant_policy=flags.FLAGS.quant_policy,
                 dtype=_DTYPE.value, cache_dtype=_CACHE_DTYPE.value, features=features.to_dict(), capacity=capacity,
                 new_tokens=_NEW.value, repeats=_REPEATS.value, ngram=_NGRAM.value,
-                prompt=dict(kind="synthetic", seed=_SEED.value), lengths={})
+                prompt=source, lengths={})
   for n in lengths:
     record["lengths"][str(n)] = measure(m, prompt[:n], features, capacity, widest, _NEW.value, _REPEATS.value,
-                                        _NGRAM.value, cache_dtype, log=lambda s: print(s, flush=True))
+                                        _NGRAM.value, cache_dtype, log=lambda s: print(s, flush=True),
+                                        trace_dir=_TRACE.value if n == lengths[-1] else None)
     if _OUT.value:
       run_record.write_json(_OUT.value, record)
 
