@@ -18,10 +18,10 @@ def test_on_the_committed_results(run_notebook):
     change = 100 * (tps[n, "kill_moe_compact_queue"] / tps[n, "all_on"] - 1)
     assert f"killing moe_compact_queue {change:+.1f}% ({tps[n, 'kill_moe_compact_queue']:.0f} tok/s)" in out.markdown
   assert "killing indexer_score_kernel -46.1% (3295 tok/s)" in out.markdown
-  # What the file lacks is said, never filled in: two kills were not timed at 122879.
-  assert "this file holds no record of them yet" not in out.markdown
-  assert "- kill_moe_adaptive_tile: no record at [122879]." in out.markdown
-  assert "- kill_moe_fused_combine: no record at [122879]." in out.markdown
+  # What the file lacks is said, never filled in (the live test below sees a missing record said).
+  assert "this file holds no record of them yet" not in out.markdown and "no record at [" not in out.markdown
+  killed = 100 * (tps[122879, "kill_moe_fused_combine"] / tps[122879, "all_on"] - 1)
+  assert f"killing moe_fused_combine {killed:+.1f}%" in out.markdown
   assert "- kill_bf16_matmul at 8192: no timing (too_slow)." in out.markdown
   assert "14 configurations PASS, 0 FAIL" in out.markdown and "5 of 5 planted bugs caught" in out.markdown
   assert "no record at any length" not in out.markdown
