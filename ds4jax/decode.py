@@ -30,10 +30,12 @@ from flax import nnx
 
 from ds4jax import layer_cache
 from ds4jax import model as model_lib
+from ds4jax import moe as moe_lib
 from ds4jax import prefill as prefill_lib
 from ds4jax.config import Attention
 from ds4jax.features import REFERENCE, Features
 from ds4jax.layer_cache import LayerCache
+from ds4jax.layers import QuantizedWeight
 
 MAX_VERIFY = 8  # widest draft a state is sized for (upstream verifies 2-5)
 
@@ -229,6 +231,13 @@ def precompile(m: model_lib.DeepseekV4, state: State, widths: Sequence[int], wor
   with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:  # XLA compiles release the GIL
     list(pool.map(lambda low: low.compile(), lowered))
   return len(lowered)
+
+
+def decodes_every_expert(m: model_lib.DeepseekV4, features: Features) -> bool:
+  """Whether every band, a one-token step included, dequantizes all routed experts of every layer before the MoE
+  kernels: quantized experts with `moe_sparse_gate_up` off. On V4-Flash that is 86% of a step (docs/decode.md §6)."""
+  return moe_lib.decodes_experts(features) and any(
+      isinstance(getattr(b.ffn.experts, n), QuantizedWeight) for b in m.layers for n in ("w1", "w2", "w3"))
 
 
 def prompt_bands(n: int, features: Features) -> list[int]:

@@ -29,7 +29,7 @@ from absl import app, flags
 
 from ds4jax import config, decode, model
 from experiments import flags as ds4_flags
-from experiments import device_trace, run_record
+from experiments import device_memory, device_trace, run_record
 
 _PRESET = flags.DEFINE_string("preset", "v4_flash", "Model preset (random weights).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and of the prompt ids.")
@@ -130,6 +130,7 @@ def prompt_ids(n: int, vocab: int) -> tuple[np.ndarray, dict]:
 
 def main(argv):
   del argv
+  device_memory.claim()  # before JAX starts its backend: the full model needs 95% of an H200
   features = ds4_flags.features_from_flags(flags.FLAGS)
   cfg = config.preset(_PRESET.value)
   dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16

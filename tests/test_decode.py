@@ -319,3 +319,14 @@ def test_decode_through_every_fast_path():
   bands = collections.Counter(k for k, _ in features.pallas_calls(lambda: prefill.prefill(m, tokens, f)))
   print(f"a decode step runs {dict(step)}")
   assert step and {k: 4 * v for k, v in step.items()} == bands  # 4 bands of 12
+
+
+def test_decodes_every_expert_names_the_slow_decode():
+  """generate warns when each step would dequantize every routed expert (quantized experts, no in-kernel decode)."""
+  cfg = config.tiny_sparse(hidden_size=128, moe_intermediate_size=128)  # the MIX formats' block multiples
+  quantized, plain = model.abstract_model(cfg, policy="lucebox_mix"), model.abstract_model(cfg)
+  slow = dataclasses.replace(features.REFERENCE, moe_compact_queue=True)  # MoE kernels, experts decoded first
+  assert decode.decodes_every_expert(quantized, slow)
+  assert not decode.decodes_every_expert(quantized, dataclasses.replace(slow, moe_sparse_gate_up=True))
+  assert not decode.decodes_every_expert(plain, slow)
+  assert not decode.decodes_every_expert(quantized, features.REFERENCE)
