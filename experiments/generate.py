@@ -24,7 +24,7 @@ from ds4jax import config, decode, model
 from ds4jax import mesh as mesh_lib
 from ds4jax.checkpoint import mapping
 from experiments import flags as ds4_flags
-from experiments import processes
+from experiments import processes, run_record
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint directory (config.json + safetensors).")
 _PRESET = flags.DEFINE_string("preset", "tiny_sparse", "Model preset for random weights (no --checkpoint).")
@@ -133,7 +133,8 @@ def run() -> dict:
     extra["same_as_greedy"] = bool(np.array_equal(out, decode.greedy(m, state, n)))
   text = tok.decode(out.tolist()) if tok else " ".join(map(str, out.tolist()))
   print(text)
-  result = dict(model=m.cfg.name, checkpoint=_CHECKPOINT.value, prompt_tokens=len(ids), new_tokens=int(n),
+  result = dict(env=run_record.environment(), model=m.cfg.name, checkpoint=_CHECKPOINT.value,
+                prompt_tokens=len(ids), new_tokens=int(n),
                 tokens=out.tolist(), speculate=_SPECULATE.value, features=feats.to_dict(), mesh=mesh_spec,
                 cache_dtype=_CACHE_DTYPE.value,
                 prefill_tok_per_s=len(ids) / prefill_s, decode_tok_per_s=n / decode_s, **extra)

@@ -40,6 +40,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "bench_moe": ("runs",),
     "bench_attention": ("timings", "accuracy", "speedups"),
     "bench_decode": ("decode",),
+    "bench_generate": ("lengths", "kernels"),
+    "generate": ("runs",),
     "bench_reference": ("runs",),
     "lowering_gfx1151": ("kernels",),
     "compile_gfx1151": ("programs", "kernels"),
@@ -98,7 +100,9 @@ def kind_of(doc: Any, path: str = "<document>") -> str:
   by_keys = [("band_sweep", ("what", "records")), ("trace_prefill", ("what", "variants", "runs")),
              ("bench_decode", ("weights", "repeats")), ("init_stats", ("update_over_stream", "entropy")),
              ("layer_verdicts", ("bounds", "configuration", "mutations")), ("per_layer_parity", ("per_layer",)),
-             ("parity_by_switch", ("variants", "exact_logits_sha256"))]
+             ("parity_by_switch", ("variants", "exact_logits_sha256")),
+             ("bench_generate", ("lengths", "capacity", "new_tokens")),
+             ("generate", ("decode_tok_per_s", "prompt_tokens", "speculate"))]
   for kind, keys in by_keys:
     if all(k in doc for k in keys):
       return kind
@@ -295,6 +299,28 @@ def _bench_decode(path: str, doc: dict):
   return dict(env=doc["env"], repeats=doc["repeats"], smoke=doc.get("smoke")), dict(decode=pd.DataFrame(rows))
 
 
+def _bench_generate(path: str, doc: dict):
+  """One row per prompt length (band times by width q, greedy and speculative rates); the traced kernels, if any."""
+  rows, kernels = [], []
+  for n, r in doc["lengths"].items():
+    trace = r.get("trace") or {}
+    rows.append(dict(prompt_tokens=int(n), prefill_s=r["prefill_s"],
+                     **{f"band_ms_q{q}": ms for q, ms in r["band_ms"].items()},
+                     greedy_tok_per_s=r["greedy"]["tok_per_s"], speculate_tok_per_s=r["speculate"]["tok_per_s"],
+                     drafted=r["speculate"]["drafted"], accepted=r["speculate"]["accepted"],
+                     same_as_greedy=r["speculate"]["same_as_greedy"],
+                     device_ms_per_step=trace.get("device_ms_per_step")))
+    kernels += [dict(prompt_tokens=int(n), **k, ms_per_step=k["ms"] / trace["steps"]) for k in trace.get("kernels", [])]
+  meta = {k: v for k, v in doc.items() if k != "lengths"}
+  return meta, dict(lengths=pd.DataFrame(rows), kernels=pd.DataFrame(kernels))
+
+
+def _generate(path: str, doc: dict):
+  meta = {k: doc[k] for k in ("env", "model", "checkpoint", "features") if k in doc}
+  row = {k: v for k, v in doc.items() if k not in ("env", "features", "tokens")}
+  return meta, dict(runs=pd.DataFrame([row]))
+
+
 def _bench_reference(path: str, doc: dict):
   runs = pd.DataFrame([{k: v for k, v in r.items() if k != "seconds"} for r in doc["runs"]])
   meta = {k: v for k, v in doc.items() if k not in ("runs", "benchmark")}
@@ -407,6 +433,7 @@ def _gfx1151_model(path: str, doc: dict):
 _READERS: dict[str, Callable[[str, dict], tuple[dict, dict[str, pd.DataFrame]]]] = {
     "qualification": _qualification, "band_sweep": _band_sweep, "bench_moe": _bench_moe,
     "bench_attention": _bench_attention, "bench_decode": _bench_decode, "bench_reference": _bench_reference,
+    "bench_generate": _bench_generate, "generate": _generate,
     "lowering_gfx1151": _lowering, "compile_gfx1151": _compile, "init_stats": _init_stats, "layer_verdicts": _layer_verdicts,
     "parity_by_switch": _parity_by_switch, "per_layer_parity": _per_layer_parity, "trace_prefill": _trace_prefill,
     "gfx1151_model": _gfx1151_model}

@@ -32,6 +32,8 @@ KINDS = {
     "trace_prefill_h200_122879.json": "trace_prefill",
     "decode_h200_2026-12-01.json": "bench_decode",
     "attention_h200_2026-12-01_cuda_tiles_bf16.json": "bench_attention",
+    "generate_v4flash_h200_text.json": "bench_generate",
+    "generate_tiny_stdlib_cpu.json": "generate",
 }
 WAVE2 = "qual_v4flash_h200_wave2.json"
 
@@ -56,6 +58,21 @@ def test_every_committed_file_is_read(tables):
     assert set(t.frames) == set(rt.KINDS[t.kind])
     main = t.frames[rt.KINDS[t.kind][0]]  # the others may be empty (an untraced run has no kernels)
     assert len(main), t.path
+
+
+def test_decode_figures_carry_the_files_numbers(tables):
+  name = "generate_v4flash_h200_text.json"
+  t, doc = tables[name], raw(name)
+  row = t.lengths.set_index("prompt_tokens").loc[131072]
+  want = doc["lengths"]["131072"]
+  assert row.band_ms_q1 == want["band_ms"]["1"] == pytest.approx(71.717806, rel=1e-6)
+  assert row.band_ms_q5 == want["band_ms"]["5"] and row.greedy_tok_per_s == want["greedy"]["tok_per_s"]
+  assert row.device_ms_per_step == want["trace"]["device_ms_per_step"] and row.same_as_greedy
+  moe = t.kernels.set_index("kernel").loc["moe_gate_up"]
+  assert moe.ms_per_step == pytest.approx(37.866 / 4) and t.meta["prompt"]["kind"] == "file"
+  assert math.isnan(t.lengths.set_index("prompt_tokens").loc[8192].device_ms_per_step)  # traced at 131072 only
+  tiny = tables["generate_tiny_stdlib_cpu.json"].runs.iloc[0]
+  assert (tiny.drafted, tiny.accepted, tiny.same_as_greedy) == (28, 19, True)
 
 
 def test_qualification_records_and_verdicts_carry_the_files_numbers(tables):
