@@ -32,7 +32,9 @@ def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
     c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
     return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
-  return jax.lax.fori_loop(0, iters - 1, one_round, c)
+  # Unrolled: a loop of tiny [.., 4, 4] rounds is one launch per op per round and a host-checked trip count on a
+  # GPU, which dominated a decode step (docs/decode.md §6); unrolled, XLA fuses the rounds. Same ops, same order.
+  return jax.lax.fori_loop(0, iters - 1, one_round, c, unroll=True)
 
 
 class HyperConnection(nnx.Module):
