@@ -5,6 +5,7 @@ in the denominator). A full HC site: mix = unweighted-rmsnorm(flattened streams)
 order, comb[j, k] at flat index 2n + j*n + k, and `merge` uses C^T: new stream k = post[k]*y + sum_j C[j,k] X[j].
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -193,3 +194,18 @@ def test_hyper_head_matches_loop_reference(seed, rng):
     pre = sigmoid(mix * scale[0] + base) + EPS
     want = sum(pre[i] * X[s, i].astype(np.float64) for i in range(N))
     np.testing.assert_allclose(got[s], want, atol=1e-5, rtol=1e-5)
+
+
+def test_sinkhorn_rounds_are_unrolled_for_gpus_only(rng):
+  """A GPU runs the rounds unrolled (a while loop of tiny ops cost a launch per op per round: docs/decode.md §6); the
+  CPU keeps the loop (compile time). Both are the same ops in the same order, so the CPU's result stands for both."""
+  f = jax.jit(lambda x: sinkhorn(x, 20, 1e-6))
+  x = jnp.asarray(rng.standard_normal((3, 4, 4)), jnp.float32)
+  lowered = {p: jax.export.export(f, platforms=[p])(x).mlir_module() for p in ("cpu", "cuda", "rocm")}
+  assert "stablehlo.while" in lowered["cpu"] and lowered["cpu"].count("stablehlo.divide") < 10
+  for p in ("cuda", "rocm"):
+    assert "stablehlo.while" not in lowered[p] and lowered[p].count("stablehlo.divide") >= 2 * 19, p
+  unrolled = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda _, c: c / (c.sum(-1, keepdims=True) + 1e-6), x,
+                                                 unroll=True))
+  looped = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda _, c: c / (c.sum(-1, keepdims=True) + 1e-6), x))
+  np.testing.assert_array_equal(np.asarray(unrolled(x)), np.asarray(looped(x)))
