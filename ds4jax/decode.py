@@ -214,7 +214,8 @@ def start(m: model_lib.DeepseekV4, prompt, features: Features = REFERENCE, capac
 def precompile(m: model_lib.DeepseekV4, state: State, widths: Sequence[int], workers: int = 8) -> int:
   """Compiles the layer programs that bands of each width in `widths` run on `state`'s caches, `workers` at a time,
   into jax's persistent compilation cache (jax_compilation_cache_dir must be set): a decode then loads them instead
-  of compiling one after another (as prefill.precompile does for prefills). Returns the programs compiled."""
+  of compiling one after another (as prefill.precompile does for prefills). Returns the programs compiled; one that
+  fails to compile (e.g. out of memory while autotuning) is left to its first band."""
   if not jax.config.jax_compilation_cache_dir:
     raise ValueError("precompile fills the persistent compilation cache: set jax_compilation_cache_dir first")
   w = _weights(m, state)
@@ -228,14 +229,21 @@ def precompile(m: model_lib.DeepseekV4, state: State, widths: Sequence[int], wor
       if key not in seen:
         seen.add(key)
         lowered.append(step.lower(weights, X, toks, np.int32(0), cache, inner))
+  def compile_one(low) -> bool:
+    try:
+      low.compile()
+      return True
+    except Exception:  # noqa: BLE001 -- its first band compiles it again, and reports what fails
+      return False
+
   with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:  # XLA compiles release the GIL
-    list(pool.map(lambda low: low.compile(), lowered))
-  return len(lowered)
+    return sum(pool.map(compile_one, lowered))
 
 
 def decodes_every_expert(m: model_lib.DeepseekV4, features: Features) -> bool:
   """Whether every band, a one-token step included, dequantizes all routed experts of every layer before the MoE
-  kernels: quantized experts with `moe_sparse_gate_up` off. On V4-Flash that is 86% of a step (docs/decode.md §6)."""
+  kernels: quantized experts with `moe_sparse_gate_up` off. On V4-Flash that is 80-86% of a step
+  (docs/decode.md §6)."""
   return moe_lib.decodes_experts(features) and any(
       isinstance(getattr(b.ffn.experts, n), QuantizedWeight) for b in m.layers for n in ("w1", "w2", "w3"))
 
@@ -282,6 +290,28 @@ def ngram_draft(context: Sequence[int], q: int, n: int = 3) -> list[int]:
   return []
 
 
+class NgramIndex:
+  """`ngram_draft` over a growing context, each n-gram's latest earlier end kept as the context grows: a draft costs
+  O(q), where scanning the context costs O(length) (~50 ms of Python per band after a 128K-token prompt)."""
+
+  def __init__(self, context: Sequence[int], n: int = 3):
+    self.n, self.tokens, self._ends = n, [], {}
+    self.extend(context)
+
+  def extend(self, tokens: Sequence[int]) -> None:
+    for t in tokens:
+      L = len(self.tokens)
+      if L >= self.n:  # the n-gram ending at L is now an earlier occurrence for every later suffix
+        self._ends[tuple(self.tokens[L - self.n:L])] = L
+      self.tokens.append(int(t))
+
+  def draft(self, q: int) -> list[int]:
+    if len(self.tokens) <= self.n:
+      return []
+    end = self._ends.get(tuple(self.tokens[-self.n:]))
+    return [] if end is None else self.tokens[end:end + q]
+
+
 @dataclasses.dataclass(frozen=True)
 class Speculation:
   tokens: np.ndarray   # the continuation, equal to `generate`'s
@@ -300,22 +330,22 @@ def speculate(m: model_lib.DeepseekV4, state: State, context: Sequence[int], n_n
   lo, hi = widths
   if not 2 <= lo <= hi <= MAX_VERIFY:
     raise ValueError(f"draft widths {widths} must satisfy 2 <= min <= max <= MAX_VERIFY={MAX_VERIFY}")
-  context, out = list(context), []
+  index, out = NgramIndex(context, ngram), []
   pending = _argmax(state.logits)
   q, bands, drafted, accepted = lo, 0, 0, 0
   while True:
     out.append(pending)
-    context.append(pending)
+    index.extend([pending])
     if len(out) >= n_new:
       if progress:
         progress(n_new, bands, drafted, accepted)
       break
-    draft = list(drafter(context, q - 1) if drafter else ngram_draft(context, q - 1, ngram))[:q - 1]
+    draft = list(drafter(index.tokens, q - 1) if drafter else index.draft(q - 1))[:q - 1]
     v = verify(m, state, [pending] + draft)
     bands, drafted, accepted = bands + 1, drafted + len(draft), accepted + v.accepted - 1
     took = draft[:v.accepted - 1]
     out += took
-    context += took
+    index.extend(took)
     state, pending = v.state, v.next_token
     q = min(q + 1, hi) if draft and v.accepted == len(draft) + 1 else lo
     if progress and len(out) < n_new:

@@ -27,16 +27,21 @@ def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
   """
   c = jax.nn.softmax(logits, axis=-1) + eps
   c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+  return _rounds(c, iters - 1, eps)
 
+
+def _rounds(c: jnp.ndarray, n: int, eps: float, unroll=None) -> jnp.ndarray:
+  """n rounds of rows, then columns. Unrolled for CUDA and ROCm: as a GPU while loop of tiny [.., 4, 4] ops they were
+  a launch per op per round, half a decode step's launches (docs/decode.md §6); unrolled, XLA fuses them. Elsewhere a
+  loop: unrolled, a CPU fast-path test compiled ~15% longer. The same ops in the same order either way."""
   def one_round(_, c):
     c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
     return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
-  # Same ops in the same order either way. On a GPU the rounds are unrolled: as a while loop of tiny [.., 4, 4] ops
-  # they were a launch per op per round, 40% of a decode step's launches (docs/decode.md §6); XLA fuses them unrolled.
-  # Elsewhere the loop stays a loop: unrolled, the CPU test suite spends ~15% longer compiling.
-  loop = lambda unroll: jax.lax.fori_loop(0, iters - 1, one_round, c, unroll=unroll)
-  return jax.lax.platform_dependent(cpu=lambda: loop(1), default=lambda: loop(True))
+  if unroll is not None:
+    return jax.lax.fori_loop(0, n, one_round, c, unroll=unroll)
+  unrolled = lambda: _rounds(c, n, eps, True)
+  return jax.lax.platform_dependent(cuda=unrolled, rocm=unrolled, default=lambda: _rounds(c, n, eps, 1))
 
 
 class HyperConnection(nnx.Module):

@@ -3,13 +3,15 @@
     python -m experiments.bench_generate --preset=v4_flash --quant_policy=lucebox_mix --dtype=bf16 \\
         --lengths=8192,131072 --new_tokens=64 --out=experiments/results/generate_h200.json
 
-For each prompt length (synthetic ids, seeded): the prompt is prefilled into a decode state, then from that state
+For each prompt length (seeded synthetic ids, or --prompt_file's text through --tokenizer): the prompt is prefilled
+into a decode state, then from that state
 
   band_ms     one band of q tokens, q = 1 (a decode step) .. 5 (the widest verification), median of --repeats:
               what a verification of q tokens costs against q decode steps
-  greedy      --new_tokens greedy tokens, one step each: tok/s (the host's argmax per token included)
-  speculate   the same tokens with n-gram drafts verified in bands of 2-5: tok/s, bands, drafted and accepted tokens,
-              and whether the tokens equal greedy's
+  greedy      --new_tokens greedy tokens: the first from the prompt's logits, then one step each; ms per step and
+              tok/s over those steps (the host's argmax per token included)
+  speculate   the same tokens, each band the pending token and an n-gram draft of 0-4 tokens: ms per token and tok/s
+              over the tokens after the first, bands, drafted and accepted tokens, whether the tokens equal greedy's
 
 Every length shares one state capacity (the longest prompt + new tokens + the widest band), so they share the layer
 programs, which are compiled ahead, --precompile_workers at a time, when JAX_COMPILATION_CACHE_DIR is set. With random
@@ -65,6 +67,12 @@ def band_ms(m, state: decode.State, q: int, repeats: int) -> float:
   return 1e3 * statistics.median(times[1:])
 
 
+def rate(seconds: float, tokens: int) -> dict:
+  """Tokens decoded after the first (which the prompt's logits give), per second and in ms each."""
+  steps = tokens - 1
+  return dict(seconds=seconds, steps=steps, tok_per_s=steps / seconds, ms_per_step=1e3 * seconds / steps)
+
+
 def trace_steps(m, state: decode.State, steps: int, trace_dir: str) -> dict:
   """Device time by kernel over `steps` decode steps (one token each), and their wall time."""
   token = np.ones((1,), np.int32)
@@ -79,7 +87,7 @@ def trace_steps(m, state: decode.State, steps: int, trace_dir: str) -> dict:
 
 
 def measure(m, prompt: np.ndarray, features, capacity: int, widest: int, new_tokens: int, repeats: int,
-            ngram: int, cache_dtype, log=print, trace_dir: str | None = None) -> dict:
+            ngram: int, cache_dtype, log=print, trace_dir: str | None = None, traced_steps: int = 4) -> dict:
   """One prompt length's figures (see the module docstring)."""
   t0 = time.perf_counter()
   state = decode.start(m, prompt, features, capacity=capacity, widest=widest, cache_dtype=cache_dtype)
@@ -89,7 +97,7 @@ def measure(m, prompt: np.ndarray, features, capacity: int, widest: int, new_tok
   bands = {q: band_ms(m, state, q, repeats) for q in WIDTHS}
   log("  band ms " + ", ".join(f"q={q}: {t:.2f}" for q, t in bands.items()))
   decode.greedy(m, state, 3)  # the argmax and logits programs, and verification's choices at each width
-  for q in WIDTHS[1:]:
+  for q in WIDTHS:
     decode.verify(m, state, np.arange(1, q + 1, dtype=np.int32))
   t0 = time.perf_counter()
   greedy = decode.greedy(m, state, new_tokens)
@@ -98,15 +106,16 @@ def measure(m, prompt: np.ndarray, features, capacity: int, widest: int, new_tok
   spec = decode.speculate(m, state, prompt.tolist(), new_tokens, ngram=ngram)
   spec_s = time.perf_counter() - t0
   out = dict(prompt_tokens=len(prompt), prefill_s=prefill_s, band_ms={str(q): t for q, t in bands.items()},
-             greedy=dict(tok_per_s=new_tokens / greedy_s, tokens=greedy.tolist()),
-             speculate=dict(tok_per_s=new_tokens / spec_s, bands=spec.bands, drafted=spec.drafted,
+             greedy=dict(**rate(greedy_s, new_tokens), tokens=greedy.tolist()),
+             speculate=dict(**rate(spec_s, new_tokens), bands=spec.bands, drafted=spec.drafted,
                             accepted=spec.accepted, acceptance=spec.accepted / max(spec.drafted, 1),
                             same_as_greedy=bool(np.array_equal(spec.tokens, greedy))))
   if trace_dir:
-    out["trace"] = trace_steps(m, state, _TRACE_STEPS.value, trace_dir)
+    out["trace"] = trace_steps(m, state, traced_steps, trace_dir)
     log(f"  traced: {out['trace']['wall_ms_per_step']:.1f} ms per step, {out['trace']['device_ms_per_step']:.1f} ms "
         f"of it on the device; " + ", ".join(f"{k['kernel']} {k['ms']:.1f}" for k in out["trace"]["kernels"][:8]))
-  log(f"  greedy {out['greedy']['tok_per_s']:.1f} tok/s; speculative {out['speculate']['tok_per_s']:.1f} tok/s, "
+  log(f"  greedy {out['greedy']['ms_per_step']:.1f} ms a step ({out['greedy']['tok_per_s']:.1f} tok/s); speculative "
+      f"{out['speculate']['tok_per_s']:.1f} tok/s, "
       f"{spec.accepted}/{spec.drafted} drafted accepted in {spec.bands} bands, "
       f"{'the same tokens' if out['speculate']['same_as_greedy'] else 'NOT the same tokens'} as greedy")
   return out
@@ -136,6 +145,8 @@ def main(argv):
   dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
   cache_dtype = jnp.float32 if _CACHE_DTYPE.value == "f32" else jnp.bfloat16
   lengths = sorted(int(n) for n in _LENGTHS.value)
+  if _NEW.value < 2:
+    raise app.UsageError(f"--new_tokens={_NEW.value}: at least 2 (the first comes from the prompt's logits)")
   capacity = lengths[-1] + _NEW.value + decode.MAX_VERIFY
   if capacity > cfg.max_position_embeddings:
     raise app.UsageError(f"--lengths: {lengths[-1]} tokens + {_NEW.value} new leave no room in "
@@ -161,7 +172,8 @@ def main(argv):
   for n in lengths:
     record["lengths"][str(n)] = measure(m, prompt[:n], features, capacity, widest, _NEW.value, _REPEATS.value,
                                         _NGRAM.value, cache_dtype, log=lambda s: print(s, flush=True),
-                                        trace_dir=_TRACE.value if n == lengths[-1] else None)
+                                        trace_dir=_TRACE.value if n == lengths[-1] else None,
+                                        traced_steps=_TRACE_STEPS.value)
     if _OUT.value:
       run_record.write_json(_OUT.value, record)
 

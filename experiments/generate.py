@@ -109,7 +109,7 @@ def run() -> dict:
 
   if decode.decodes_every_expert(m, feats):
     print("note: moe_sparse_gate_up is off, so every decode step dequantizes all routed experts of every layer "
-          "(V4-Flash on an H200: 2 tok/s instead of 11-20); pass --moe_sparse_gate_up to decode (docs/decode.md §6)",
+          "(several times slower on V4-Flash); pass --moe_sparse_gate_up to decode (docs/decode.md §6)",
           flush=True)
   say = lambda done, bands, drafted, accepted: print(
       f"\r  {done}/{n} tokens, {bands} bands" + (f", {accepted}/{drafted} drafted accepted" if drafted else ""),

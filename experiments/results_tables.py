@@ -300,15 +300,23 @@ def _bench_decode(path: str, doc: dict):
 
 
 def _bench_generate(path: str, doc: dict):
-  """One row per prompt length (band times by width q, greedy and speculative rates); the traced kernels, if any."""
+  """One row per prompt length (band times by width q; greedy ms per step and speculative ms per token, over the
+  tokens after the first, which the prompt's logits give); the traced kernels, if any."""
+  def per_step(run: dict) -> tuple[float, float]:  # (ms, tok/s); files before 2026-12-02 hold n_new / seconds
+    if "ms_per_step" in run:
+      return run["ms_per_step"], run["tok_per_s"]
+    seconds, steps = doc["new_tokens"] / run["tok_per_s"], doc["new_tokens"] - 1
+    return 1e3 * seconds / steps, steps / seconds
+
   rows, kernels = [], []
   for n, r in doc["lengths"].items():
     trace = r.get("trace") or {}
+    (g_ms, g_rate), (s_ms, s_rate) = per_step(r["greedy"]), per_step(r["speculate"])
     rows.append(dict(prompt_tokens=int(n), prefill_s=r["prefill_s"],
                      **{f"band_ms_q{q}": ms for q, ms in r["band_ms"].items()},
-                     greedy_tok_per_s=r["greedy"]["tok_per_s"], speculate_tok_per_s=r["speculate"]["tok_per_s"],
-                     drafted=r["speculate"]["drafted"], accepted=r["speculate"]["accepted"],
-                     same_as_greedy=r["speculate"]["same_as_greedy"],
+                     greedy_ms_per_step=g_ms, greedy_tok_per_s=g_rate, speculate_ms_per_token=s_ms,
+                     speculate_tok_per_s=s_rate, bands=r["speculate"]["bands"], drafted=r["speculate"]["drafted"],
+                     accepted=r["speculate"]["accepted"], same_as_greedy=r["speculate"]["same_as_greedy"],
                      device_ms_per_step=trace.get("device_ms_per_step")))
     kernels += [dict(prompt_tokens=int(n), **k, ms_per_step=k["ms"] / trace["steps"]) for k in trace.get("kernels", [])]
   meta = {k: v for k, v in doc.items() if k != "lengths"}
@@ -434,7 +442,8 @@ _READERS: dict[str, Callable[[str, dict], tuple[dict, dict[str, pd.DataFrame]]]]
     "qualification": _qualification, "band_sweep": _band_sweep, "bench_moe": _bench_moe,
     "bench_attention": _bench_attention, "bench_decode": _bench_decode, "bench_reference": _bench_reference,
     "bench_generate": _bench_generate, "generate": _generate,
-    "lowering_gfx1151": _lowering, "compile_gfx1151": _compile, "init_stats": _init_stats, "layer_verdicts": _layer_verdicts,
+    "lowering_gfx1151": _lowering, "compile_gfx1151": _compile, "init_stats": _init_stats,
+    "layer_verdicts": _layer_verdicts,
     "parity_by_switch": _parity_by_switch, "per_layer_parity": _per_layer_parity, "trace_prefill": _trace_prefill,
     "gfx1151_model": _gfx1151_model}
 assert set(_READERS) == set(KINDS)

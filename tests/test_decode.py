@@ -330,3 +330,16 @@ def test_decodes_every_expert_names_the_slow_decode():
   assert not decode.decodes_every_expert(quantized, dataclasses.replace(slow, moe_sparse_gate_up=True))
   assert not decode.decodes_every_expert(plain, slow)
   assert not decode.decodes_every_expert(quantized, features.REFERENCE)
+
+
+def test_ngram_index_drafts_as_ngram_draft(rng):
+  """speculate's incremental n-gram index gives `ngram_draft`'s draft after every appended token (small vocabulary:
+  many repeats), for n = 1..3 and q = 1..4."""
+  seq = [int(t) for t in rng.integers(0, 4, 60)]
+  for n in (1, 2, 3):
+    index = decode.NgramIndex(seq[:5], n)
+    for t in seq[5:]:
+      index.extend([t])
+      for q in (1, 2, 4):
+        assert index.draft(q) == decode.ngram_draft(index.tokens, q, n), (n, q, len(index.tokens))
+  assert decode.NgramIndex([5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7], 3).draft(2) == [2, 5]  # the latest occurrence

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ds4jax import hyper_connection
 from ds4jax.hyper_connection import HyperConnection, HyperHead, sinkhorn
 
 N, D, EPS, NORM_EPS = 4, 8, 1e-6, 1e-6
@@ -197,15 +198,16 @@ def test_hyper_head_matches_loop_reference(seed, rng):
 
 
 def test_sinkhorn_rounds_are_unrolled_for_gpus_only(rng):
-  """A GPU runs the rounds unrolled (a while loop of tiny ops cost a launch per op per round: docs/decode.md §6); the
-  CPU keeps the loop (compile time). Both are the same ops in the same order, so the CPU's result stands for both."""
+  """CUDA and ROCm run the rounds unrolled (a while loop of tiny ops cost a launch per op per round: docs/decode.md
+  §6); other platforms keep the loop (compile time). Both forms give the same bits."""
   f = jax.jit(lambda x: sinkhorn(x, 20, 1e-6))
   x = jnp.asarray(rng.standard_normal((3, 4, 4)), jnp.float32)
-  lowered = {p: jax.export.export(f, platforms=[p])(x).mlir_module() for p in ("cpu", "cuda", "rocm")}
-  assert "stablehlo.while" in lowered["cpu"] and lowered["cpu"].count("stablehlo.divide") < 10
+  lowered = {p: jax.export.export(f, platforms=[p])(x).mlir_module() for p in ("cpu", "tpu", "cuda", "rocm")}
+  for p in ("cpu", "tpu"):
+    assert "stablehlo.while" in lowered[p] and lowered[p].count("stablehlo.divide") < 10, p
   for p in ("cuda", "rocm"):
     assert "stablehlo.while" not in lowered[p] and lowered[p].count("stablehlo.divide") >= 2 * 19, p
-  unrolled = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda _, c: c / (c.sum(-1, keepdims=True) + 1e-6), x,
-                                                 unroll=True))
-  looped = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda _, c: c / (c.sum(-1, keepdims=True) + 1e-6), x))
-  np.testing.assert_array_equal(np.asarray(unrolled(x)), np.asarray(looped(x)))
+  c = jax.nn.softmax(x, axis=-1) + 1e-6
+  unrolled = jax.jit(lambda c: hyper_connection._rounds(c, 19, 1e-6, True))(c)  # pylint: disable=protected-access
+  looped = jax.jit(lambda c: hyper_connection._rounds(c, 19, 1e-6, 1))(c)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(unrolled), np.asarray(looped))
