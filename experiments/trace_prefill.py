@@ -24,6 +24,7 @@ from absl import app, flags
 
 from ds4jax import config as config_lib
 from ds4jax import features as features_lib
+from ds4jax import mesh as mesh_lib
 from ds4jax import model as model_lib
 from ds4jax import prefill
 from ds4jax.quant import policy as quant_policy
@@ -41,6 +42,8 @@ _PRECOMPILE = flags.DEFINE_integer("precompile_workers", 0, "> 0: compile every 
                                    "a time (as the qualification does).")
 _TRACE = flags.DEFINE_boolean("trace", True, "Trace one prefill per run and sum its kernels.")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_MESH = flags.DEFINE_string("mesh", "", "Devices to split the routed experts over, e.g. expert=2 (docs/mesh.md); the "
+                            "kernel times are then summed over the devices. Empty: one device.")
 flags_lib.define_quant_policy_flag()
 flags_lib.define_feature_flags()
 
@@ -51,6 +54,10 @@ def main(argv):
   fv = flags.FLAGS
   features = flags_lib.features_from_flags(fv)
   cfg = config_lib.preset(_PRESET.value)
+  try:
+    mesh_lib.check(_MESH.value, cfg)  # before drawing the weights
+  except mesh_lib.MeshError as e:
+    raise app.UsageError(f"--mesh: {e}") from e
   lengths = [int(t) for t in _TOKENS.value]
   rng = np.random.default_rng(_SEED.value)
   tokens = rng.integers(0, cfg.vocab_size, max(lengths))
@@ -58,15 +65,15 @@ def main(argv):
   for switch in _WITHOUT.value:  # the qualification's kill_<switch> features
     variants[f"without_{switch}"] = matrix.without(features, switch)
   record = dict(run_record.environment(), what="prefill device time by kernel (experiments/trace_prefill.py)",
-                preset=cfg.name, quant_policy=fv.quant_policy,
+                preset=cfg.name, quant_policy=fv.quant_policy, mesh=_MESH.value,
                 variants={name: f.on() for name, f in variants.items()},
                 switch_states={name: features_lib.switch_states(f) for name, f in variants.items()}, runs=[])
   print(features_lib.describe_states(features), flush=True)
   t0 = time.perf_counter()
-  m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(fv.quant_policy))
+  m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(fv.quant_policy), mesh=_MESH.value)
   jax.block_until_ready(jax.tree.leaves(m))
-  print(f"{cfg.name} {fv.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; on: {', '.join(features.on())}",
-        flush=True)
+  print(f"{cfg.name} {fv.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; on: {', '.join(features.on())}; "
+        f"{mesh_lib.describe(_MESH.value, cfg)}", flush=True)
   if _PRECOMPILE.value:
     runner.ModelRunner().precompile(m, [(n, f) for n in lengths for f in variants.values()], _PRECOMPILE.value,
                                     lambda line: print(line, flush=True))

@@ -58,15 +58,25 @@ def test_read_trace_finds_the_one_trace_file(tmp_path):
 
 
 def test_trace_prefill_times_each_feature_set_and_records_it(tmp_path):
-  """The entry point on a CPU: one run per feature set (the flags', then each --without), written to --out."""
+  """The entry point on a CPU: one run per feature set (the flags', then each --without), written to --out; on a
+  mesh of one device (the sharded MoE's code path)."""
   out = tmp_path / "trace.json"
   subprocess.run([sys.executable, "-m", "experiments.trace_prefill", "--preset=tiny_window", "--quant_policy=bf16",
                   "--tokens=16", "--repeats=1", "--prefill_band_tokens=8", "--prefill_weights_stationary",
-                  "--without=prefill_weights_stationary", f"--out={out}"], check=True, capture_output=True,
+                  "--without=prefill_weights_stationary", "--mesh=expert=1", f"--out={out}"], check=True,
+                 capture_output=True,
                  env={**os.environ, "JAX_PLATFORMS": "cpu"})
   record = json.loads(out.read_text())
   assert record["variants"] == {"flags": ["prefill_weights_stationary"], "without_prefill_weights_stationary": []}
+  assert record["mesh"] == "expert=1"
   runs = {r["variant"]: r for r in record["runs"]}
   assert set(runs) == {"flags", "without_prefill_weights_stationary"}
   for r in runs.values():
     assert r["tokens"] == 16 and r["tok_s"] > 0 and "error" not in r and "device_ms" in r  # traced (CPU: no kernels)
+
+
+def test_trace_prefill_refuses_a_bad_mesh_in_one_line():
+  p = subprocess.run([sys.executable, "-m", "experiments.trace_prefill", "--preset=tiny_window", "--mesh=expert=3"],
+                     capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert p.returncode == 1 and "--mesh: mesh spec 'expert=3': tiny_window's 8 routed experts do not split evenly" in (
+      p.stderr), p.stderr[-2000:]
