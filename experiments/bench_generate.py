@@ -1,7 +1,10 @@
 """Decode speed (batch 1) after long prompts, with and without self-speculative verification (ds4jax/decode.py).
 
     python -m experiments.bench_generate --preset=v4_flash --quant_policy=lucebox_mix --dtype=bf16 \\
-        --lengths=8192,131072 --new_tokens=64 --out=experiments/results/generate_h200.json
+        --moe_sparse_gate_up --lengths=8192,131072 --new_tokens=64 --out=experiments/results/generate_h200.json
+
+(Without --moe_sparse_gate_up, the H200's prefill default, every step dequantizes every routed expert: docs/decode.md
+§6.)
 
 For each prompt length (seeded synthetic ids, or --prompt_file's text through --tokenizer): the prompt is prefilled
 into a decode state, then from that state
