@@ -343,3 +343,4 @@ def test_ngram_index_drafts_as_ngram_draft(rng):
       for q in (1, 2, 4):
         assert index.draft(q) == decode.ngram_draft(index.tokens, q, n), (n, q, len(index.tokens))
   assert decode.NgramIndex([5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7], 3).draft(2) == [2, 5]  # the latest occurrence
+  assert decode.NgramIndex([1, 2, 3, 9, 1, 2, 3], 3).draft(2) == [9, 1]  # the only one, at the very start
