@@ -18,7 +18,6 @@ step walks no module graph on the host. Continuing a state takes that same model
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 from typing import Callable, Sequence
@@ -229,15 +228,7 @@ def precompile(m: model_lib.DeepseekV4, state: State, widths: Sequence[int], wor
       if key not in seen:
         seen.add(key)
         lowered.append(step.lower(weights, X, toks, np.int32(0), cache, inner))
-  def compile_one(low) -> bool:
-    try:
-      low.compile()
-      return True
-    except Exception:  # noqa: BLE001 -- its first band compiles it again, and reports what fails
-      return False
-
-  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:  # XLA compiles release the GIL
-    return sum(pool.map(compile_one, lowered))
+  return prefill_lib.compile_in_threads(lowered, workers, fallback="its first band compiles it")
 
 
 def decodes_every_expert(m: model_lib.DeepseekV4, features: Features) -> bool:

@@ -231,11 +231,19 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
       if key not in seen:
         seen.add(key)
         lowered.append(_layer_step.lower(gdef, state, X, toks, jnp.int32(0), cache, inner, decisions, record_scores))
+  return compile_in_threads(lowered, workers, log, "its first prefill compiles it")
+
+
+def compile_in_threads(lowered: Sequence, workers: int, log: Callable[[str], None] | None = None,
+                       fallback: str = "its first run compiles it") -> int:
+  """Compiles lowered programs `workers` at a time (XLA compiles release the GIL) into the persistent compilation
+  cache; returns how many compiled. One that fails (e.g. out of memory while autotuning) is logged and left to its
+  first run, which compiles it again and reports the failure."""
   def compile_one(low):
     try:
       low.compile()
       return None
-    except Exception as e:  # noqa: BLE001 -- e.g. out of memory while autotuning: the cold run compiles it again
+    except Exception as e:  # noqa: BLE001 -- see the docstring
       return f"{type(e).__name__}: {str(e)[:300]}"
 
   t0, failed = time.perf_counter(), 0
@@ -244,7 +252,7 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
       failed += error is not None
       if log:
         log(f"precompiled {i + 1}/{len(lowered)} layer programs ({time.perf_counter() - t0:.0f}s)"
-            + (f"; this one failed ({error}), its first prefill compiles it" if error else ""))
+            + (f"; this one failed ({error}), {fallback}" if error else ""))
   return len(lowered) - failed
 
 
