@@ -136,6 +136,15 @@ def place(m, spec: str):
   return copy
 
 
+def spec_of(m) -> str:
+  """The spec a model runs under: what its `Experts` modules carry ("" = one device). Results record this rather than
+  the flag, so a model that was not placed cannot be reported as sharded."""
+  specs = {module.mesh for path, module in nnx.iter_modules(m) if tuple(path)[-2:] == ("ffn", "experts")}
+  if len(specs) > 1:
+    raise MeshError(f"the model's layers run on different meshes: {sorted(specs)}")
+  return specs.pop() if specs else ""
+
+
 def describe(spec: str, cfg) -> str:
   """One start-up line: how the model is laid out over the devices."""
   if not parse(spec):

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from ds4jax import config, decode, model
+from ds4jax import config, decode, mesh, model
 from experiments import flags as ds4_flags
 from experiments import device_memory, device_trace, run_record
 
@@ -55,6 +55,7 @@ _TRACE = flags.DEFINE_string("trace_dir", None, "Also trace --trace_steps decode
 _TRACE_STEPS = flags.DEFINE_integer("trace_steps", 4, "Decode steps traced.")
 ds4_flags.define_feature_flags()
 ds4_flags.define_quant_policy_flag()
+ds4_flags.define_mesh_flag()
 
 WIDTHS = (1, 2, 3, 4, 5)
 
@@ -154,11 +155,12 @@ def main(argv):
   if capacity > cfg.max_position_embeddings:
     raise app.UsageError(f"--lengths: {lengths[-1]} tokens + {_NEW.value} new leave no room in "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
+  ds4_flags.check_mesh("bench_generate", flags.FLAGS.mesh, cfg)  # before drawing the weights
   t0 = time.perf_counter()
-  m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy)
+  m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=flags.FLAGS.mesh)
   jax.block_until_ready(m.embed[...])
   print(f"{cfg.name} {flags.FLAGS.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; on: "
-        f"{', '.join(features.on()) or 'none'}", flush=True)
+        f"{', '.join(features.on()) or 'none'}; {mesh.describe(flags.FLAGS.mesh, cfg)}", flush=True)
   prompt, source = prompt_ids(lengths[-1], cfg.vocab_size)
   widths = sorted({*WIDTHS, *(w for n in lengths for w in decode.prompt_bands(n, features))})
   widest = max(decode.MAX_VERIFY, *widths)  # one cache shape for every length
@@ -169,9 +171,9 @@ def main(argv):
     del empty
     print(f"precompiled {n} layer programs for bands of {widths} in {time.perf_counter() - t0:.0f}s", flush=True)
   record = dict(env=run_record.environment(), preset=cfg.name, quant_policy=flags.FLAGS.quant_policy,
-                dtype=_DTYPE.value, cache_dtype=_CACHE_DTYPE.value, features=features.to_dict(), capacity=capacity,
-                new_tokens=_NEW.value, repeats=_REPEATS.value, ngram=_NGRAM.value,
-                prompt=source, lengths={})
+                mesh=mesh.spec_of(m), dtype=_DTYPE.value, cache_dtype=_CACHE_DTYPE.value,
+                features=features.to_dict(), capacity=capacity, new_tokens=_NEW.value, repeats=_REPEATS.value,
+                ngram=_NGRAM.value, prompt=source, lengths={})
   for n in lengths:
     record["lengths"][str(n)] = measure(m, prompt[:n], features, capacity, widest, _NEW.value, _REPEATS.value,
                                         _NGRAM.value, cache_dtype, log=lambda s: print(s, flush=True),

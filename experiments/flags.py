@@ -5,9 +5,12 @@ Library code never sees a flag: entry points parse them and hand `Features` / a 
 
 from __future__ import annotations
 
+import sys
+
 from absl import flags
 
 from ds4jax import features as features_lib
+from ds4jax import mesh as mesh_lib
 from ds4jax.features import KNOBS, SWITCHES, Features
 from ds4jax.quant import formats
 from ds4jax.quant import policy as quant_policy
@@ -37,3 +40,21 @@ def define_quant_policy_flag(flag_values: flags.FlagValues | None = None) -> Non
       f"Weight format per tensor role: one of {sorted(quant_policy.POLICIES)}, or dense=FMT,gate_up=FMT,down=FMT "
       f"with FMT in {list(formats.FORMATS)}. lucebox_mix = upstream's artifact (FP2/FP3 MIX experts, 4-bit dense).",
       flag_values=flags.FLAGS if flag_values is None else flag_values)
+
+
+def define_mesh_flag(flag_values: flags.FlagValues | None = None, default: str = "") -> None:
+  """--mesh: the devices the routed experts are split over (ds4jax/mesh.py, docs/mesh.md)."""
+  flags.DEFINE_string(
+      "mesh", default, "Devices to split the model over, e.g. expert=2: each device holds and runs 1/2 of every "
+      "layer's routed experts; attention, dense projections, router and shared expert are replicated (docs/mesh.md). "
+      "Only the expert axis exists yet. Empty: one device.",
+      flag_values=flags.FLAGS if flag_values is None else flag_values)
+
+
+def check_mesh(program: str, spec: str, cfg=None) -> None:
+  """--mesh's axes (cfg None), or whether it fits `cfg` and the devices jax sees; before any weights exist. A bad
+  spec ends the program with one line naming what is wrong (exit status 1)."""
+  try:
+    mesh_lib.parse(spec) if cfg is None else mesh_lib.check(spec, cfg)
+  except mesh_lib.MeshError as e:
+    sys.exit(f"{program}: --mesh: {e}")

@@ -41,11 +41,9 @@ _DTYPE = flags.DEFINE_enum("dtype", "f32", ["f32", "bf16"], "Weight dtype.")
 _CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "f32", ["f32", "bf16"],
                                  "Dtype the decode state stores its cached rows in (docs/decode.md §1).")
 _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
-_MESH = flags.DEFINE_string("mesh", "", "Devices to split the model over, e.g. expert=2: each device holds and runs "
-                            "its share of every layer's routed experts, the rest is replicated (docs/mesh.md). "
-                            "Empty: one device.")
 ds4_flags.define_feature_flags()
 ds4_flags.define_quant_policy_flag()
+ds4_flags.define_mesh_flag()
 processes.define_flags()
 
 
@@ -59,14 +57,6 @@ def _tokenizer():
     raise UsageError(f"--prompt needs a tokenizer.json (--tokenizer, or one in --checkpoint); got {path}")
   import tokenizers  # pylint: disable=import-outside-toplevel  (optional: only for text prompts)
   return tokenizers.Tokenizer.from_file(path)
-
-
-def _check_mesh(spec: str, cfg) -> None:
-  """--mesh: its axes (cfg None), or whether it fits the model and the devices."""
-  try:
-    mesh_lib.parse(spec) if cfg is None else mesh_lib.check(spec, cfg)
-  except mesh_lib.MeshError as e:
-    raise UsageError(f"--mesh: {e}") from e
 
 
 def main(argv):
@@ -86,16 +76,16 @@ def run() -> dict:
   feats = ds4_flags.features_from_flags(flags.FLAGS)
   dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
   tok = _tokenizer() if _PROMPT.value is not None else None
-  mesh_spec = _MESH.value
-  _check_mesh(mesh_spec, None)
+  mesh_spec = flags.FLAGS.mesh
+  ds4_flags.check_mesh("generate", mesh_spec, None)
   if _CHECKPOINT.value:
     if mesh_spec and os.path.isfile(os.path.join(_CHECKPOINT.value, "config.json")):  # before reading the weights
-      _check_mesh(mesh_spec, config.DeepseekV4Config.from_hf_config(_CHECKPOINT.value))
+      ds4_flags.check_mesh("generate", mesh_spec, config.DeepseekV4Config.from_hf_config(_CHECKPOINT.value))
     m = mapping.load_checkpoint(_CHECKPOINT.value, dtype=dtype, policy=flags.FLAGS.quant_policy, log=None,
                                 mesh=mesh_spec)
   else:
     cfg = config.preset(_PRESET.value)
-    _check_mesh(mesh_spec, cfg)  # before drawing the weights
+    ds4_flags.check_mesh("generate", mesh_spec, cfg)  # before drawing the weights
     m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=mesh_spec)
   ids = (np.asarray(tok.encode(_PROMPT.value).ids) if tok else np.asarray([int(x) for x in _PROMPT_IDS.value]))
   n = _NEW.value
@@ -135,7 +125,7 @@ def run() -> dict:
   print(text)
   result = dict(env=run_record.environment(), model=m.cfg.name, checkpoint=_CHECKPOINT.value,
                 prompt_tokens=len(ids), new_tokens=int(n),
-                tokens=out.tolist(), speculate=_SPECULATE.value, features=feats.to_dict(), mesh=mesh_spec,
+                tokens=out.tolist(), speculate=_SPECULATE.value, features=feats.to_dict(), mesh=mesh_lib.spec_of(m),
                 cache_dtype=_CACHE_DTYPE.value,
                 prefill_tok_per_s=len(ids) / prefill_s, decode_tok_per_s=n / decode_s, **extra)
   print(f"prefill {result['prefill_tok_per_s']:.1f} tok/s (first call, compile included); decode "

@@ -21,6 +21,7 @@ from absl import app, flags
 
 from ds4jax import config as config_lib
 from ds4jax import features as features_lib
+from ds4jax import mesh as mesh_lib
 from ds4jax import model as model_lib
 from ds4jax.quant import policy as quant_policy
 from experiments import device_memory, mutations, run_record, verdicts
@@ -35,6 +36,7 @@ _CONFIGURATION = flags.DEFINE_boolean("configuration", True, "Judge the configur
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 flags_lib.define_quant_policy_flag()
 flags_lib.define_feature_flags()
+flags_lib.define_mesh_flag()
 
 def mutation_layer(cfg, name: str) -> int:
   return _MUTATION_LAYER.value if _MUTATION_LAYER.value >= 0 else mutations.default_layer(cfg, name)
@@ -54,16 +56,19 @@ def main(argv):
     sys.exit(f"layer_verdicts: unknown --mutations {unknown}; known: {list(mutations.MUTATIONS)}")
   if not 1 <= _TOKENS.value <= cfg.max_position_embeddings:
     sys.exit(f"layer_verdicts: --tokens must lie in [1, {cfg.max_position_embeddings}]")
+  flags_lib.check_mesh("layer_verdicts", flags.FLAGS.mesh, cfg)  # before drawing the weights
   conf = flags_lib.features_from_flags(flags.FLAGS)
   exact = dataclasses.replace(features_lib.REFERENCE, device_class=conf.device_class)
   t0 = time.perf_counter()
-  m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(flags.FLAGS.quant_policy))
+  m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(flags.FLAGS.quant_policy),
+                            mesh=flags.FLAGS.mesh)
   ids = np.random.default_rng(_SEED.value).integers(0, cfg.vocab_size, _TOKENS.value).astype(np.int32)
   print(f"{cfg.name} {flags.FLAGS.quant_policy}: weights ready ({time.perf_counter() - t0:.0f}s); configuration "
-        f"{conf.on()}", flush=True)
-  doc = dict(run_record.environment(), preset=cfg.name, quant_policy=flags.FLAGS.quant_policy, tokens=_TOKENS.value,
-             seed=_SEED.value, bounds=dict(bf16_factor=verdicts.BF16_FACTOR, f32_bound=verdicts.F32_BOUND,
-                                           abs_cap=verdicts.ABS_CAP, near_tie_ulps=verdicts.NEAR_TIE_ULPS),
+        f"{conf.on()}; {mesh_lib.describe(flags.FLAGS.mesh, cfg)}", flush=True)
+  doc = dict(run_record.environment(), preset=cfg.name, quant_policy=flags.FLAGS.quant_policy, mesh=mesh_lib.spec_of(m),
+             tokens=_TOKENS.value, seed=_SEED.value,
+             bounds=dict(bf16_factor=verdicts.BF16_FACTOR, f32_bound=verdicts.F32_BOUND, abs_cap=verdicts.ABS_CAP,
+                         near_tie_ulps=verdicts.NEAR_TIE_ULPS),
              configuration=dict(features=conf.to_dict(), layers=[]), mutations={})
   save = lambda: _OUT.value and run_record.write_json(_OUT.value, doc)
   ok = True

@@ -42,10 +42,9 @@ _PRECOMPILE = flags.DEFINE_integer("precompile_workers", 0, "> 0: compile every 
                                    "a time (as the qualification does).")
 _TRACE = flags.DEFINE_boolean("trace", True, "Trace one prefill per run and sum its kernels.")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
-_MESH = flags.DEFINE_string("mesh", "", "Devices to split the routed experts over, e.g. expert=2 (docs/mesh.md); the "
-                            "kernel times are then summed over the devices. Empty: one device.")
 flags_lib.define_quant_policy_flag()
 flags_lib.define_feature_flags()
+flags_lib.define_mesh_flag()  # a sharded prefill's kernel times are summed over the devices
 
 
 def main(argv):
@@ -54,10 +53,7 @@ def main(argv):
   fv = flags.FLAGS
   features = flags_lib.features_from_flags(fv)
   cfg = config_lib.preset(_PRESET.value)
-  try:
-    mesh_lib.check(_MESH.value, cfg)  # before drawing the weights
-  except mesh_lib.MeshError as e:
-    raise app.UsageError(f"--mesh: {e}") from e
+  flags_lib.check_mesh("trace_prefill", fv.mesh, cfg)  # before drawing the weights
   lengths = [int(t) for t in _TOKENS.value]
   rng = np.random.default_rng(_SEED.value)
   tokens = rng.integers(0, cfg.vocab_size, max(lengths))
@@ -65,15 +61,16 @@ def main(argv):
   for switch in _WITHOUT.value:  # the qualification's kill_<switch> features
     variants[f"without_{switch}"] = matrix.without(features, switch)
   record = dict(run_record.environment(), what="prefill device time by kernel (experiments/trace_prefill.py)",
-                preset=cfg.name, quant_policy=fv.quant_policy, mesh=_MESH.value,
+                preset=cfg.name, quant_policy=fv.quant_policy,
                 variants={name: f.on() for name, f in variants.items()},
                 switch_states={name: features_lib.switch_states(f) for name, f in variants.items()}, runs=[])
   print(features_lib.describe_states(features), flush=True)
   t0 = time.perf_counter()
-  m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(fv.quant_policy), mesh=_MESH.value)
+  m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(fv.quant_policy), mesh=fv.mesh)
   jax.block_until_ready(jax.tree.leaves(m))
+  record["mesh"] = mesh_lib.spec_of(m)  # where it runs, not what was asked
   print(f"{cfg.name} {fv.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; on: {', '.join(features.on())}; "
-        f"{mesh_lib.describe(_MESH.value, cfg)}", flush=True)
+        f"{mesh_lib.describe(fv.mesh, cfg)}", flush=True)
   if _PRECOMPILE.value:
     runner.ModelRunner().precompile(m, [(n, f) for n in lengths for f in variants.values()], _PRECOMPILE.value,
                                     lambda line: print(line, flush=True))

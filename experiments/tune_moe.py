@@ -199,24 +199,47 @@ def bench_format(sh, fmt, tokens):
     try:
       args = problem(sh, S, fmt=fmt)
       flops = 2 * S * K * sh.D * sh.I * 3
-      cfg = Config.default(num_tokens=S, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I)
-      f = jax.jit(lambda *args, cfg=cfg: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg,
-                                                 interpret=sh.interpret))
-      ms = timeit(f, *args)
-      st = stages(sh, cfg, args)
-      line = (f"{fmt:12s} S={S} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s | "
-              + " ".join(f"{k} {v:.3f}" for k, v in st.items()))
+      base = Config.default(num_tokens=S, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I)
+      for name, cfg in format_variants(base).items():
+        try:
+          f = jax.jit(lambda *args, cfg=cfg: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg,
+                                                     interpret=sh.interpret))
+          ms = timeit(f, *args)
+          st = stages(sh, cfg, args)
+          print(f"{fmt:12s} S={S} {name:14s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s | gate/up "
+                f"{flops * 2 / 3 / st['gate_up'] / 1e9:6.1f} TFLOP/s | "
+                + " ".join(f"{k} {v:.3f}" for k, v in st.items()) + f" | bm={cfg.row_tile(S * K, sh.E)}", flush=True)
+        except Exception as e:  # keep going through the variants
+          print(f"{fmt} S={S} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
       if fmt != "bf16":
+        f = jax.jit(lambda *args, cfg=base: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg,
+                                                    interpret=sh.interpret))
         dq = jax.jit(lambda ws: tuple(qw.dequantize_to_dense(w) for w in ws))
         dense = dq(args[3:])
         t_dq = timeit(dq, args[3:])
         t_dense = timeit(f, *args[:3], *dense)
-        line += f" | dq {t_dq:.3f} dq+moe {t_dq + t_dense:.3f} (moe on bf16 copy {t_dense:.3f})"
+        print(f"{fmt:12s} S={S} dq {t_dq:.3f} dq+moe {t_dq + t_dense:.3f} (moe on bf16 copy {t_dense:.3f})",
+              flush=True)
         del dense
-      print(line + f" | bm={cfg.row_tile(S * K, sh.E)}", flush=True)
     except Exception as e:  # keep going through the sweep
       print(f"{fmt} S={S}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
 
+
+def format_variants(base: Config) -> dict[str, Config]:
+  """Tilings tried for in-kernel decoded weights (--variants picks; default: the default config only). A decoded
+  [bk, bn] weight tile serves block_m rows, so bigger row tiles decode less per FLOP (256 needs the adaptive tile
+  off: its steps stop at 128)."""
+  r = dataclasses.replace
+  out = {"default": base,
+         "bm256_bn64": r(base, block_m=256, adaptive_tile=False, block_n=64, num_warps=8),
+         "bm256_bn64_s2": r(base, block_m=256, adaptive_tile=False, block_n=64, num_warps=8, num_stages=2),
+         "bm256_bn128": r(base, block_m=256, adaptive_tile=False, num_warps=8, num_stages=2),
+         "bm128_bn64": r(base, block_n=64, num_warps=4),
+         "bk128_s2": r(base, block_k=128, num_stages=2),
+         "w4": r(base, num_warps=4),
+         "s2": r(base, num_stages=2),
+         "s4": r(base, num_stages=4)}
+  return {k: v for k, v in out.items() if k in (_VARIANTS.value or ["default"])}
 
 if __name__ == "__main__":
   app.run(main)

@@ -234,6 +234,39 @@ def test_check_against_the_model_and_the_devices():
   assert not mesh.is_expert_path(("layers", 3, "ffn", "gate", "weight"))
 
 
+def test_spec_of_says_where_the_model_runs():
+  """Results record `spec_of(model)`, not the flag: a model that was never placed reads as one device."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from ds4jax import config, mesh, model  # pylint: disable=import-outside-toplevel
+
+  m = model.DeepseekV4(config.tiny_window(), rngs=nnx.Rngs(params=0), dtype=jnp.float32)
+  placed = mesh.place(m, "expert=1")
+  assert mesh.spec_of(m) == "" and mesh.spec_of(placed) == "expert=1"
+  placed.layers[1].ffn.experts.mesh = ""
+  with pytest.raises(mesh.MeshError, match=r"different meshes: \['', 'expert=1'\]"):
+    mesh.spec_of(placed)
+
+
+def test_entry_points_refuse_a_bad_mesh_in_one_line():
+  """experiments.flags.check_mesh, which trace_prefill, layer_verdicts, generate and bench_generate call before any
+  weights exist (generate's whole command line is checked below)."""
+  from ds4jax import config  # pylint: disable=import-outside-toplevel
+  from experiments import flags  # pylint: disable=import-outside-toplevel
+
+  flags.check_mesh("x", "expert=1", config.tiny_window())
+  for spec, cfg, message in (
+      ("expert=3", config.tiny_window(), "x: --mesh: mesh spec 'expert=3': tiny_window's 8 routed experts do not "
+                                         "split evenly over 3 devices (expert=N needs N to divide 8)"),
+      ("expert=2", config.tiny_window(), "x: --mesh: mesh spec 'expert=2' needs 2 devices; jax sees 1"),
+      ("head=2", None, "x: --mesh: mesh spec 'head=2': axis 'head' is not supported yet"),
+  ):
+    with pytest.raises(SystemExit) as e:
+      flags.check_mesh("x", spec, cfg)
+    assert str(e.value.code).startswith(message), e.value.code
+
+
 def test_qualification_refuses_a_bad_mesh_at_start_up():
   from experiments import qualification as q  # pylint: disable=import-outside-toplevel
 

@@ -111,10 +111,7 @@ def define_flags(flag_values=None) -> None:
                      "weights included: a call bounded by a time limit ends on its own with everything it finished "
                      "on file, and --append continues. Runs not started are listed in the results. 0 = no limit.",
                      flag_values=fv)
-  flags.DEFINE_string("mesh", d.mesh,
-                      "Devices to split the model over, e.g. expert=2: each device holds 1/2 of every layer's routed "
-                      "experts and runs them; attention, dense projections, router and shared expert are replicated "
-                      "(docs/mesh.md). Only the expert axis exists yet. Empty: one device.", flag_values=fv)
+  flags_lib.define_mesh_flag(fv, d.mesh)
   flags.DEFINE_boolean("append", d.append, "Keep the records in --out; skip (length, config) pairs already done with "
                        "the same weights and prompt; retry failed ones.", flag_values=fv)
   flags_lib.define_quant_policy_flag(fv)

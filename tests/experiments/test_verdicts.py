@@ -2,6 +2,10 @@
 planted bug of experiments/mutations.py (the tiny_sparse model: window, CSA, HCA, CSA layers)."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -92,3 +96,19 @@ def test_every_mutation_has_a_layer_kind_in_tiny_sparse():
       compressor_bias_dropped=1)
   with pytest.raises(StopIteration):
     mutations.default_layer(config.tiny_window(), "index_topk_minus_one")
+
+
+def test_layer_verdicts_command_on_a_mesh(tmp_path):
+  """The entry point on a mesh of one device: every layer of the configuration (bf16 operands, so each layer's error
+  is real) passes, the planted bug fails, and the record says the model ran on the mesh."""
+  out = tmp_path / "verdicts.json"
+  p = subprocess.run([sys.executable, "-m", "experiments.layer_verdicts", "--preset=tiny_window", "--tokens=16",
+                      "--mesh=expert=1", "--bf16_matmul", "--mutations=dropped_sink", f"--out={out}"], capture_output=True, text=True,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "mesh expert=1: 8 of 8 routed experts per device on 1 devices" in p.stdout
+  doc = json.loads(out.read_text())
+  assert doc["mesh"] == "expert=1" and doc["configuration"]["passed"]
+  assert [v["layer"] for v in doc["configuration"]["layers"]] == [0, 1]
+  assert all(0 < v["update_nmse"] <= v["bound"] for v in doc["configuration"]["layers"])
+  assert not doc["mutations"]["dropped_sink"]["passed"]
