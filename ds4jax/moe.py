@@ -213,14 +213,14 @@ class MoE(nnx.Module):
 
 
 def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: int,
-                  num_experts: int | None = None) -> moe_kernels.Config:
+                  num_experts: int | None = None, decodes_weights: bool = False) -> moe_kernels.Config:
   """The grouped-MoE kernel knobs that the feature switches select (`num_experts`: the experts the kernels see,
-  one device's on a mesh; default all)."""
+  one device's on a mesh; default all; `decodes_weights`: quantized stacks decoded in the kernels)."""
   E, I, D = num_experts or experts.n_experts, experts.intermediate, experts.hidden
   forced = dict(block_m=features.moe_tile_rows, adaptive_tile=False) if features.moe_tile_rows else {}
   return moe_kernels.Config.default(
       num_tokens=x.shape[0], top_k=top_k, num_experts=E, hidden=D, intermediate=I, dtype=x.dtype,
-      platform=features.platform,
+      platform=features.platform, decodes_weights=decodes_weights,
       **(dict(adaptive_tile=features.moe_adaptive_tile, compact_queue=features.moe_compact_queue,
               persistent=features.moe_persistent, programs_per_core=features.moe_programs_per_core,
               fused_combine=features.moe_fused_combine) | forced))
@@ -239,6 +239,7 @@ def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Fea
   def run(stacks, x, w, ids, shared):
     ws = experts.kernel_weights(x.dtype, features.moe_sparse_gate_up, stacks)
     return moe_kernels.moe(x, w, ids, *ws, swiglu_limit=experts.limit, shared=shared,
-                           config=kernel_config(features, x, experts, ids.shape[1], ws[0].shape[0]),
+                           config=kernel_config(features, x, experts, ids.shape[1], ws[0].shape[0],
+                                                not all(isinstance(w, moe_kernels.DenseWeights) for w in ws)),
                            interpret=features.interpret, validate_routes=False)
   return experts.routed(run, x, weights, idx, shared)

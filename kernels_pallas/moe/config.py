@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.tiling import MIN_DOT, is_pow2, next_pow2, pow2_divisor  # noqa: F401 (re-exported)
 
-ADAPTIVE_TILES = (16, 32, 64, 128)
+ADAPTIVE_TILES = (16, 32, 64, 128, 256)  # capped at block_m: 256 only where a config allows it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,7 +71,7 @@ class Config:
 
   def row_tile(self, num_routes: int, num_experts: int) -> int:
     """The row tile used by the routed kernels: `block_m`, or with `adaptive_tile` the smallest of
-    16/32/64/128 that holds the mean rows per expert (S·K/E), capped at `block_m`."""
+    16/32/64/128/256 that holds the mean rows per expert (S·K/E), capped at `block_m`."""
     if not self.adaptive_tile:
       return self.block_m
     mean_rows = -(-num_routes // max(num_experts, 1))
@@ -111,12 +111,17 @@ class Config:
 
   @classmethod
   def default(cls, *, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
-              dtype=jnp.bfloat16, platform: str = "cuda", **overrides) -> "Config":
+              dtype=jnp.bfloat16, platform: str = "cuda", decodes_weights: bool = False, **overrides) -> "Config":
     """Heuristic starting point, checked on one H200 (jax 0.11.2, bf16, V4-Flash D 4096 / I 2048 / E 256 / top-6,
     uniform routing; experiments/tune_moe.py): 8192 tokens 6.8 ms (≈360 useful TFLOP/s), 2048 tokens 3.9 ms. Of the
     variants tried there, block_m 64, block_n 64, block_k 128 or 32 and 4 stages were slower or no better.
 
-    Row tile: adaptive, capped at 128 (V4-Flash at 8K tokens has ~192 rows per expert). f32 dots get smaller
+    Row tile: adaptive, capped at 128 (V4-Flash at 8K tokens has ~192 rows per expert). `decodes_weights` (quantized
+    experts decoded in the kernel) on CUDA: rows of up to 256 per tile and gate/up tiles 64 wide, because each decoded
+    weight tile then serves twice the rows; on one H200 at V4-Flash shapes the rocmfp2_mix MoE took 18.4 instead of
+    26.2 ms at 8192 tokens, 59.7 instead of 80.0 ms at 32768 (bf16 weights: 7.5 vs 7.0 ms, so they keep 128; the
+    row tile of 512, gate/up tiles 32 or 128 wide, and 4 warps were slower; experiments/results/logs/tune_moe_*).
+    f32 dots get smaller
     K tiles (register pressure; the f32 path is the exact-parity path, not the fast one). ROCm gets one pipeline
     stage (Pallas' ROCm default), CUDA three. The rocm configs are checked by the offline lowering only: nothing
     has run on gfx1151 hardware.
@@ -130,6 +135,8 @@ class Config:
     rows = -(-num_tokens * top_k // max(num_experts, 1))
     block_m = 128 if rows > 64 else 64
     num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    if decodes_weights and platform == "cuda" and not f32 and rows > 128:
+      block_m, block_n, num_warps = 256, min(block_n, 64), 8
     if platform == "rocm":
       # gfx1151 (offline lowering check, experiments/results/lowering_gfx1151.md): twice the warps and K tiles
       # of 32 remove every VGPR spill for all formats (the 8/4-warp, k64 configs spill up to 378 VGPRs).
