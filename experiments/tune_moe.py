@@ -115,6 +115,15 @@ def stages(sh, cfg, args):
               combine=timeit(cb, out, w, r))
 
 
+def timed(sh, cfg, args, S) -> str:
+  """The whole MoE under `cfg`: median ms, useful TFLOP/s (2·S·K·D·I·3), the gate/up's TFLOP/s, each stage's ms."""
+  f = jax.jit(lambda *args: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg, interpret=sh.interpret))
+  ms, st = timeit(f, *args), stages(sh, cfg, args)
+  flops = 2 * S * K * sh.D * sh.I * 3
+  return (f"{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s | gate/up {flops * 2 / 3 / st['gate_up'] / 1e9:6.1f} "
+          f"TFLOP/s | " + " ".join(f"{k} {v:.3f}" for k, v in st.items()) + f" | bm={cfg.row_tile(S * K, sh.E)}")
+
+
 def main(argv):
   del argv
   sh = SMOKE if _SMOKE.value else V4_FLASH
@@ -142,7 +151,6 @@ def main(argv):
 
   for S in tokens:
     args = problem(sh, S)
-    flops = 2 * S * K * sh.D * sh.I * 3
     base = Config.default(num_tokens=S, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I)
     r = dataclasses.replace
     variants = {
@@ -167,13 +175,7 @@ def main(argv):
       variants = {k: v for k, v in variants.items() if k in _VARIANTS.value}
     for name, cfg in variants.items():
       try:
-        f = jax.jit(lambda *args, cfg=cfg: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg,
-                                                   interpret=sh.interpret))
-        ms = timeit(f, *args)
-        st = stages(sh, cfg, args)
-        print(f"S={S} {name:18s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s | "
-              + " ".join(f"{k} {v:.3f}" for k, v in st.items()) + f" | bm={cfg.row_tile(S * K, sh.E)} {cfg}",
-              flush=True)
+        print(f"S={S} {name:18s} {timed(sh, cfg, args, S)} {cfg}", flush=True)
       except Exception as e:  # keep going through the sweep
         print(f"S={S} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
 
@@ -198,21 +200,16 @@ def bench_format(sh, fmt, tokens):
   for S in tokens:
     try:
       args = problem(sh, S, fmt=fmt)
-      flops = 2 * S * K * sh.D * sh.I * 3
-      base = Config.default(num_tokens=S, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I)
+      base = Config.default(num_tokens=S, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I,
+                            decodes_weights=fmt != "bf16")  # what the model ships for these weights
       for name, cfg in format_variants(base).items():
         try:
-          f = jax.jit(lambda *args, cfg=cfg: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg,
-                                                     interpret=sh.interpret))
-          ms = timeit(f, *args)
-          st = stages(sh, cfg, args)
-          print(f"{fmt:12s} S={S} {name:14s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s | gate/up "
-                f"{flops * 2 / 3 / st['gate_up'] / 1e9:6.1f} TFLOP/s | "
-                + " ".join(f"{k} {v:.3f}" for k, v in st.items()) + f" | bm={cfg.row_tile(S * K, sh.E)}", flush=True)
+          print(f"{fmt:12s} S={S} {name:14s} {timed(sh, cfg, args, S)}", flush=True)
         except Exception as e:  # keep going through the variants
           print(f"{fmt} S={S} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-      if fmt != "bf16":
-        f = jax.jit(lambda *args, cfg=base: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg,
+      if fmt != "bf16":  # the bf16 copy runs the bf16 default
+        dense_cfg = Config.default(num_tokens=S, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I)
+        f = jax.jit(lambda *args, cfg=dense_cfg: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg,
                                                     interpret=sh.interpret))
         dq = jax.jit(lambda ws: tuple(qw.dequantize_to_dense(w) for w in ws))
         dense = dq(args[3:])
@@ -227,8 +224,8 @@ def bench_format(sh, fmt, tokens):
 
 def format_variants(base: Config) -> dict[str, Config]:
   """Tilings tried for in-kernel decoded weights (--variants picks; default: the default config only). A decoded
-  [bk, bn] weight tile serves block_m rows, so bigger row tiles decode less per FLOP (256 needs the adaptive tile
-  off: its steps stop at 128)."""
+  [bk, bn] weight tile serves block_m rows, so bigger row tiles decode less per FLOP. (The log of 2026-12-02 was
+  taken when the default for decoded weights was still m128 n128: its "default" rows are that config.)"""
   r = dataclasses.replace
   out = {"default": base,
          "bm256_bn64": r(base, block_m=256, adaptive_tile=False, block_n=64, num_warps=8),

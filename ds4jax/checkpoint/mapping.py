@@ -119,10 +119,11 @@ def weight_bytes(w: nnx.Variable | QuantizedWeight) -> int:
 
 
 def _device_memory_stats() -> dict | None:
-  """memory_stats() of the device that jax.device_put fills (None on CPU)."""
+  """memory_stats() of the device that jax.device_put fills (None on CPU): this process's own first device (with
+  several processes, jax.devices() starts with process 0's, whose stats another process cannot read)."""
   device = jax.config.jax_default_device
   if not isinstance(device, jax.Device):
-    device = jax.devices(device)[0] if device else jax.devices()[0]
+    device = jax.local_devices(backend=device or None)[0]
   return device.memory_stats()
 
 
@@ -223,6 +224,7 @@ def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None
         w.set_value(put.whole(value.astype(w.dtype)))
       if log and (i + 1) % 200 == 0:
         log(f"  loaded {i + 1}/{len(wanted)} weights ({time.time() - t0:.0f}s)")
+    used |= put.elsewhere | {_scale_name(n) for n in put.elsewhere}  # read by another process
     unexpected = [ckpt.where(n) for n in ckpt.names() if n not in used and not n.startswith(IGNORED_PREFIXES)]
   if unexpected:
     raise CheckpointError(f"checkpoint {os.fspath(path)} has {len(unexpected)} tensor(s) the model does not "
@@ -232,10 +234,12 @@ def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None
 
 class _Placer:
   """Where a loaded weight goes: the default device, or on a mesh its expert stacks split (each device's share read
-  and sent on its own) and the rest replicated."""
+  and sent on its own) and the rest replicated. With several processes each reads only its own devices' experts;
+  `elsewhere` collects the tensor names left to the other processes."""
 
   def __init__(self, mesh: str):
     self.mesh = mesh
+    self.elsewhere: set[str] = set()
 
   def split(self, path: tuple) -> bool:
     return bool(self.mesh) and is_stacked(path)
@@ -249,7 +253,11 @@ class _Placer:
       return {k: self.whole(a) for k, a in read(names, shape).items()}
     sharding = mesh_lib.expert_sharding(self.mesh)
     shards: dict[str, list] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
+    here = sharding.addressable_devices_indices_map(shape)
+    for device, index in sharding.devices_indices_map(shape).items():
+      if device not in here:
+        self.elsewhere.update(names[index[0]])
+    for device, index in here.items():
       rows = index[0]
       for k, a in read(names[rows], (rows.stop - rows.start, *shape[1:])).items():
         shards.setdefault(k, []).append(jax.device_put(a, device))

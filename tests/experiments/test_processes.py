@@ -1,6 +1,7 @@
 """experiments/processes.py: one run over two processes (jax.distributed on localhost, gloo collectives on the CPU),
-the routed experts split over the two processes' devices, gives one process's tokens, and only process 0 writes its
-results; an incomplete description of the processes is refused in one line."""
+the trained checkpoint's routed experts split over the two processes' devices (each process reads its own), gives one
+process's tokens, and only process 0 writes its results; an incomplete description of the processes is refused in
+one line."""
 
 import json
 import os
@@ -14,11 +15,12 @@ from experiments import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = ",".join(str(i) for i in range(3, 60, 5))
+CHECKPOINT = os.path.join(REPO, "experiments", "checkpoints", "tiny_stdlib")
 
 
 def generate(*args, **env):
   full = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", **env)
-  return subprocess.Popen([sys.executable, "-m", "experiments.generate", "--preset=tiny_window", "--seed=5",
+  return subprocess.Popen([sys.executable, "-m", "experiments.generate", f"--checkpoint={CHECKPOINT}",
                            f"--prompt_ids={PROMPT}", "--max_new_tokens=2", *args], cwd=REPO, env=full,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
