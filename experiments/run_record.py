@@ -45,5 +45,7 @@ def write_json(path: str, record: dict) -> None:
 
 
 def peak_device_bytes() -> int | None:
-  stats = jax.devices()[0].memory_stats() or {}
+  """Peak bytes in use on this process's first device (jax.devices() starts with process 0's, whose stats another
+  process cannot read)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
   return stats.get("peak_bytes_in_use")
