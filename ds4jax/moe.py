@@ -240,6 +240,6 @@ def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Fea
     ws = experts.kernel_weights(x.dtype, features.moe_sparse_gate_up, stacks)
     return moe_kernels.moe(x, w, ids, *ws, swiglu_limit=experts.limit, shared=shared,
                            config=kernel_config(features, x, experts, ids.shape[1], ws[0].shape[0],
-                                                not all(isinstance(w, moe_kernels.DenseWeights) for w in ws)),
+                                                moe_kernels.decoded_in_kernel(*ws)),
                            interpret=features.interpret, validate_routes=False)
   return experts.routed(run, x, weights, idx, shared)

@@ -25,7 +25,7 @@ from kernels_pallas.moe import down as down_mod
 from kernels_pallas.moe import gate_up as gate_up_mod
 from kernels_pallas.moe import routing as routing_mod
 from kernels_pallas.moe.config import Config
-from kernels_pallas.moe.weights import DenseWeights, ExpertWeights, as_expert_weights, is_format
+from kernels_pallas.moe.weights import ExpertWeights, as_expert_weights, decoded_in_kernel, is_format
 
 
 F32 = jnp.float32
@@ -149,7 +149,7 @@ def moe(x, route_weights, route_ids, w1, w2, w3, *, swiglu_limit: float, shared=
     S, D = x.shape
     config = Config.default(num_tokens=S, top_k=route_ids.shape[-1], num_experts=w1.shape[0], hidden=D,
                             intermediate=w1.shape[1], dtype=x.dtype,
-                            decodes_weights=not all(isinstance(w, DenseWeights) for w in (w1, w2, w3)))
+                            decodes_weights=decoded_in_kernel(w1, w2, w3))
   _check(x, route_weights, route_ids, w1, w2, w3, shared, config)
   if validate_routes:
     routing_mod.check_routes(route_ids, w1.shape[0])

@@ -98,6 +98,12 @@ def is_format(w) -> bool:
   return isinstance(w, ExpertWeights) and not isinstance(w, (jax.Array, np.ndarray))
 
 
+def decoded_in_kernel(*ws) -> bool:
+  """Whether any of these stacks is quantized storage that the kernels decode tile by tile (the default tiling
+  differs then: kernels_pallas/moe/config.py)."""
+  return not all(isinstance(w, DenseWeights) for w in ws)
+
+
 def as_expert_weights(w, name: str, *, ndim: int = 3) -> ExpertWeights:
   """Wraps a float array as `DenseWeights`; passes an `ExpertWeights` format through; rejects anything else."""
   if is_format(w):
