@@ -111,9 +111,19 @@ def main(argv):
     iw = jax.random.normal(keys[5], (Tq, dims["index_heads"]), jnp.float32)
     ik = jax.random.normal(keys[6], (R, dims["index_dim"])).astype(jnp.bfloat16)
 
+    # The indexer's scoring kernel alone: TFLOP/s over the visible (query, compressed row) pairs, whose q·k dots
+    # (2·heads·dim each) are the useful work, and over the whole [T, R] rectangle the grid covers.
+    score_fn = jax.jit(lambda a, b, c, qs: indexer.scores(a, b, c, q_start=qs, ratio=ratio, interpret=interpret))
+    qs = jnp.int32(q_start)
+    score_ms = timeit(score_fn, iq, iw, ik, qs, n=n)
+    pair_flops = 2 * dims["index_heads"] * dims["index_dim"]
+    visible = int(np.minimum((q_start + np.arange(Tq) + 1) // ratio, R).sum())
+    save(base | dict(contender="indexer_scores", ms=score_ms, visible_pairs=visible,
+                     tflops_visible=pair_flops * visible / score_ms / 1e9,
+                     tflops_rectangle=pair_flops * Tq * R / score_ms / 1e9))
+
     # Indexer (scoring + top-k) and the two handoffs.
     idx_fn = jax.jit(lambda a, b, c, qs: indexer.topk(a, b, c, q_start=qs, k=k, ratio=ratio, interpret=interpret))
-    qs = jnp.int32(q_start)
     indices = idx_fn(iq, iw, ik, qs)
     index_ms = timeit(idx_fn, iq, iw, ik, qs, n=n)
     save(base | dict(contender="indexer_topk", ms=index_ms))
