@@ -12,7 +12,8 @@ one field of the frozen `Features` that the model receives. Library code and tes
     moe_persistent         GGML_CUDA_MMQ_MOE_PERSISTENT                   fixed programs loop over the work queue
     moe_programs_per_core  GGML_CUDA_MMQ_MOE_PERSISTENT_BLOCKS_PER_CU     persistent programs per core
     moe_fused_combine      DFLASH_MOE_FUSED_COMBINE                       weight + sum the top-k outputs + shared expert in one kernel
-    indexer_score_kernel   GGML_DS4_INDEXER_M32 / GGML_DS4_TOPK_BLOCK_RADIX  tiled Pallas indexer scoring + query-blocked top-k
+    indexer_score_kernel   GGML_DS4_INDEXER_M32                           tiled Pallas indexer scoring + query-blocked top-k
+    indexer_radix_topk     GGML_DS4_TOPK_BLOCK_RADIX                      exact radix-selection top-k kernel instead of a sort
     direct_indexer_topk    DFLASH_DS4_DIRECT_INDEXER_TOPK                 top-k indices go straight into attention (no dense mask)
     mla_stream_topk        GGML_CUDA_MLA_STREAM_TOPK                      streaming sparse MLA attention kernel
     mla_stream_f32_stage   GGML_CUDA_MLA_STREAM_F32_STAGE                 stage each KV row in f32 once for all heads
@@ -46,8 +47,11 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                        ("moe_compact_queue",)),
     "moe_fused_combine": ("DFLASH_MOE_FUSED_COMBINE",
                           "Weighted top-k combine + shared add in one kernel after the down projection.", ()),
-    "indexer_score_kernel": ("GGML_DS4_INDEXER_M32 + GGML_DS4_TOPK_BLOCK_RADIX",
-                             "Tiled Pallas indexer scoring kernel with query-blocked top-k.", ()),
+    "indexer_score_kernel": ("GGML_DS4_INDEXER_M32", "Tiled Pallas indexer scoring kernel with query-blocked top-k.",
+                             ()),
+    "indexer_radix_topk": ("GGML_DS4_TOPK_BLOCK_RADIX",
+                           "The indexer's top-k by an exact radix-selection kernel (the same ids) instead of a sort.",
+                           ("indexer_score_kernel",)),
     # Only the streaming kernel consumes an index list; the dense reference always masks.
     "direct_indexer_topk": ("DFLASH_DS4_DIRECT_INDEXER_TOPK", "Top-k indices straight into attention, no dense mask.",
                             ("mla_stream_topk",)),
@@ -85,6 +89,7 @@ class Features:
   moe_persistent: bool = False
   moe_fused_combine: bool = False
   indexer_score_kernel: bool = False
+  indexer_radix_topk: bool = False
   direct_indexer_topk: bool = False
   mla_stream_topk: bool = False
   mla_stream_f32_stage: bool = False
@@ -161,7 +166,7 @@ def _row(ran: set[str], default_on: set[str], lowered: set[str] = frozenset()) -
 # for it (tests/kernels_pallas/test_lowering_gfx1151.py, tests/test_features.py).
 # A gfx1151-only default is keyed to "gfx1151", never to all RDNA3.5 (upstream review item 6).
 _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent", "moe_fused_combine"}
-_ATTENTION = {"indexer_score_kernel", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
+_ATTENTION = {"indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
               "mla_stream_fast_exp"}
 _MOE_RAN_ON_H200 = _MOE | _ATTENTION  # bf16 and quantized (in-kernel dequantization) kernels ran compiled with parity
 _PRECISION = {"bf16_matmul"}

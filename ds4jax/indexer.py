@@ -63,7 +63,8 @@ class Indexer(nnx.Module):
     """Row ids [S, k] of each query's best visible rows among `keys` [R, ci], -1 for empty slots.
 
     Reference: XLA scores + top_k, best first, k = min(topk, R). `indexer_score_kernel`: the Pallas scoring
-    kernel with query-blocked top-k (kernels_pallas/indexer), ascending ids, k = topk (a power of two).
+    kernel with query-blocked top-k (kernels_pallas/indexer), ascending ids, k = topk (a power of two), by a sort
+    or, under `indexer_radix_topk`, by the radix-selection kernel (the same ids).
     `pinned` (the reference's ids of another run, decisions.py) replaces the choice, in this path's layout.
     """
     dt = features.matmul_dtype
@@ -77,7 +78,7 @@ class Indexer(nnx.Module):
       # Dots in the model's matmul dtype: f32 keeps the exact selection; bf16 (`bf16_matmul`) may swap near-ties.
       config = indexer_kernels.Config.default(
           x.shape[0], keys.shape[0], self.n_heads, self.head_dim, platform=features.platform,
-          compute_dtype=jnp.dtype(dt).name)
+          compute_dtype=jnp.dtype(dt).name, selection="radix" if features.indexer_radix_topk else "sort")
       return indexer_kernels.topk(q, w, keys, q_start=positions[0], k=self.topk, ratio=self.ratio, config=config,
                                   interpret=features.interpret)
     s = self.scores(x, qr, positions, freqs, keys, operand_dtype=dt)

@@ -54,8 +54,8 @@ def test_capability_states():
   assert features.RAN in set(states("sm_90").values()) and features.LOWERED not in set(states("sm_90").values())
   g51 = features.resolve("gfx1151")
   assert g51.on() == ["bf16_matmul", "moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent",
-                      "moe_fused_combine", "indexer_score_kernel", "direct_indexer_topk", "mla_stream_topk",
-                      "mla_stream_f32_stage", "mla_stream_fast_exp"]
+                      "moe_fused_combine", "indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk",
+                      "mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp"]
   assert (g51.long_context_chunk, g51.prefill_band_tokens) == (8192, 8192)
   assert features.resolve("rdna35_other").on() == []
   with pytest.raises(FeatureError, match="not supported on rdna35_other"):

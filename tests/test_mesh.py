@@ -27,7 +27,7 @@ EXPERT_FORMAT = "rocmfp3_mix"  # quantized experts: codes, scales, codebooks and
 # in f32 these switches change kernels, not math (tests/test_model_features.py holds them within NMSE 1e-10 of it).
 ALL_CPU = {"moe_sparse_gate_up": True, "moe_adaptive_tile": True, "moe_compact_queue": True,
            "moe_persistent": True, "moe_fused_combine": True, "indexer_score_kernel": True,
-           "direct_indexer_topk": True, "mla_stream_topk": True, "mla_stream_f32_stage": True,
+           "indexer_radix_topk": True, "direct_indexer_topk": True, "mla_stream_topk": True, "mla_stream_f32_stage": True,
            "mla_stream_fast_exp": True}
 SHARDED = {
     "exact/expert=4": ({}, "expert=4"),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -20,8 +23,9 @@ __all__ = ["Config", "V4_FLASH_INDEXER", "default_platform", "lowering_cases", "
 
 def lowering_cases(platform: str) -> list[tuple[str, object, tuple]]:
   """(label, fn, args) at V4-Flash shapes with the config `Config.default(..., platform=platform)` ships:
-  the production `topk` over the last 8192-query chunk of a 128K prefill (q_start traced, R = 30720) and a
-  direct `scores` call on a 512-query chunk ending at 128K (R = 32768). bf16 q/keys, f32 w."""
+  the production `topk` over the last 8192-query chunk of a 128K prefill (q_start traced, R = 30720), by a sort
+  and by the radix-selection kernel (`indexer_radix_topk`), and a direct `scores` call on a 512-query chunk
+  ending at 128K (R = 32768). bf16 q/keys, f32 w."""
   s = V4_FLASH_INDEXER
   Hi, c, k, ratio = s["n_heads"], s["head_dim"], s["k"], s["ratio"]
   sds = jax.ShapeDtypeStruct
@@ -34,9 +38,10 @@ def lowering_cases(platform: str) -> list[tuple[str, object, tuple]]:
   def topk_fn(q, w, keys, qs, cfg=cfg):
     return topk(q, w, keys, q_start=qs, k=k, ratio=ratio, config=cfg)
 
-  cases.append((f"indexer topk {T} q @ {q_start} (R {R}) {platform}", topk_fn,
-                (sds((T, Hi, c), jnp.bfloat16), sds((T, Hi), jnp.float32), sds((R, c), jnp.bfloat16),
-                 sds((), jnp.int32))))
+  args = (sds((T, Hi, c), jnp.bfloat16), sds((T, Hi), jnp.float32), sds((R, c), jnp.bfloat16), sds((), jnp.int32))
+  cases.append((f"indexer topk {T} q @ {q_start} (R {R}) {platform}", topk_fn, args))
+  cases.append((f"indexer radix topk {T} q @ {q_start} (R {R}) {platform}",
+                functools.partial(topk_fn, cfg=dataclasses.replace(cfg, selection="radix")), args))
 
   T2, q_start2 = 512, 131072 - 512
   R2 = (q_start2 + T2) // ratio

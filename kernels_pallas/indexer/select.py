@@ -1,64 +1,119 @@
-"""Exact top-k ids without a sort: radix selection of the k-th largest score, then one pass that keeps what is above.
+"""Exact top-k ids without a sort: a Pallas-Triton radix selection of the k-th largest score, then one pass that
+keeps what is above it.
 
     radix_topk_ids(scores [T, R], nvis [T], k) -> int32 [T, k]      # the contract of reference.finish_topk
 
 `jax.lax.top_k` sorts every row (on a GPU a segmented radix sort of the whole [T, R] block), although the indexer
-only needs the SET of the k best rows: attention takes them in ascending id order (docs/upstream.md §3). Here:
-  1. scores become order-preserving uint32 keys in IEEE total order (a < b iff key(a) < key(b), and −0.0 below
-     +0.0: lax.top_k ranks them so too);
-  2. the k-th largest key is built digit by digit from the top, `digit_bits` bits per pass: each pass counts, per
-     query, the keys at or above each candidate digit and keeps the largest digit that still has k keys above;
-  3. one pass keeps the keys above that threshold, plus as many keys equal to it as k still needs, lower ids first
-     (lax.top_k's tie rule), and writes their ids in ascending order.
-The ids are exactly `finish_topk`'s (the indexer's scores are finite, −inf where invisible; NaN is not handled).
+only needs the SET of the k best rows: attention takes them in ascending id order (docs/upstream.md §3). Here one
+program owns `select_rows` queries and streams their visible scores in [select_rows, select_cols] tiles:
+  1. scores become order-preserving int32 keys (a < b iff key(a) < key(b), and −0.0 below +0.0: lax.top_k ranks
+     them so too); the digits below are those of key + 2^31, the unsigned view;
+  2. the k-th largest key is built 2 bits at a time from the top (16 passes over the scores): a pass counts, per
+     query, the keys at or above each of the 3 candidates prefix | d·2^shift and keeps the largest digit d that
+     still has k keys at or above it; the count above the chosen range rides along, so after the last pass the
+     number of keys strictly above the threshold is known without another pass;
+  3. one pass keeps the keys above the threshold, plus as many keys equal to it as k still needs, lower ids first
+     (lax.top_k's tie rule), and scatters their ids to ascending slots (a running count plus an in-tile cumsum).
+Only the visible prefix of each query is read: with more than k visible rows the threshold is finite, and the
+invisible −inf keys can change neither a count at a candidate above it nor the kept set. Queries that see <= k
+rows get identity ids, as in `finish_topk` (the indexer's scores are finite where visible; NaN is not handled).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 I32 = jnp.int32
-U32 = jnp.uint32
+DIGIT_BITS = 2  # 16 passes of 3 compares beat 8 of 15 on the H200 (BENCHMARKS.md, indexer top-k)
+INT_MIN = -(1 << 31)
+
+
+def _i32(u: int) -> int:
+  """The int32 with the bits of the uint32 `u` (for constants built as unsigned)."""
+  u &= 0xFFFFFFFF
+  return u - (1 << 32) if u >= 1 << 31 else u
 
 
 def order_keys(scores) -> jax.Array:
-  """uint32 keys in the total order of the f32 scores: flip every bit of negatives, the sign bit of the rest."""
-  bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), U32)
-  negative = (bits >> 31) == 1
-  return jnp.where(negative, ~bits, bits | U32(0x80000000))
+  """int32 keys in the total order of the f32 scores: a non-negative float's bits are already ordered; a negative
+  one's magnitude bits are flipped so that a larger magnitude sorts lower (−0.0 becomes −1, below +0.0's 0)."""
+  bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), I32)
+  return jnp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
-def kth_largest_key(keys, k: int, digit_bits: int = 4) -> jax.Array:
-  """[T] uint32: the k-th largest of each row of `keys` [T, R] (k <= R), digit by digit from the top."""
-  if 32 % digit_bits:
-    raise ValueError(f"digit_bits must divide 32, got {digit_bits}")
-  digits = jnp.arange(1, 1 << digit_bits, dtype=U32)
-  prefix = jnp.zeros(keys.shape[:1], U32)
-  for shift in range(32 - digit_bits, -1, -digit_bits):
-    candidates = prefix[:, None] | (digits[None, :] << shift)                                   # [T, 2^d − 1]
-    at_or_above = jnp.sum(keys[:, :, None] >= candidates[:, None, :], axis=1, dtype=I32)     # [T, 2^d − 1]
-    # The counts fall as the digit grows, so the number of digits that keep k keys at or above them is the
-    # largest such digit (digit 0 always does: the invariant).
-    best = jnp.sum(at_or_above >= k, axis=1, dtype=I32).astype(U32)
+def _kernel(s_ref, nvis_ref, o_ref, *, T: int, k: int, block_q: int, block_r: int):
+  q0 = pl.program_id(0) * block_q
+  rows = q0 + jnp.arange(block_q, dtype=I32)
+  nvis = plt.load(nvis_ref.at[pl.ds(q0, block_q)], mask=rows < T, other=0)
+  n_tiles = (jnp.max(nvis) + block_r - 1) // block_r  # only the tile's visible prefix is read
+
+  def keys_of(j):
+    cols = j * block_r + jnp.arange(block_r, dtype=I32)
+    live = cols[None, :] < nvis[:, None]
+    x = plt.load(s_ref.at[pl.ds(q0, block_q), pl.ds(j * block_r, block_r)], mask=live, other=0.0)
+    return jnp.where(live, order_keys(x), INT_MIN), cols  # INT_MIN: unsigned 0, below every candidate
+
+  n_digits = (1 << DIGIT_BITS) - 1
+  prefix = jnp.zeros((block_q,), I32)  # unsigned bits of the threshold found so far
+  above = jnp.zeros((block_q,), I32)   # keys above the current candidate range
+  for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
+    cands = [(prefix | _i32(d << shift)) ^ INT_MIN for d in range(1, n_digits + 1)]  # signed compare values
+
+    # Per lane, two 16-bit counters in one int32 (a lane sees one key per tile): one row sum per pass, not per tile.
+    def count(j, lanes, cands=cands):
+      key, _ = keys_of(j)
+      hits = [(key >= c[:, None]).astype(I32) for c in cands] + [0]
+      return tuple(n + hits[2 * i] + (hits[2 * i + 1] << 16) for i, n in enumerate(lanes))
+
+    lanes = jax.lax.fori_loop(0, n_tiles, count, (jnp.zeros((block_q, block_r), I32),) * ((n_digits + 1) // 2))
+    counts = [jnp.sum((lanes[i // 2] >> (16 * (i % 2))) & 0xFFFF, axis=1) for i in range(n_digits)]
+    # Counts fall as the digit grows, so the number of digits with k keys at or above is the largest such digit.
+    best = sum((n >= k).astype(I32) for n in counts)
+    above = sum(jnp.where(best + 1 == d, n, 0) for d, n in enumerate(counts, 1)) + jnp.where(best == n_digits,
+                                                                                              above, 0)
     prefix = prefix | (best << shift)
-  return prefix
+
+  threshold = prefix ^ INT_MIN
+  need = k - above  # keys equal to the threshold still to keep, lowest ids first
+
+  def keep_tile(j, carry):
+    kept, ties = carry
+    key, cols = keys_of(j)
+    tied = (key == threshold[:, None]).astype(I32)
+    keep = (key > threshold[:, None]) | ((tied == 1) & (ties[:, None] + jnp.cumsum(tied, axis=1) <= need[:, None]))
+    keep_i = keep.astype(I32)
+    # Dropped keys aim at the spare column k: interpret mode writes masked lanes back with their old value.
+    slot = jnp.where(keep, kept[:, None] + jnp.cumsum(keep_i, axis=1) - 1, k)
+    ids = jnp.broadcast_to(cols[None, :], (block_q, block_r))
+    plt.store(o_ref.at[rows[:, None], slot], ids, mask=keep & (rows < T)[:, None])
+    return kept + jnp.sum(keep_i, axis=1), ties + jnp.sum(tied, axis=1)
+
+  jax.lax.fori_loop(0, n_tiles, keep_tile, (jnp.zeros((block_q,), I32), jnp.zeros((block_q,), I32)))
 
 
-def radix_topk_ids(scores, nvis, k: int, digit_bits: int = 4) -> jax.Array:
+def radix_topk_ids(scores, nvis, k: int, *, block_q: int, block_r: int, num_warps: int, num_stages: int,
+                   interpret: bool = False) -> jax.Array:
   """int32 [T, k]: the ids of each query's k best scores (ties: lower id first) in ascending order, −1 padded;
-  identity ids 0..nvis−1 where nvis <= k (scores not read). Same contract and result as `finish_topk`."""
+  identity ids 0..nvis−1 where nvis <= k (scores not read). Same contract and result as `finish_topk`; scores
+  past a query's nvis are never read. block_q / block_r: the [queries, rows] tile of one program's passes."""
   T, R = scores.shape
   slot = jnp.arange(k, dtype=I32)[None, :]
   identity = jnp.where(slot < nvis[:, None], slot, -1)
-  if R <= k:  # every query sees <= R <= k rows
+  if R <= k or T == 0:  # every query sees <= R <= k rows
     return identity
-  keys = order_keys(scores)
-  t = kth_largest_key(keys, k, digit_bits)[:, None]
-  above, tied = keys > t, keys == t
-  need = k - jnp.sum(above, axis=1, dtype=I32)[:, None]
-  keep = above | (tied & (jnp.cumsum(tied, axis=1, dtype=I32) <= need))
-  rank = jnp.where(keep, jnp.cumsum(keep, axis=1, dtype=I32) - 1, k)  # exactly k kept: ranks 0 .. k−1
-  ids = jnp.broadcast_to(jnp.arange(R, dtype=I32), (T, R))
-  picked = jnp.full((T, k + 1), -1, I32).at[jnp.arange(T)[:, None], rank].set(ids, mode="drop")[:, :k]
-  return jnp.where((nvis <= k)[:, None], identity, picked)
+  if -(-R // block_r) > 0xFFFF:
+    raise ValueError(f"radix_topk_ids: {R} rows in tiles of {block_r} overflow its 16-bit lane counters; "
+                     f"use block_r >= {-(-R // 0xFFFF)}")
+  selected = nvis > k
+  kernel = functools.partial(_kernel, T=T, k=k, block_q=block_q, block_r=block_r)
+  picked = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((T, k + 1), I32), grid=(pl.cdiv(T, block_q),), interpret=interpret,
+      name="indexer_radix_select",
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+  )(scores.astype(jnp.float32), jnp.where(selected, nvis, 0).astype(I32))  # nvis 0: nothing read, nothing kept
+  return jnp.where(selected[:, None], picked[:, :k], identity)

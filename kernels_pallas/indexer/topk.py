@@ -3,8 +3,8 @@
     topk(q, w, keys, q_start=, k=512) → int32 [T, k]
 
 Queries are processed in blocks of `config.query_block` (lax.map): a block is scored by the Pallas kernel
-(scoring.py) into a [query_block, R] f32 array and reduced in XLA (`jax.lax.top_k`, or without a sort by radix
-selection, select.py: `config.selection`), so no [T, R] array ever exists (T = 8192, R = 32K: 128 MiB per 1024-query block instead of 1 GiB). A block whose queries all see <= k rows
+(scoring.py) into a [query_block, R] f32 array and reduced in XLA (`jax.lax.top_k`, or without a sort by a radix
+selection kernel, select.py: `config.selection`), so no [T, R] array ever exists (T = 8192, R = 32K: 128 MiB per 1024-query block instead of 1 GiB). A block whose queries all see <= k rows
 skips the kernel (lax.cond) and emits identity ids; inside a scored block such queries are overridden with
 identity ids too, so they never depend on scores (Lucebox: "tokens that see <= 512 rows use identity indices").
 The ascending order is the direct handoff (docs/upstream.md §3): attention consumes rows in physical order, the
@@ -68,7 +68,10 @@ def topk(q, w, keys, *, q_start, k: int, ratio: int = 4, config: Config | None =
 
     def scored():
       s = scores(qb_, wb_, keys, q_start=start, ratio=ratio, config=config, interpret=interpret)
-      return (radix_topk_ids if config.selection == "radix" else finish_topk)(s, nvis, k)
+      if config.selection == "radix":
+        return radix_topk_ids(s, nvis, k, block_q=config.select_rows, block_r=config.select_cols,
+                              num_warps=config.select_warps, num_stages=1, interpret=interpret)
+      return finish_topk(s, nvis, k)
 
     return jax.lax.cond(needs_scores, scored, lambda: identity_ids(nvis, k))
 
