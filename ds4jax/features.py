@@ -191,6 +191,8 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # projections HIGHEST-precision f32 GEMMs; V4-Flash all_on at 8192 tokens ran at 90 tok/s that way.
     # prefill_weights_stationary: all_on V4-Flash (lucebox_mix) 7558 vs 5757 tok/s at 32768 tokens and 6142 vs
     # 4685 at 122879; one band is the same program either way (trace_prefill, BENCHMARKS.md).
+    # indexer_radix_topk: one CSA layer's top-k at 128K context 5.8 vs 19.1 ms (sort), at 8K 0.75 vs 1.15 ms, the
+    # same ids (bench_attention, BENCHMARKS.md).
     "sm_90": _row(_MOE_RAN_ON_H200 | _PRECISION | _SCHEDULE,
                   (_MOE_RAN_ON_H200 | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.

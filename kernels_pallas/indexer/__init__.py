@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +39,11 @@ def lowering_cases(platform: str) -> list[tuple[str, object, tuple]]:
 
   args = (sds((T, Hi, c), jnp.bfloat16), sds((T, Hi), jnp.float32), sds((R, c), jnp.bfloat16), sds((), jnp.int32))
   cases.append((f"indexer topk {T} q @ {q_start} (R {R}) {platform}", topk_fn, args))
-  cases.append((f"indexer radix topk {T} q @ {q_start} (R {R}) {platform}",
-                functools.partial(topk_fn, cfg=dataclasses.replace(cfg, selection="radix")), args))
+
+  def radix_topk_fn(q, w, keys, qs, cfg=dataclasses.replace(cfg, selection="radix")):
+    return topk(q, w, keys, q_start=qs, k=k, ratio=ratio, config=cfg)
+
+  cases.append((f"indexer radix topk {T} q @ {q_start} (R {R}) {platform}", radix_topk_fn, args))
 
   T2, q_start2 = 512, 131072 - 512
   R2 = (q_start2 + T2) // ratio

@@ -34,7 +34,7 @@ INT_MIN = -(1 << 31)
 
 
 def _i32(u: int) -> int:
-  """The int32 with the bits of the uint32 `u` (for constants built as unsigned)."""
+  """The int32 with the bits of the uint32 `u` (a digit shifted into the sign bit)."""
   u &= 0xFFFFFFFF
   return u - (1 << 32) if u >= 1 << 31 else u
 
@@ -46,7 +46,7 @@ def order_keys(scores) -> jax.Array:
   return jnp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
-def _kernel(s_ref, nvis_ref, o_ref, *, T: int, k: int, block_q: int, block_r: int):
+def _kernel(s_ref, nvis_ref, o_ref, *, T: int, k: int, block_q: int, block_r: int, interpret: bool):
   q0 = pl.program_id(0) * block_q
   rows = q0 + jnp.arange(block_q, dtype=I32)
   nvis = plt.load(nvis_ref.at[pl.ds(q0, block_q)], mask=rows < T, other=0)
@@ -59,13 +59,15 @@ def _kernel(s_ref, nvis_ref, o_ref, *, T: int, k: int, block_q: int, block_r: in
     return jnp.where(live, order_keys(x), INT_MIN), cols  # INT_MIN: unsigned 0, below every candidate
 
   n_digits = (1 << DIGIT_BITS) - 1
-  prefix = jnp.zeros((block_q,), I32)  # unsigned bits of the threshold found so far
-  above = jnp.zeros((block_q,), I32)   # keys above the current candidate range
-  for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
-    cands = [(prefix | _i32(d << shift)) ^ INT_MIN for d in range(1, n_digits + 1)]  # signed compare values
+
+  def digit_pass(p, carry):
+    prefix, above = carry  # the threshold's unsigned bits found so far; keys above the current candidate range
+    shift = 32 - DIGIT_BITS * (p + 1)
+    digit = (lambda d: _i32(d << shift)) if isinstance(shift, int) else (lambda d: jnp.int32(d) << shift)
+    cands = [(prefix | digit(d)) ^ INT_MIN for d in range(1, n_digits + 1)]  # signed compare values
 
     # Per lane, two 16-bit counters in one int32 (a lane sees one key per tile): one row sum per pass, not per tile.
-    def count(j, lanes, cands=cands):
+    def count(j, lanes):
       key, _ = keys_of(j)
       hits = [(key >= c[:, None]).astype(I32) for c in cands] + [0]
       return tuple(n + hits[2 * i] + (hits[2 * i + 1] << 16) for i, n in enumerate(lanes))
@@ -76,8 +78,16 @@ def _kernel(s_ref, nvis_ref, o_ref, *, T: int, k: int, block_q: int, block_r: in
     best = sum((n >= k).astype(I32) for n in counts)
     above = sum(jnp.where(best + 1 == d, n, 0) for d, n in enumerate(counts, 1)) + jnp.where(best == n_digits,
                                                                                               above, 0)
-    prefix = prefix | (best << shift)
+    return prefix | (best << shift), above
 
+  # Unrolled on a GPU (what ran on the H200); a loop in interpret mode, where XLA would compile 16 copies of it.
+  carry = (jnp.zeros((block_q,), I32),) * 2
+  if interpret:
+    carry = jax.lax.fori_loop(0, 32 // DIGIT_BITS, digit_pass, carry)
+  else:
+    for p in range(32 // DIGIT_BITS):
+      carry = digit_pass(p, carry)
+  prefix, above = carry
   threshold = prefix ^ INT_MIN
   need = k - above  # keys equal to the threshold still to keep, lowest ids first
 
@@ -110,7 +120,7 @@ def radix_topk_ids(scores, nvis, k: int, *, block_q: int, block_r: int, num_warp
     raise ValueError(f"radix_topk_ids: {R} rows in tiles of {block_r} overflow its 16-bit lane counters; "
                      f"use block_r >= {-(-R // 0xFFFF)}")
   selected = nvis > k
-  kernel = functools.partial(_kernel, T=T, k=k, block_q=block_q, block_r=block_r)
+  kernel = functools.partial(_kernel, T=T, k=k, block_q=block_q, block_r=block_r, interpret=interpret)
   picked = pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((T, k + 1), I32), grid=(pl.cdiv(T, block_q),), interpret=interpret,
       name="indexer_radix_select",

@@ -135,12 +135,14 @@ def test_config_default_platforms():
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
 def test_lowering_cases_lower(platform):
-  """The V4-Flash lowering cases trace and lower for an abstract GPU to exactly one scoring kernel each (the
-  gfx1151/sm_90 compile itself runs in tests/kernels_pallas/test_lowering_gfx1151.py once wired in)."""
+  """The V4-Flash lowering cases trace and lower for an abstract GPU to one scoring kernel each, followed by the
+  radix-selection kernel in the radix case (the gfx1151/sm_90 compile itself runs in
+  tests/kernels_pallas/test_lowering_gfx1151.py)."""
   from kernels_pallas import lowering  # pylint: disable=import-outside-toplevel
   cases = lowering_cases(platform)
-  assert len(cases) == 2
+  assert len(cases) == 3
   for label, fn, args in cases:
     kernels = lowering.lower_kernels(fn, args, platform)
-    assert [k.name for k in kernels] == ["indexer_scores"], label
+    radix = ["indexer_radix_select"] if "radix" in label else []
+    assert [k.name for k in kernels] == ["indexer_scores", *radix], label
     assert "tt.dot" in kernels[0].ttir
