@@ -168,7 +168,7 @@ _PATTERNS = (
     ("moe_down", r"^moe_down"),
     ("mla", r"^mla_"),
     ("indexer_scores", r"^indexer_scores"),
-    ("topk", r"RadixSort|radix_sort|^sort_|top_?k"),
+    ("topk", r"RadixSort|radix_sort|^sort_|top_?k|^indexer_radix_select"),
     ("f32_gemm", r"gemm_f32f32|f32f32_f32"),
     ("dense_gemm", r"^nvjet_|^gemm_fusion|cutlass|xmma_gemm|^cublas"),
 )

@@ -22,7 +22,7 @@ from ds4jax import config as config_lib
 from ds4jax import features as features_lib
 from ds4jax.features import KNOBS, Features
 from ds4jax.quant import policy as quant_policy
-from experiments import run_record
+from experiments import processes, run_record
 from experiments.qualification import checks, inputs, report, store
 from experiments.qualification.matrix import Configuration, configurations, exact_features
 from experiments.qualification.options import Options, StartupError, validate
@@ -432,7 +432,8 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
     clock.say(f"{i + 1}/{len(todo)} length {n} {conf.name}: {report.outcome(rec)} ({clock.eta()})")
   log("")
   log(report.markdown_table(results))
-  log(f"results: {opts.out} and {store.markdown_path(opts.out)}")
+  if processes.writes():  # other processes compute the same results and write nothing
+    log(f"results: {opts.out} and {store.markdown_path(opts.out)}")
   log(f"verdicts: {report.summary_line(results)}")
   return results
 
