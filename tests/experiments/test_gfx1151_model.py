@@ -26,6 +26,7 @@ def test_classify_puts_the_traced_kernels_in_their_classes():
   f32 = "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x32x8_stage3_warpsize2x2x1_ffma_aligna4_alignc4_execute"
   want = {"loop_convert_fusion": "mix_decode", "moe_gate_up": "moe_gate_up", "moe_down": "moe_down",
           "mla_stream_fast_exp": "mla", "indexer_scores": "indexer_scores", cub: "topk", "sort_16_1": "topk",
+          "indexer_radix_select": "topk",
           f32: "f32_gemm", "nvjet_sm90_tss_176x128_64x5_1x2_h_bz_TNN": "dense_gemm",
           "gemm_fusion_dot_general_34": "dense_gemm", "moe_combine": "other", "triton_softmax_21": "other",
           "loop_convert_fusion_2": "other", "MemcpyD2D": "other"}
