@@ -6,7 +6,9 @@ in one subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4: this 
 a one-layer (CSA) tiny_sparse model (8 experts: 4 per device on expert=2, 2 on expert=4) with quantized experts, places
 it, prefills 16 seeded random tokens on one device (the exact path) and sharded (under each feature set below), and
 prints one JSON line that the tests below read. One layer keeps it to one layer program per (features, mesh): the
-MoE is what is split, and every layer passes its input and output through the same streams.
+MoE is what is split, and every layer passes its input and output through the same streams. The trained checkpoint
+(tiny_stdlib, four layers of every kind) is loaded onto two devices and prefilled with every CPU switch against the
+same switches on one device.
 """
 
 import json
@@ -36,6 +38,9 @@ SHARDED = {
                                      "prefill_band_tokens": 8}, "expert=4"),
 }
 TOKENS = 16
+TRAINED = os.path.join(REPO, "experiments", "checkpoints", "tiny_stdlib")
+TRAINED_TOKENS = 40
+TRAINED_KEY = "trained_checkpoint_every_cpu_switch/expert=2"
 RTOL, ATOL = 1e-5, 5e-5  # summation order: the devices' partial sums, the shared expert added after them; and the
 # attention kernels against the exact path (measured 1.8e-5 in logits up to 11; a missing psum is off by ~1)
 
@@ -99,6 +104,20 @@ def main():
     excess = float(np.max(np.abs(got - ref) - (ATOL + RTOL * np.abs(ref))))
     out["logits"][key] = [float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref))), excess]
 
+  # The trained checkpoint (tiny_stdlib: window, CSA, HCA and CSA layers, hash and top-k routing), its experts read
+  # onto two devices, with every CPU switch, against the same switches on one device (its larger activations put the
+  # switches' own f32 summation order at ~2e-4 from the exact path, so the exact path is not the reference here).
+  # 40 tokens give the CSA layers 10 rows, past its top-4, so the indexer kernels select.
+  from ds4jax.checkpoint import mapping  # pylint: disable=import-outside-toplevel
+
+  every_switch = features.resolve("cpu_interpret", {"prefill_band_tokens": 0} | ALL_CPU)
+  trained = lambda spec: mapping.load_checkpoint(TRAINED, dtype=jnp.float32, log=None, mesh=spec)
+  trained_ids = np.random.default_rng(int(sys.argv[2])).integers(0, 256, TRAINED_TOKENS)
+  ref, got = (np.asarray(prefill.prefill(trained(spec), trained_ids, every_switch, all_logits=True))
+              for spec in ("", "expert=2"))
+  out["logits"][TRAINED_KEY] = [float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref))),
+                                float(np.max(np.abs(got - ref) - (ATOL + RTOL * np.abs(ref))))]
+
   # init_random on the mesh: each device draws its own experts (official: FP4 experts, FP8 dense), the bits of the
   # one-device init placed afterwards.
   direct = leaves(model.init_random(cfg, seed=1, dtype=jnp.float32, policy="official", mesh="expert=4"))
@@ -114,7 +133,6 @@ def main():
 
   # load_checkpoint on the mesh: each device reads its own experts; the same arrays as loading whole then placing.
   import tempfile  # pylint: disable=import-outside-toplevel
-  from ds4jax.checkpoint import mapping  # pylint: disable=import-outside-toplevel
 
   out["sharded_load"] = {}
   with tempfile.TemporaryDirectory() as tmp:
@@ -176,7 +194,7 @@ def test_load_checkpoint_on_a_mesh_reads_each_share_onto_its_device(sharded):
                                      for p in ("official", "bf16")}
 
 
-@pytest.mark.parametrize("key", list(SHARDED))
+@pytest.mark.parametrize("key", [*SHARDED, TRAINED_KEY])
 def test_sharded_prefill_equals_one_device(sharded, key):
   diff, scale, excess = sharded["logits"][key]
   print(f"{key}: max |logits - one device| {diff:.2e} (logits up to {scale:.1f})")
