@@ -73,3 +73,10 @@ def test_keys_keep_the_order_of_the_scores(rng):
   same = (x[:, None] == x[None, :]) & (np.signbit(x)[:, None] == np.signbit(x)[None, :])  # bits, not values
   assert ((keys[:, None] == keys[None, :]) == same).all()
   assert keys[-7] < keys[-8]  # −0.0 below +0.0, as lax.top_k ranks them
+
+
+def test_too_many_row_tiles_for_the_lane_counters_is_refused():
+  R = 0xFFFF * 16 + 1  # one tile past what 16-bit per-lane counters can count
+  with pytest.raises(ValueError, match="overflow its 16-bit lane counters; use block_r >= 17"):
+    select.radix_topk_ids(jnp.zeros((1, R), jnp.float32), jnp.full((1,), R, jnp.int32), 4, block_q=1, block_r=16,
+                          num_warps=4, num_stages=1, interpret=True)
