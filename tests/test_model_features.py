@@ -151,3 +151,6 @@ def test_attention_switches_change_the_kernels_that_run(tiny):
   assert "mla_stream_fast_exp" in names and "mla_stream_topk" not in names
   csa = sum(kind == config.Attention.CSA for kind in m.cfg.attention)
   assert kernel_names(m, on("indexer_score_kernel")).count("indexer_scores") == csa >= 1  # one per CSA layer
+  assert "indexer_radix_select" not in kernel_names(m, on("indexer_score_kernel"))  # the sort
+  radix = kernel_names(m, on("indexer_score_kernel", "indexer_radix_topk"))
+  assert radix.count("indexer_radix_select") == radix.count("indexer_scores") == csa

@@ -82,8 +82,8 @@ class Config:
           LDS 32 KiB, 240 VGPRs, no spills in the offline lowering check (README has the sweep: 64×128 and
           128×128 tiles or 2 stages spill). query_block 512 (unified memory on the APU).
     cpu:  interpret mode: f32 dots (exact), 32×32 tiles, whole problem in a few query blocks.
-    Radix selection (`selection="radix"`): cuda one query per program, 2048-row tiles, 8 warps (the best of 28
-    tilings on the H200 at 128K context: 0.84 ms per 1024 queries against the sort's 2.61); rocm 1024-row tiles
+    Radix selection (`selection="radix"`): cuda one query per program, 2048-row tiles, 8 warps (the best of 36
+    variants on the H200 at 128K context: 0.84 ms per 1024 queries against the sort's 2.61); rocm 1024-row tiles
     and 4 warps (lowering check only).
     Tiles shrink (to powers of two >= 16) for small problems so tests and short prefills waste less.
     """

@@ -16,7 +16,9 @@ program owns `select_rows` queries and streams their visible scores in [select_r
      (lax.top_k's tie rule), and scatters their ids to ascending slots (a running count plus an in-tile cumsum).
 Only the visible prefix of each query is read: with more than k visible rows the threshold is finite, and the
 invisible −inf keys can change neither a count at a candidate above it nor the kept set. Queries that see <= k
-rows get identity ids, as in `finish_topk` (the indexer's scores are finite where visible; NaN is not handled).
+rows get identity ids, as in `finish_topk`. The indexer's scores are finite where visible; outside that contract
+the two differ: a visible −inf that makes the k best is a real id here and −1 in `finish_topk`, and NaN is not
+handled.
 """
 
 from __future__ import annotations
@@ -109,8 +111,9 @@ def _kernel(s_ref, nvis_ref, o_ref, *, T: int, k: int, block_q: int, block_r: in
 def radix_topk_ids(scores, nvis, k: int, *, block_q: int, block_r: int, num_warps: int, num_stages: int,
                    interpret: bool = False) -> jax.Array:
   """int32 [T, k]: the ids of each query's k best scores (ties: lower id first) in ascending order, −1 padded;
-  identity ids 0..nvis−1 where nvis <= k (scores not read). Same contract and result as `finish_topk`; scores
-  past a query's nvis are never read. block_q / block_r: the [queries, rows] tile of one program's passes."""
+  identity ids 0..nvis−1 where nvis <= k (scores not read). Same result as `finish_topk` for finite visible
+  scores; scores past a query's nvis (<= R) are never read. block_q / block_r: the [queries, rows] tile of one
+  program's passes."""
   T, R = scores.shape
   slot = jnp.arange(k, dtype=I32)[None, :]
   identity = jnp.where(slot < nvis[:, None], slot, -1)
@@ -118,7 +121,7 @@ def radix_topk_ids(scores, nvis, k: int, *, block_q: int, block_r: int, num_warp
     return identity
   if -(-R // block_r) > 0xFFFF:
     raise ValueError(f"radix_topk_ids: {R} rows in tiles of {block_r} overflow its 16-bit lane counters; "
-                     f"use block_r >= {-(-R // 0xFFFF)}")
+                     f"use block_r >= {1 << (-(-R // 0xFFFF) - 1).bit_length()}")
   selected = nvis > k
   kernel = functools.partial(_kernel, T=T, k=k, block_q=block_q, block_r=block_r, interpret=interpret)
   picked = pl.pallas_call(

@@ -16,7 +16,7 @@ from kernels_pallas.indexer import select
 from kernels_pallas.indexer.reference import finish_topk
 from indexer_inputs import INTERPRET
 
-T, R, K = 24, 300, 64  # T not a multiple of 8 or 16, R not a multiple of any row tile
+T, R, K = 20, 300, 64  # T not a multiple of the 8-query tile, R not a multiple of any row tile
 
 
 def tied_scores(rng, levels):
@@ -36,6 +36,16 @@ def tied_scores(rng, levels):
 def selector(rows, cols):
   return jax.jit(lambda s, n: select.radix_topk_ids(s, n, K, block_q=rows, block_r=cols, num_warps=4, num_stages=1,
                                                    interpret=INTERPRET))
+
+
+def test_the_gpu_kernel_body_in_interpret_mode(rng, monkeypatch):
+  """The body a GPU compiles (the 16 digit passes unrolled, static shifts) run by the interpreter: interpret mode
+  itself loops over the passes instead, so on a CPU-only CI this is the only check of the unrolled version."""
+  body = select._kernel  # pylint: disable=protected-access
+  monkeypatch.setattr(select, "_kernel", lambda *refs, interpret, **kw: body(*refs, interpret=False, **kw))
+  s, nvis = tied_scores(rng, 3)
+  got = select.radix_topk_ids(s, nvis, K, block_q=8, block_r=64, num_warps=4, num_stages=1, interpret=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(finish_topk(s, nvis, K)))
 
 
 @pytest.mark.parametrize("rows,cols", [(8, 64), (1, 128)])
@@ -77,6 +87,6 @@ def test_keys_keep_the_order_of_the_scores(rng):
 
 def test_too_many_row_tiles_for_the_lane_counters_is_refused():
   R = 0xFFFF * 16 + 1  # one tile past what 16-bit per-lane counters can count
-  with pytest.raises(ValueError, match="overflow its 16-bit lane counters; use block_r >= 17"):
+  with pytest.raises(ValueError, match="overflow its 16-bit lane counters; use block_r >= 32"):
     select.radix_topk_ids(jnp.zeros((1, R), jnp.float32), jnp.full((1,), R, jnp.int32), 4, block_q=1, block_r=16,
                           num_warps=4, num_stages=1, interpret=True)
