@@ -7,6 +7,10 @@ the feature switches select.
 
 Prefill runs in bands (ds4jax/prefill.py): `band` takes the band's positions [s0, s0+B) and the layer's
 `LayerCache` from the previous band and returns the new one; a one-shot prompt is one band from an empty cache.
+
+On a mesh with a query axis (ds4jax/mesh.py) each device runs the per-query part of a band (q, the indexer's
+selection, the attention kernel, the output projection) on B/n of its tokens, against the keys of the whole band,
+which every device computes (the KV projection and the compressors are small next to the rest).
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ds4jax import compressor as comp
 from ds4jax import layer_cache, rope
+from ds4jax import mesh as mesh_lib
 from ds4jax.compressor import Compressor
 from ds4jax.config import Attention as Kind
 from ds4jax.config import DeepseekV4Config
@@ -79,6 +85,7 @@ class Attention(nnx.Module):
     self.compressor = None if self.kind is Kind.WINDOW else Compressor(
         D, d, cfg.compress_ratio(layer), self.kind is Kind.CSA, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
     self.indexer = Indexer(cfg, rngs=rngs, dtype=dtype, policy=policy) if self.kind is Kind.CSA else None
+    self.mesh = ""  # the model's mesh spec (set by ds4jax.mesh.place): a query axis splits `band`'s queries
 
   def empty_cache(self, capacity: int, band: int) -> LayerCache:
     layer = self.cfg.attention.index(self.kind)  # any layer of this kind: the cache depends on the kind only
@@ -95,13 +102,10 @@ class Attention(nnx.Module):
     indexer's picks [B, k] (CSA layers, else None), their f32 reference scores [B, R] if `record_scores`).
     `pinned_rows` imposes the picks (ds4jax/decisions.py)."""
     cfg = self.cfg
-    B, H, d, G = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.o_groups
+    B = x.shape[0]
     dt = features.matmul_dtype  # every matmul of the layer; norms, softmax and RoPE stay f32
     positions = s0 + jnp.arange(B, dtype=jnp.int32)
     freqs = rope.layer_inv_freq(cfg, self.kind)
-    qr = self.q_norm(self.wq_a(x, dt))  # [B, q_lora]; the indexer reuses it
-    q = rms_normalize(self.wq_b(qr, dt).reshape(B, H, d), cfg.rms_norm_eps)  # per-head norm, no weight
-    q = apply_rope(q, positions, freqs)
     kv = apply_rope(self.kv_norm(self.wkv(x, dt)), positions, freqs)  # [B, d]
     # Keys are read as the cache stores them (bf16 in a bf16 decode state), the band's own too: a band of q tokens
     # then sees what q one-token steps see (docs/decode.md §1). A no-op for f32 caches.
@@ -109,7 +113,7 @@ class Attention(nnx.Module):
     kv = kv.astype(kv_dtype).astype(F32)
     raw = jnp.concatenate([cache.kv_tail.astype(F32), kv])  # positions [s0 - W + 1, s0 + B)
     new = dict(kv_tail=raw[B:].astype(kv_dtype))
-    rows = indices = index_scores = None
+    rows = keys = None
     if self.compressor is not None:
       m = self.compressor.ratio
       ext, a = comp.extend(cache.x_tail, x, s0, m)
@@ -118,14 +122,40 @@ class Attention(nnx.Module):
       if self.indexer is not None:
         keys = comp.write_rows(cache.index_rows, self.indexer.compressor.pool(ext, a // m, freqs, dt), a // m)
         new["index_rows"] = keys
-        indices = self.indexer.select(x, qr, positions, freqs, keys, features, pinned_rows)
+
+    def per_query(xq, pq, pinned):
+      """The band's queries xq [b, D] at positions pq → (output [b, D], picks [b, k] or None, scores or None)."""
+      b, H, d, G = xq.shape[0], cfg.num_heads, cfg.head_dim, cfg.o_groups
+      qr = self.q_norm(self.wq_a(xq, dt))  # [b, q_lora]; the indexer reuses it
+      q = rms_normalize(self.wq_b(qr, dt).reshape(b, H, d), cfg.rms_norm_eps)  # per-head norm, no weight
+      q = apply_rope(q, pq, freqs)
+      indices = index_scores = None
+      if self.indexer is not None:
+        indices = self.indexer.select(xq, qr, pq, freqs, keys, features, pinned)
         if record_scores:
-          index_scores = self.indexer.scores(x, qr, positions, freqs, keys)
-    o = self.attend(q, raw, rows, indices, s0, positions, freqs, features)  # [B, H, d], de-rotated
-    # Grouped low-rank output: heads are grouped contiguously, each group has its own wo_a slice.
-    wo_a = dense(self.wo_a.weight).reshape(G, cfg.o_lora_rank, H * d // G)
-    z = einsum("sgi,gri->sgr", o.reshape(B, G, H * d // G), wo_a, operand_dtype=dt).reshape(B, G * cfg.o_lora_rank)
-    return self.wo_b(z, dt), LayerCache(**new), indices, index_scores
+          index_scores = self.indexer.scores(xq, qr, pq, freqs, keys)
+      o = self.attend(q, raw, rows, indices, s0, pq, freqs, features)  # [b, H, d], de-rotated
+      # Grouped low-rank output: heads are grouped contiguously, each group has its own wo_a slice.
+      wo_a = dense(self.wo_a.weight).reshape(G, cfg.o_lora_rank, H * d // G)
+      z = einsum("sgi,gri->sgr", o.reshape(b, G, H * d // G), wo_a, operand_dtype=dt).reshape(b, -1)
+      return self.wo_b(z, dt), indices, index_scores
+
+    out, indices, index_scores = self.split_queries(per_query, x, positions, pinned_rows)
+    return out, LayerCache(**new), indices, index_scores
+
+  def split_queries(self, per_query, x, positions, pinned):
+    """per_query(x, positions, pinned) over the band's tokens: whole, or on a mesh with a query axis of n devices
+    B/n tokens on each (inside `jax.shard_map`; the results come back split over the axis, and XLA gathers them
+    where the next step needs them whole). A band whose length n does not divide (a decode step of one token) runs
+    whole on every device.
+
+    check_vma=False: the kernels and the exact path's loops are not written for shard_map's varying-axis types;
+    nothing crosses devices inside."""
+    axis = mesh_lib.axis_of(self.mesh, mesh_lib.QUERY)
+    if axis is None or x.shape[0] % axis[1]:
+      return per_query(x, positions, pinned)
+    return jax.shard_map(per_query, mesh=mesh_lib.build(self.mesh), in_specs=P(axis[0]), out_specs=P(axis[0]),
+                         check_vma=False)(x, positions, pinned)
 
   def attend(self, q, raw, rows, indices, s0, positions, freqs, features: Features):
     """The joint sink softmax over each query's key set, then the output de-rotation: [B, H, d] f32.

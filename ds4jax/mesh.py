@@ -1,18 +1,22 @@
-"""Where a model's weights live on several devices of one host: the mesh spec, its checks, and weight placement.
+"""Where a model's weights live and its work runs on several devices of one host: the mesh spec, its checks, and
+weight placement.
 
     spec = "expert=2"                         # "" = one device (no mesh)
     mesh.check(spec, cfg)                     # MeshError (a ValueError) naming what is wrong, before any weights
     m = mesh.place(model, spec)               # a new model over the same values: routed experts split, rest replicated
 
-One axis is supported, `expert`: each device holds E/n of every layer's routed experts (every storage array of a
-quantized stack leads with the expert dimension: codes, scales, codebooks, mode) and everything else is replicated.
-A placed model carries its spec on each `Experts` module (a static attribute, so it is part of the layer programs'
-graphdef and keys their jit caches); the MoE then runs each device's experts inside `jax.shard_map` and sums the
-devices' outputs (ds4jax/moe.py, `Experts.routed`). Why the model carries the spec rather than `Features` or jax's
-context mesh: where the weights live and where the experts run cannot disagree then (a `Features.mesh` could ask
-for a split of weights that sit whole on one device, or forget one that is split, and each call would silently
-gather or scatter every expert), and every entry point, the banded prefill and decoding run sharded with no
-argument added anywhere. docs/mesh.md says what is sharded, what is not yet, and why.
+A spec is a list of mesh axes, `roles=N`, each with one or more roles joined by "+":
+  expert   each device holds E/n of every layer's routed experts (every storage array of a quantized stack leads with
+           the expert dimension: codes, scales, codebooks, mode) and runs the routes to them (ds4jax/moe.py).
+  query    each band's attention (queries, indexer selection, attention kernel, output projection) runs on 1/n of
+           the band's tokens per device, against the whole band's keys (ds4jax/attention.py); no weight is split.
+"expert+query=2" is one axis of two devices that both split; "expert=2,query=2" is a 2 × 2 mesh of four devices.
+Every weight that is not a routed expert is replicated. A placed model carries its spec on each `Experts` and
+`Attention` module (a static attribute, so it is part of the layer programs' graphdef and keys their jit caches).
+Why the model carries the spec rather than `Features` or jax's context mesh: where the weights live and where the
+work runs cannot disagree then (a `Features.mesh` could ask for a split of weights that sit whole on one device, or
+forget one that is split, and each call would silently gather or scatter every expert), and every entry point, the
+banded prefill and decoding run sharded with no argument added anywhere. docs/mesh.md says what is sharded and why.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 EXPERT = "expert"
-SUPPORTED = (EXPERT,)
-# Axes a later increment may add: named here so that a spec using one fails with a message that says so.
-NOT_YET = {"head": "attention heads and the dense projections are replicated in this increment (V4-Flash's dense "
-                   "part is small next to its routed experts; docs/mesh.md)"}
+QUERY = "query"
+SUPPORTED = (EXPERT, QUERY)
+# Splits that are not built: named here so that a spec using one fails with a message that says why.
+NOT_YET = {"head": "attention heads are not split; query=N splits each band's attention over N devices by queries "
+                   "instead (the indexer sums over its heads, so a head split would all-reduce its [T, R] scores; "
+                   "docs/mesh.md §1)"}
 
 
 class MeshError(ValueError):
@@ -37,31 +43,46 @@ class MeshError(ValueError):
 
 
 def parse(spec: str) -> tuple[tuple[str, int], ...]:
-  """"expert=2" -> (("expert", 2),); "" -> () (one device). Raises MeshError."""
+  """"expert=2" -> (("expert", 2),); "expert+query=2,..." -> (("expert+query", 2), ...): the mesh axes, named by
+  their roles; "" -> () (one device). Raises MeshError."""
   spec = (spec or "").strip()
   if not spec:
     return ()
+  supported = ", ".join(f"{a}=N" for a in SUPPORTED) + f" (several roles on one axis: {EXPERT}+{QUERY}=N)"
   axes: dict[str, int] = {}
+  seen: set[str] = set()
   for item in spec.split(","):
     name, eq, size = (s.strip() for s in item.partition("="))
     if not eq or not name or not size.isdigit() or int(size) < 1:
       raise MeshError(f"mesh spec {spec!r}: {item.strip()!r} is not axis=size with a positive integer size "
                       f"(e.g. {EXPERT}=2)")
-    if name in NOT_YET:
-      raise MeshError(f"mesh spec {spec!r}: axis {name!r} is not supported yet: {NOT_YET[name]}; supported: "
-                      f"{', '.join(f'{a}=N' for a in SUPPORTED)}")
-    if name not in SUPPORTED:
-      raise MeshError(f"mesh spec {spec!r}: unknown axis {name!r}; supported: "
-                      f"{', '.join(f'{a}=N' for a in SUPPORTED)}")
-    if name in axes:
-      raise MeshError(f"mesh spec {spec!r}: axis {name!r} is given twice")
-    axes[name] = int(size)
+    roles = [r.strip() for r in name.split("+")]
+    for role in roles:
+      if role in NOT_YET:
+        raise MeshError(f"mesh spec {spec!r}: axis {role!r} is not supported yet: {NOT_YET[role]}; supported: "
+                        f"{supported}")
+      if role not in SUPPORTED:
+        raise MeshError(f"mesh spec {spec!r}: unknown axis {role!r}; supported: {supported}")
+      if role in seen:
+        raise MeshError(f"mesh spec {spec!r}: axis {role!r} is given twice")
+      seen.add(role)
+    axes["+".join(roles)] = int(size)
   return tuple(axes.items())
 
 
+def axis_of(spec: str, role: str) -> tuple[str, int] | None:
+  """(mesh axis name, devices) that `role` (EXPERT or QUERY) splits over, or None when the spec has no such role."""
+  return next(((name, n) for name, n in parse(spec) if role in name.split("+")), None)
+
+
 def expert_devices(spec: str) -> int:
-  """Devices the routed experts are split over (1 without a mesh)."""
-  return dict(parse(spec)).get(EXPERT, 1)
+  """Devices the routed experts are split over (1 without an expert axis)."""
+  return (axis_of(spec, EXPERT) or ("", 1))[1]
+
+
+def query_devices(spec: str) -> int:
+  """Devices each band's attention queries are split over (1 without a query axis)."""
+  return (axis_of(spec, QUERY) or ("", 1))[1]
 
 
 def check(spec: str, cfg, n_devices: int | None = None) -> tuple[tuple[str, int], ...]:
@@ -99,8 +120,9 @@ def build(spec: str) -> Mesh:
 
 
 def expert_sharding(spec: str) -> NamedSharding:
-  """Leading (expert) dimension split over the `expert` axis, the rest whole."""
-  return NamedSharding(build(spec), P(EXPERT))
+  """Leading (expert) dimension split over the expert axis (replicated without one), the rest whole."""
+  axis = axis_of(spec, EXPERT)
+  return NamedSharding(build(spec), P(axis[0]) if axis else P())
 
 
 def replicated(spec: str) -> NamedSharding:
@@ -115,8 +137,9 @@ def is_expert_path(path: tuple) -> bool:
 
 def place(m, spec: str):
   """A new model over `m`'s values (m itself is left as it was) with its routed experts split over the spec's
-  `expert` axis and every other weight replicated over the mesh; its `Experts` modules carry the spec, so the MoE
-  runs each device's experts where they live. "" returns `m`. The spec is checked against m.cfg first."""
+  expert axis and every other weight replicated over the mesh; its `Experts` and `Attention` modules carry the
+  spec, so the MoE runs each device's experts where they live and attention splits its queries over a query axis.
+  "" returns `m`. The spec is checked against m.cfg first."""
   if not parse(spec):
     return m
   check(spec, m.cfg)
@@ -131,15 +154,20 @@ def place(m, spec: str):
     placed.append((path, var.replace(jax.device_put(value, split if is_expert_path(tuple(path)) else whole))))
   copy = nnx.merge(graphdef, nnx.from_flat_state(placed))  # new modules and variables: m keeps its own
   for path, module in nnx.iter_modules(copy):
-    if tuple(path)[-2:] == ("ffn", "experts"):
-      module.mesh = spec  # moe.Experts: its routed experts run where they live (ds4jax/moe.py)
+    if _runs_on_mesh(path):
+      module.mesh = spec  # moe.Experts, attention.Attention: each splits its work by its role in the spec
   return copy
 
 
+def _runs_on_mesh(path) -> bool:
+  """A module that carries the mesh spec: a layer's routed experts or its attention."""
+  return tuple(path)[-2:] == ("ffn", "experts") or tuple(path)[-1:] == ("attn",)
+
+
 def spec_of(m) -> str:
-  """The spec a model runs under: what its `Experts` modules carry ("" = one device). Results record this rather than
-  the flag, so a model that was not placed cannot be reported as sharded."""
-  specs = {module.mesh for path, module in nnx.iter_modules(m) if tuple(path)[-2:] == ("ffn", "experts")}
+  """The spec a model runs under: what its `Experts` and `Attention` modules carry ("" = one device). Results record
+  this rather than the flag, so a model that was not placed cannot be reported as sharded."""
+  specs = {module.mesh for path, module in nnx.iter_modules(m) if _runs_on_mesh(path)}
   if len(specs) > 1:
     raise MeshError(f"the model's layers run on different meshes: {sorted(specs)}")
   return specs.pop() if specs else ""
@@ -149,6 +177,9 @@ def describe(spec: str, cfg) -> str:
   """One start-up line: how the model is laid out over the devices."""
   if not parse(spec):
     return "mesh: none (one device)"
-  n = expert_devices(spec)
-  return (f"mesh {spec}: {cfg.n_routed_experts // n} of {cfg.n_routed_experts} routed experts per device on "
-          f"{n} devices; attention, dense projections, router and shared expert replicated")
+  n, nq = expert_devices(spec), query_devices(spec)
+  experts = (f"{cfg.n_routed_experts // n} of {cfg.n_routed_experts} routed experts per device on {n} devices"
+             if axis_of(spec, EXPERT) else "routed experts replicated")
+  attention = (f"each band's attention split by queries over {nq} devices (a band of a length that {nq} does not "
+               f"divide, such as a one-token decode step, runs whole on each)" if axis_of(spec, QUERY) else "attention replicated")
+  return f"mesh {spec}: {experts}; {attention}; dense weights, router and shared expert replicated"

@@ -116,9 +116,9 @@ class Experts(nnx.Module):
 
   def routed(self, run, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, shared=None) -> jnp.ndarray:
     """`run(stacks, x, weights, ids, shared)` -> [S, D] f32 over the routed experts `stacks` (and `shared`): on all
-    of them, or, on a mesh, on each device's own experts (`on_local_experts`), the shared expert's output [S, D]
-    added once, after the devices' sum."""
-    if not self.mesh:
+    of them, or, on a mesh with an expert axis, on each device's own experts (`on_local_experts`), the shared
+    expert's output [S, D] added once, after the devices' sum."""
+    if mesh_lib.axis_of(self.mesh, mesh_lib.EXPERT) is None:
       return run(self.stacks(), x, weights, idx, shared)
     y = on_local_experts(self.mesh, lambda s, x, w, i: run(s, x, w, i, None), self.stacks(), x, weights, idx)
     return y if shared is None else y + jnp.asarray(shared, F32)
@@ -148,7 +148,7 @@ def local_routes(weights, idx, first, count) -> tuple[jnp.ndarray, jnp.ndarray]:
 
 
 def on_local_experts(spec: str, run, stacks: tuple, x, weights, idx) -> jnp.ndarray:
-  """Expert parallelism over the `expert` axis of the mesh `spec` (ds4jax/mesh.py): inside `jax.shard_map` device d
+  """Expert parallelism over the expert axis of the mesh `spec` (ds4jax/mesh.py): inside `jax.shard_map` device d
   holds experts [d·E/n, (d+1)·E/n) of `stacks` (split on their leading dimension) and runs
   `run(its stacks, x, weights, ids)` on the routes as it sees them (`local_routes`). The devices' [S, D] f32 outputs
   are summed (psum). x, weights, idx and the result are replicated.
@@ -156,12 +156,14 @@ def on_local_experts(spec: str, run, stacks: tuple, x, weights, idx) -> jnp.ndar
   check_vma=False: the reference's scan carry and the Pallas calls are not written for shard_map's varying-axis
   types (a zero carry starts invariant and turns varying); the one cross-device value is the psum's, replicated by
   construction."""
+  axis = mesh_lib.axis_of(spec, mesh_lib.EXPERT)[0]
+
   def local(stacks, x, weights, idx):
     per_device = jax.tree.leaves(stacks)[0].shape[0]
-    first = jax.lax.axis_index(mesh_lib.EXPERT) * per_device
-    return jax.lax.psum(run(stacks, x, *local_routes(weights, idx, first, per_device)), mesh_lib.EXPERT)
+    first = jax.lax.axis_index(axis) * per_device
+    return jax.lax.psum(run(stacks, x, *local_routes(weights, idx, first, per_device)), axis)
 
-  return jax.shard_map(local, mesh=mesh_lib.build(spec), in_specs=(P(mesh_lib.EXPERT), P(), P(), P()),
+  return jax.shard_map(local, mesh=mesh_lib.build(spec), in_specs=(P(axis), P(), P(), P()),
                        out_specs=P(), check_vma=False)(stacks, x, weights, idx)
 
 

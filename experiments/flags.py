@@ -43,11 +43,12 @@ def define_quant_policy_flag(flag_values: flags.FlagValues | None = None) -> Non
 
 
 def define_mesh_flag(flag_values: flags.FlagValues | None = None, default: str = "") -> None:
-  """--mesh: the devices the routed experts are split over (ds4jax/mesh.py, docs/mesh.md)."""
+  """--mesh: the devices the routed experts and the attention queries are split over (ds4jax/mesh.py, docs/mesh.md)."""
   flags.DEFINE_string(
-      "mesh", default, "Devices to split the model over, e.g. expert=2: each device holds and runs 1/2 of every "
-      "layer's routed experts; attention, dense projections, router and shared expert are replicated (docs/mesh.md). "
-      "Only the expert axis exists yet. Empty: one device.",
+      "mesh", default, "Devices to split the model over: expert=2 (each device holds and runs 1/2 of every layer's "
+      "routed experts), query=2 (each band's attention runs on 1/2 of its queries per device), expert+query=2 (both "
+      "over the same two devices), expert=2,query=2 (a 2 x 2 mesh). Dense weights, router and shared expert are "
+      "replicated (docs/mesh.md). Empty: one device.",
       flag_values=flags.FLAGS if flag_values is None else flag_values)
 
 

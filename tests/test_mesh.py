@@ -1,5 +1,6 @@
-"""ds4jax/mesh.py: the mesh spec and its checks; a placed model (routed experts split over the `expert` axis, the rest
-replicated) prefills the same logits as the one-device model, on the exact path and through the MoE kernels.
+"""ds4jax/mesh.py: the mesh spec and its checks; a placed model (routed experts split over an expert axis, each band's
+attention split by queries over a query axis, the rest replicated) prefills the same logits as the one-device model,
+on the exact path and through the kernels.
 
 jax fixes its device count when its backend starts, and the suite runs on one CPU device, so the sharded runs happen
 in one subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4: this file run as a script (`main`) builds
@@ -33,14 +34,17 @@ ALL_CPU = {"moe_sparse_gate_up": True, "moe_adaptive_tile": True, "moe_compact_q
            "mla_stream_fast_exp": True}
 SHARDED = {
     "exact/expert=4": ({}, "expert=4"),
+    "exact/expert=2,query=2": ({}, "expert=2,query=2"),
     "every_cpu_switch/expert=2": (ALL_CPU, "expert=2"),
+    "every_cpu_switch/query=2": (ALL_CPU, "query=2"),
     "stationary_decoded/expert=4": ({"moe_compact_queue": True, "prefill_weights_stationary": True,
                                      "prefill_band_tokens": 8}, "expert=4"),
 }
 TOKENS = 16
 TRAINED = os.path.join(REPO, "experiments", "checkpoints", "tiny_stdlib")
 TRAINED_TOKENS = 40
-TRAINED_KEY = "trained_checkpoint_every_cpu_switch/expert=2"
+TRAINED_SPEC = "expert+query=2"  # the two-GPU layout: experts and attention queries split over the same two devices
+TRAINED_KEY = f"trained_checkpoint_every_cpu_switch/{TRAINED_SPEC}"
 RTOL, ATOL = 1e-5, 5e-5  # summation order: the devices' partial sums, the shared expert added after them; and the
 # attention kernels against the exact path (measured 1.8e-5 in logits up to 11; a missing psum is off by ~1)
 
@@ -63,6 +67,28 @@ def quantized_experts(m):
   return m
 
 
+def shard_map_axes(fn, *args) -> list[str]:
+  """The split axes (mesh axis names in the in_specs) of every shard_map `fn(*args)` runs, in order."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "shard_map":
+        found.append(sorted({a for spec in eqn.params["in_specs"] for part in spec if part for a in
+                             ((part,) if isinstance(part, str) else part)}))
+      for v in eqn.params.values():
+        for sub in v if isinstance(v, (tuple, list)) else [v]:
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return ["+".join(a) for a in found]
+
+
 def main():
   """The subprocess: prints {"placement": ..., "logits": {name: [max |diff|, max |ref|, excess over the tolerance]},
   "errors": ...}."""
@@ -80,7 +106,7 @@ def main():
   tokens = np.random.default_rng(int(sys.argv[2])).integers(0, cfg.vocab_size, TOKENS)
   out = {"logits": {}, "errors": {}}
 
-  placed = {spec: mesh.place(m, spec) for spec in ("expert=2", "expert=4")}
+  placed = {spec: mesh.place(m, spec) for spec in ("expert=2", "expert=4", "query=2", "expert=2,query=2")}
   leaves = lambda mm: {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(mm))}
   s4, orig = leaves(placed["expert=4"]), leaves(m)
   experts = [k for k in s4 if mesh.is_expert_path(tuple(k.split(".")))]
@@ -92,9 +118,25 @@ def main():
                                      for k, v in s4.items() if k not in experts}),
       "values_equal": all(np.array_equal(np.asarray(s4[k]), np.asarray(orig[k])) for k in s4),
       "experts_mesh": [blk.ffn.experts.mesh for blk in placed["expert=4"].layers],
-      "original_mesh": [blk.ffn.experts.mesh for blk in m.layers],
+      "attention_mesh": [blk.attn.mesh for blk in placed["expert=4"].layers],
+      "original_mesh": [blk.ffn.experts.mesh for blk in m.layers] + [blk.attn.mesh for blk in m.layers],
+      "query_only_experts_on": sorted({len(v.sharding.device_set) if v.sharding.is_fully_replicated else -1
+                                       for k, v in leaves(placed["query=2"]).items() if k in experts}),
       "original_on_devices": sorted({len(v.sharding.device_set) for v in orig.values()}),
   }
+
+  # Which split ran: the shard_maps in one attention band's and one MoE call's programs, by mesh axis, for a band of
+  # 16 tokens and of 15 (which two devices do not divide: it runs whole on each).
+  feats = features.resolve("cpu_interpret", {"prefill_band_tokens": 0})
+  out["splits"] = {}
+  for spec in ("expert=2", "query=2", "expert=2,query=2"):
+    blk = placed[spec].layers[0]
+    for n in (16, 15):
+      x = jnp.asarray(np.random.default_rng(0).standard_normal((n, cfg.hidden_size)), jnp.float32)
+      attn = shard_map_axes(lambda x: blk.attn.band(x, 0, blk.attn.empty_cache(n, n), feats)[0], x)
+      ids = jnp.zeros((n, cfg.experts_per_token), jnp.int32)
+      moe = shard_map_axes(lambda x: blk.ffn.experts(x, jnp.ones(ids.shape), ids), x)
+      out["splits"][f"{spec}/{n}"] = {"attention": attn, "experts": moe}
 
   run = lambda mm, overrides: np.asarray(prefill.prefill(
       mm, tokens, features.resolve("cpu_interpret", {"prefill_band_tokens": 0} | overrides), all_logits=True))
@@ -114,7 +156,7 @@ def main():
   trained = lambda spec: mapping.load_checkpoint(TRAINED, dtype=jnp.float32, log=None, mesh=spec)
   trained_ids = np.random.default_rng(int(sys.argv[2])).integers(0, 256, TRAINED_TOKENS)
   ref, got = (np.asarray(prefill.prefill(trained(spec), trained_ids, every_switch, all_logits=True))
-              for spec in ("", "expert=2"))
+              for spec in ("", TRAINED_SPEC))
   out["logits"][TRAINED_KEY] = [float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref))),
                                 float(np.max(np.abs(got - ref) - (ATOL + RTOL * np.abs(ref))))]
 
@@ -178,8 +220,20 @@ def test_place_splits_every_expert_array_and_replicates_the_rest(sharded):
   assert got["expert_local_rows"] == [2] and got["expert_devices"] == [DEVICES]  # 8 experts, 2 per device
   assert got["other_replicated_on"] == [DEVICES]  # attention, router, shared expert, head: whole on every device
   assert got["values_equal"]
-  assert got["experts_mesh"] == ["expert=4"]  # the MoE runs where the experts live
-  assert got["original_mesh"] == [""] and got["original_on_devices"] == [1]  # place() leaves its input alone
+  assert got["experts_mesh"] == ["expert=4"] and got["attention_mesh"] == ["expert=4"]  # both know the mesh
+  assert got["original_mesh"] == ["", ""] and got["original_on_devices"] == [1]  # place() leaves its input alone
+  assert got["query_only_experts_on"] == [2]  # no expert axis: the experts are replicated
+
+
+def test_each_axis_splits_its_own_work(sharded):
+  """The shard_maps a band runs, by the mesh axis they split: the MoE over the expert axis, the attention over the
+  query axis, and a band of 15 tokens (not a multiple of 2) runs its attention whole."""
+  got = sharded["splits"]
+  assert got["expert=2/16"] == {"attention": [], "experts": ["expert"]}
+  assert got["query=2/16"] == {"attention": ["query"], "experts": []}
+  assert got["expert=2,query=2/16"] == {"attention": ["query"], "experts": ["expert"]}
+  assert got["query=2/15"] == {"attention": [], "experts": []}
+  assert got["expert=2,query=2/15"] == {"attention": [], "experts": ["expert"]}
 
 
 def test_init_random_on_a_mesh_draws_each_share_on_its_device(sharded):
@@ -215,13 +269,21 @@ def test_parse():
   assert mesh.parse("") == () and mesh.parse(" ") == ()
   assert mesh.parse("expert=2") == (("expert", 2),) and mesh.parse(" expert = 4 ") == (("expert", 4),)
   assert mesh.expert_devices("") == 1 and mesh.expert_devices("expert=4") == 4
+  assert mesh.parse("expert + query=2") == (("expert+query", 2),)
+  assert mesh.parse("query=2,expert=4") == (("query", 2), ("expert", 4))
+  assert (mesh.expert_devices("expert+query=2"), mesh.query_devices("expert+query=2")) == (2, 2)
+  assert (mesh.expert_devices("query=2"), mesh.query_devices("query=2"), mesh.query_devices("expert=2")) == (1, 2, 1)
+  assert mesh.axis_of("expert=2,query=4", "query") == ("query", 4) and mesh.axis_of("expert=2", "query") is None
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("head=2", "mesh spec 'head=2': axis 'head' is not supported yet: attention heads and the dense projections are "
-               "replicated in this increment"),
+    ("head=2", "mesh spec 'head=2': axis 'head' is not supported yet: attention heads are not split; query=N splits "
+               "each band's attention over N devices by queries instead"),
     ("expert=2,head=2", "axis 'head' is not supported yet: attention heads"),
-    ("tensor=2", "mesh spec 'tensor=2': unknown axis 'tensor'; supported: expert=N"),
+    ("tensor=2", "mesh spec 'tensor=2': unknown axis 'tensor'; supported: expert=N, query=N (several roles on one "
+                 "axis: expert+query=N)"),
+    ("expert+tensor=2", "unknown axis 'tensor'"),
+    ("query=2,expert+query=2", "axis 'query' is given twice"),
     ("expert", "'expert' is not axis=size with a positive integer size (e.g. expert=2)"),
     ("expert=0", "'expert=0' is not axis=size"),
     ("expert=two", "'expert=two' is not axis=size"),

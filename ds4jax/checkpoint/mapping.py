@@ -242,7 +242,7 @@ class _Placer:
     self.elsewhere: set[str] = set()
 
   def split(self, path: tuple) -> bool:
-    return bool(self.mesh) and is_stacked(path)
+    return mesh_lib.axis_of(self.mesh, mesh_lib.EXPERT) is not None and is_stacked(path)
 
   def whole(self, value: np.ndarray) -> jax.Array:
     return jax.device_put(value, mesh_lib.replicated(self.mesh) if self.mesh else None)
