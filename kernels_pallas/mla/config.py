@@ -88,7 +88,7 @@ class Config:
               **overrides) -> "Config":
     """Heuristic starting point for q / KV rows of `dtype`.
 
-    CUDA: all heads of a query per program (up to 64; M = 64 rows share each staged KV row), 32 keys per stage
+    CUDA: all heads of a query per program (up to 64; M = 64 rows share each staged KV row), 64 keys per stage
     (16 when f32 rows arrive split into bf16 hi + lo: twice the staged bytes; at 32, 64 heads and D 512 they ask
     for 260 KiB of shared memory), 2 stages, q resident, head-dim chunks of 128.
     ROCm: 16 heads per program as upstream (M = 16, one mma row block), with as many queries per program as it
@@ -119,11 +119,11 @@ class Config:
         cfg = cls(heads_per_program=hp, tokens_per_program=tq, keys_per_stage=16, num_warps=8 if big else 4,
                   num_stages=1, precision="bf16")
       else:
-        # CUDA: every head of a query in one program (each staged row feeds all of them), 32 keys per stage,
-        # 2 stages, q resident. One V4-Flash CSA layer, 8192 queries, bf16 q/KV on an H200 (BENCHMARKS.md):
-        # 4.9 ms at precision "bf16" and 13.4 ms "split", against 15.5 ms split at 16 heads x 16 keys x 3 stages.
+        # CUDA: every head of a query in one program (each staged row feeds all of them), 64 keys per stage,
+        # 2 stages, q resident. One V4-Flash CSA layer, 8192 queries, bf16 q/KV on an H200 (BENCHMARKS.md, the
+        # tune_attention sweep): 3.8 ms at precision "bf16" (32 keys: 4.9) and 9.5 ms "split" (32 keys: 13.7).
         hp = min(next_pow2(num_heads), 64)
         split_rows = str(jnp.dtype(dtype)) == "float32" and overrides.get("precision", "split") == "split"
         cfg = cls(heads_per_program=hp, tokens_per_program=max(1, MIN_DOT // hp),
-                  keys_per_stage=16 if split_rows else 32, q_resident=True, num_warps=8 if big else 4, num_stages=2)
+                  keys_per_stage=16 if split_rows else 64, q_resident=True, num_warps=8 if big else 4, num_stages=2)
     return dataclasses.replace(cfg, **overrides)

@@ -66,7 +66,7 @@ CASES = (
          config=dict(heads_per_program=8, tokens_per_program=2), variants=NO_UNSTAGED),
     Case("hca_tokens_tiled", "hca", T=7, H=16, D=64, q_start=61, window=8, ratio=4, dtype="bfloat16",
          config=dict(heads_per_program=8, tokens_per_program=4, head_dim_chunk=32), variants=FAST),
-    # The CUDA tiling (every head in one program, 32 keys per stage, q resident, 2 stages) on each key set.
+    # The CUDA tiling (every head in one program, 32 or 64 keys per stage, q resident, 2 stages) on each key set.
     Case("csa_cuda_tiles", "csa", T=3, H=16, D=128, q_start=77, window=16, ratio=4, k=32, dtype="bfloat16",
          config=dict(keys_per_stage=32, q_resident=True, num_stages=2), variants=FAST),
     Case("window_cuda_tiles", "window", T=5, H=16, D=64, q_start=40, window=40,
