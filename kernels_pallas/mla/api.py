@@ -37,16 +37,13 @@ def geometry(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind, ratio, windo
                    window=window, inv_freq=inv_freq, indices=indices)
   kb = config.keys_per_stage
   dk = min(config.head_dim_chunk, s["D"])
-  if (s["D"] // dk) % config.value_split:
-    raise ValueError(f"Config.value_split={config.value_split} must divide the {s['D'] // dk} head-dim chunks "
-                     f"(D {s['D']} / head_dim_chunk {dk}): each program accumulates whole chunks")
   k = max(s["k"], kb) if kind == "csa" else 0   # fewer slots than a stage: padded with −1 (sparse_mla)
   n = lambda a: 2 if (a is not None and config.precision == "split" and jnp.dtype(a.dtype) == jnp.dtype(F32)) \
       else 1
   return keyset.Geometry(
       kind=kind, T=s["T"], H=s["H"], D=s["D"], N=s["N"], R=s["R"], k=k, rope_dim=s["rope_dim"],
       window=int(window), ratio=int(ratio) if kind != "window" else 1, Tq=config.tokens_per_program,
-      Hp=config.heads_per_program, kb=kb, dk=dk, vs=config.value_split, q_resident=bool(config.q_resident),
+      Hp=config.heads_per_program, kb=kb, dk=dk, q_resident=bool(config.q_resident),
       scale=float(s["D"] ** -0.5 if scale is None else scale), precision=config.precision, q_parts=n(q),
       raw_parts=n(raw_kv), comp_parts=n(comp_kv))
 
@@ -75,8 +72,6 @@ def sparse_mla(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio
     raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
   if fast_exp and impl != "stream":
     raise ValueError(f"fast_exp=True requires impl='stream' (got impl={impl!r})")
-  if config is not None and config.value_split > 1 and impl != "stream":
-    raise ValueError(f"Config.value_split={config.value_split} requires impl='stream' (got impl={impl!r})")
   q, raw_kv, sink = jnp.asarray(q), jnp.asarray(raw_kv), jnp.asarray(sink)
   comp_kv = None if comp_kv is None else jnp.asarray(comp_kv)
   indices = None if indices is None else jnp.asarray(indices)

@@ -35,10 +35,6 @@ class Config:
                       D / chunk partial dots and the f32 accumulator is D / chunk tiles [M, chunk]. The dot
                       operands of one chunk are all a warp holds at a time (a [16, 512] bf16 q operand alone is
                       128 VGPRs per lane when every warp needs it, which spills on gfx1151).
-  value_split         programs per (queries, heads) tile, each accumulating D / value_split columns of the values
-                      (power of two dividing D / head_dim_chunk; stream kernel only). Each computes the full
-                      scores (the score dots are repeated value_split times), for an accumulator value_split times
-                      smaller: room for larger key stages, fewer warps or more programs per core.
   q_resident          keep q's operand parts in registers for the whole program (else each stage reloads them
                       from L1/L2; cheap next to the staged rows, and it frees the registers).
   num_warps, num_stages   Triton launch knobs.
@@ -55,7 +51,6 @@ class Config:
   tokens_per_program: int = 1
   keys_per_stage: int = 16
   head_dim_chunk: int = 128
-  value_split: int = 1
   q_resident: bool = False
   num_warps: int = 4
   num_stages: int = 2
@@ -69,8 +64,7 @@ class Config:
 
   def validate(self, *, compiled: bool = False) -> None:
     """Raises ValueError for knobs the Triton lowering cannot take (`compiled`: also the GPU dot minimums)."""
-    for name in ("heads_per_program", "tokens_per_program", "keys_per_stage", "head_dim_chunk", "value_split",
-                 "num_warps"):
+    for name in ("heads_per_program", "tokens_per_program", "keys_per_stage", "head_dim_chunk", "num_warps"):
       v = getattr(self, name)
       if not is_pow2(v):
         raise ValueError(f"Config.{name}={v!r}: must be a power of two")

@@ -43,7 +43,7 @@ def _kernel(off_ref, *refs, g: Geometry, barrier: bool):
   n_comp = keyset.comp_stage_count(pr) if g.kind != "window" else 0
 
   def score_pass(slot, st: keyset.Stage, refs, m):
-    k_tiles = keyset.row_tiles(pr, refs, st.rows, st.valid)
+    k_tiles = keyset.row_tiles(g, refs, st.rows, st.valid)
     s = keyset.scores(g, pr, q_refs, q_held, k_tiles, st.index) * g.scale
     s = jnp.where(st.mask, s, -jnp.inf)
     plt.store(sc_ref.at[pl.ds(base, g.M), pl.ds(slot * g.kb, g.kb)], s)
@@ -53,7 +53,7 @@ def _kernel(off_ref, *refs, g: Geometry, barrier: bool):
     l, acc = carry
     s = plt.load(sc_ref.at[pl.ds(base, g.M), pl.ds(slot * g.kb, g.kb)])
     p = jnp.exp(s - m[:, None])
-    v_tiles = keyset.row_tiles(pr, refs, st.rows, st.valid, transposed=False)   # the rows again
+    v_tiles = keyset.row_tiles(g, refs, st.rows, st.valid, transposed=False)   # the rows again
     p_parts = keyset.parts(p, split_p)
     return l + jnp.sum(p, axis=1), tuple(a + keyset.values(p_parts, v, False) for a, v in zip(acc, v_tiles))
 

@@ -49,7 +49,6 @@ class Geometry:
   kb: int
   scale: float
   dk: int               # head-dim chunk of the dots and of the accumulator tiles
-  vs: int               # value split: programs per (queries, heads) tile, each accumulating D / vs columns
   q_resident: bool      # q chunks loaded once per program (else reloaded for every stage)
   precision: str        # "split" | "bf16": whether the softmax weights p are split into hi + lo
   q_parts: int          # bf16 operand arrays of q (2 = hi, lo of an f32 q), raw_kv and comp_kv
@@ -63,11 +62,6 @@ class Geometry:
   @property
   def n_chunks(self) -> int:
     return self.D // self.dk
-
-  @property
-  def value_chunks(self) -> int:
-    """Head-dim chunks one program accumulates (all of them unless the values are split over programs)."""
-    return self.n_chunks // self.vs
 
   @property
   def n_window(self) -> int:
@@ -88,13 +82,7 @@ class Geometry:
 
   @property
   def grid(self) -> tuple[int, int]:
-    """(query tiles, head groups): the programs that own distinct output rows."""
     return (-(-self.T // self.Tq), -(-self.H // self.Hp))
-
-  @property
-  def launch_grid(self) -> tuple[int, ...]:
-    """The pallas grid: `grid`, times the value split as a third axis when there is one."""
-    return self.grid + ((self.vs,) if self.vs > 1 else ())
 
 
 def _log2(n: int) -> int:
@@ -145,8 +133,6 @@ class Program:
   t0: jax.Array         # scalar: the program's first query
   p_first: jax.Array    # scalar: position of the first query
   p_last: jax.Array     # scalar: position of the last real query
-  chunks: tuple         # head-dim chunk ids in the program's order: its value_chunks first (ints, or traced
-                        # when the values are split over programs)
 
 
 def split_refs(g: Geometry, refs, n_tail: int):
@@ -155,9 +141,7 @@ def split_refs(g: Geometry, refs, n_tail: int):
   return refs[:a], refs[a:a + b], refs[a + b:a + b + c], refs[a + b + c:a + b + c + n_tail]
 
 
-def make_program(g: Geometry, off_ref, pid_t, pid_h, pid_v=0) -> Program:
-  """pid_v: which D / vs columns of the values this program accumulates. Its score dots visit every chunk
-  starting from its own, so the chunks it loads for the scores are the value dot's tiles too."""
+def make_program(g: Geometry, off_ref, pid_t, pid_h) -> Program:
   q_start, raw_start = off_ref[0], off_ref[1]
   m = jnp.arange(g.M, dtype=I32)
   a, hh = m >> _log2(g.Hp), m & (g.Hp - 1)   # powers of two: shifts/masks (jnp // and % lower poorly)
@@ -168,12 +152,8 @@ def make_program(g: Geometry, off_ref, pid_t, pid_h, pid_v=0) -> Program:
   tok = jnp.minimum(tok, g.T - 1)
   head = jnp.minimum(head, g.H - 1)
   last = jnp.minimum(t0 + g.Tq, g.T) - 1
-  if g.vs == 1:
-    chunks = tuple(range(g.n_chunks))
-  else:
-    chunks = tuple((pid_v * g.value_chunks + j) % g.n_chunks for j in range(g.n_chunks))
   return Program(g=g, tok=tok, row_ok=row_ok, head=head, pos=q_start + tok, raw_start=raw_start, t0=t0,
-                 p_first=q_start + t0, p_last=q_start + last, chunks=chunks)
+                 p_first=q_start + t0, p_last=q_start + last)
 
 
 def load_q(pr: Program, q_refs, c: int, live=True):
@@ -188,8 +168,8 @@ def load_q(pr: Program, q_refs, c: int, live=True):
 
 
 def q_tiles(pr: Program, q_refs):
-  """q's operand parts, one entry per column chunk in the program's order (q_resident)."""
-  return tuple(load_q(pr, q_refs, c) for c in pr.chunks)
+  """q's operand parts, one entry per column chunk (q_resident)."""
+  return tuple(load_q(pr, q_refs, c) for c in range(pr.g.n_chunks))
 
 
 def load_sink(pr: Program, sink_ref):
@@ -206,11 +186,9 @@ def load_rows(ref, rows, valid, c: int, dk: int, transposed: bool):
   return plt.load(ref.at[rows[:, None], cols[None, :]], mask=valid[:, None], other=0)
 
 
-def row_tiles(pr: Program, refs, rows, valid, transposed: bool = True, value_only: bool = False):
-  """A stage's rows: per column chunk in the program's order, one tile per operand part ([dk, kb] tiles when
-  transposed); `value_only`: just the chunks the program accumulates."""
-  chunks = pr.chunks[:pr.g.value_chunks] if value_only else pr.chunks
-  return tuple(tuple(load_rows(r, rows, valid, c, pr.g.dk, transposed) for r in refs) for c in chunks)
+def row_tiles(g: Geometry, refs, rows, valid, transposed: bool = True):
+  """A stage's rows: per column chunk, one tile per operand part ([dk, kb] tiles when transposed)."""
+  return tuple(tuple(load_rows(r, rows, valid, c, g.dk, transposed) for r in refs) for c in range(g.n_chunks))
 
 
 def values(p_parts, tile, transposed: bool):
@@ -222,9 +200,9 @@ def scores(g: Geometry, pr: Program, q_refs, q_held, k_tiles, stage):
   """q · Kᵀ [M, kb] summed over the column chunks (k_tiles transposed, [dk, kb]); q chunks come from q_held or
   are reloaded for this stage (L1/L2 hits)."""
   s = None
-  for j, c in enumerate(pr.chunks):
-    qc = q_held[j] if q_held is not None else load_q(pr, q_refs, c, stage >= 0)
-    d = dot(qc, k_tiles[j], trans_b=False)
+  for c in range(g.n_chunks):
+    qc = q_held[c] if q_held is not None else load_q(pr, q_refs, c, stage >= 0)
+    d = dot(qc, k_tiles[c], trans_b=False)
     s = d if s is None else s + d
   return s
 
@@ -322,7 +300,7 @@ def inverse_rope(pr: Program, o, freq_ref, c: int):
   (rope.apply inverse): even' = e·cos + o·sin, odd' = o·cos − e·sin. freq_ref [D] holds f_i at both columns of
   pair i (0 elsewhere). Chunks left of the rope columns pass through."""
   g = pr.g
-  if isinstance(c, int) and (c + 1) * g.dk <= g.D - g.rope_dim:
+  if (c + 1) * g.dk <= g.D - g.rope_dim:
     return o
   cols = c * g.dk + jnp.arange(g.dk, dtype=I32)
   freq = plt.load(freq_ref.at[cols])
@@ -335,8 +313,8 @@ def inverse_rope(pr: Program, o, freq_ref, c: int):
 
 
 def finish(pr: Program, o_ref, freq_ref, acc, denom, pid_t, pid_h):
-  """acc / denom, inverse RoPE, and the store of the program's [M, D / vs] columns of its rows, chunk by chunk;
-  the rows are contiguous in the output layout chosen by `out_layout`."""
+  """acc / denom, inverse RoPE, and the store of the program's [M, D] rows, chunk by chunk; the rows are
+  contiguous in the output layout chosen by `out_layout`."""
   g = pr.g
   nt, G = g.grid
   if g.Tq == 1:
@@ -346,8 +324,8 @@ def finish(pr: Program, o_ref, freq_ref, acc, denom, pid_t, pid_h):
   else:
     start = (pid_h * nt + pid_t) * g.M
   inv = 1.0 / denom
-  for a, c in zip(acc, pr.chunks[:g.value_chunks]):
-    o = inverse_rope(pr, a * inv[:, None], freq_ref, c)
+  for c in range(g.n_chunks):
+    o = inverse_rope(pr, acc[c] * inv[:, None], freq_ref, c)
     plt.store(o_ref.at[pl.ds(start, g.M), pl.ds(c * g.dk, g.dk)], o.astype(o_ref.dtype))
 
 

@@ -51,7 +51,7 @@ def kernel_name(f32_stage: bool, fast_exp: bool) -> str:
 def _kernel(off_ref, *refs, g: Geometry, f32_stage: bool, fast_exp: bool):
   q_refs, raw_refs, comp_refs, (idx_ref, sink_ref, freq_ref, o_ref) = keyset.split_refs(g, refs, 4)
   pid_t, pid_h = pl.program_id(0), pl.program_id(1)
-  pr = keyset.make_program(g, off_ref, pid_t, pid_h, pl.program_id(2) if g.vs > 1 else 0)
+  pr = keyset.make_program(g, off_ref, pid_t, pid_h)
   expf = jnp.exp2 if fast_exp else jnp.exp
   mul = g.scale * LOG2E if fast_exp else g.scale
   split_p = g.precision == "split"
@@ -60,7 +60,7 @@ def _kernel(off_ref, *refs, g: Geometry, f32_stage: bool, fast_exp: bool):
 
   def update(st: keyset.Stage, refs, carry):
     m, l, acc = carry
-    k_tiles = keyset.row_tiles(pr, refs, st.rows, st.valid)
+    k_tiles = keyset.row_tiles(g, refs, st.rows, st.valid)
     s = keyset.scores(g, pr, q_refs, q_held, k_tiles, st.index) * mul
     s = jnp.where(st.mask, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -68,12 +68,12 @@ def _kernel(off_ref, *refs, g: Geometry, f32_stage: bool, fast_exp: bool):
     p = expf(s - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
     if not f32_stage:  # unstaged: the value pass loads the rows again
-      k_tiles = keyset.row_tiles(pr, refs, st.rows, st.valid, transposed=False, value_only=True)
+      k_tiles = keyset.row_tiles(g, refs, st.rows, st.valid, transposed=False)
     p_parts = keyset.parts(p, split_p)
     acc = tuple(a * alpha[:, None] + keyset.values(p_parts, kt, f32_stage) for a, kt in zip(acc, k_tiles))
     return m_new, l, acc
 
-  acc0 = tuple(jnp.zeros((g.M, g.dk), F32) for _ in range(g.value_chunks))
+  acc0 = tuple(jnp.zeros((g.M, g.dk), F32) for _ in range(g.n_chunks))
   carry = (sink, jnp.zeros((g.M,), F32), acc0)
   carry = jax.lax.fori_loop(0, g.n_window, lambda s, c: update(keyset.window_stage(pr, s), raw_refs, c), carry)
   if g.kind != "window":
@@ -93,7 +93,7 @@ def mla_stream(offsets, q_parts, raw_parts, comp_parts, indices, sink, freq_cols
   shape, unflatten = keyset.out_layout(g)
   kernel = functools.partial(_kernel, g=g, f32_stage=f32_stage, fast_exp=fast_exp)
   out = pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct(shape, F32), grid=g.launch_grid, interpret=interpret, name=name,
+      kernel, out_shape=jax.ShapeDtypeStruct(shape, F32), grid=g.grid, interpret=interpret, name=name,
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
   )(offsets, *q_parts, *raw_parts, *comp_parts, indices, sink, freq_cols)
   return unflatten(out)

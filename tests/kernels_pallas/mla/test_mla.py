@@ -27,7 +27,6 @@ VARIANTS = (  # (impl, f32_stage, fast_exp)
     ("stream", True, False), ("stream", False, False), ("stream", True, True), ("grouped", True, False))
 FAST = VARIANTS[2:]  # fewer compiles for the cases that add shapes rather than key-set boundaries
 NO_UNSTAGED = (VARIANTS[0],) + FAST
-STREAM = VARIANTS[:2]  # the value split exists in the streaming kernel only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +70,6 @@ CASES = (
          config=dict(keys_per_stage=32, q_resident=True, num_stages=2), variants=FAST),
     Case("window_cuda_tiles", "window", T=5, H=16, D=64, q_start=40, window=40,
          config=dict(keys_per_stage=32, q_resident=True, num_stages=2), variants=FAST),
-    # The values split over programs: each owns D / value_split columns (the rope columns in the last one's) and
-    # visits the score chunks starting from its own.
-    Case("csa_value_split2", "csa", T=3, H=16, D=128, q_start=77, window=16, ratio=4, k=32, dtype="bfloat16",
-         rope_dim=32, config=dict(value_split=2, head_dim_chunk=32, keys_per_stage=32, q_resident=True),
-         variants=STREAM),
-    Case("hca_value_split4", "hca", T=4, H=16, D=64, q_start=61, window=8, ratio=4,
-         config=dict(value_split=4, head_dim_chunk=16), variants=(VARIANTS[2],)),
 )
 
 
@@ -278,9 +270,6 @@ def _base(rng):
     (lambda p: dict(p, impl="dense"), r"impl='dense'"),
     (lambda p: dict(p, impl="grouped", fast_exp=True), r"fast_exp=True requires impl='stream'"),
     (lambda p: dict(p, config=Config(heads_per_program=12)), r"heads_per_program=12"),
-    (lambda p: dict(p, config=Config(value_split=4, head_dim_chunk=32)), r"value_split=4 must divide the 2"),
-    (lambda p: dict(p, impl="grouped", config=Config(value_split=2, head_dim_chunk=32)),
-     r"value_split=2 requires impl='stream'"),
 ])
 def test_rejects(rng, change, match):
   p = change(_base(rng))
