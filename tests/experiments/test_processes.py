@@ -1,6 +1,6 @@
 """experiments/processes.py: one run over two processes (jax.distributed on localhost, gloo collectives on the CPU),
-the trained checkpoint's routed experts split over the two processes' devices (each process reads its own), gives one
-process's tokens, and only process 0 writes its results; an incomplete description of the processes is refused in
+the trained checkpoint's routed experts and the prompt's attention queries split over the two processes' devices (each
+process reads its own experts), gives one process's tokens, and only process 0 writes its results; an incomplete description of the processes is refused in
 one line."""
 
 import json
@@ -33,7 +33,7 @@ def free_port() -> int:
 
 def test_two_processes_give_one_process_tokens_and_only_process_0_writes(tmp_path):
   address = f"localhost:{free_port()}"
-  runs = {i: generate("--mesh=expert=2", f"--json={tmp_path / f'p{i}.json'}", f"--coordinator_address={address}",
+  runs = {i: generate("--mesh=expert+query=2", f"--json={tmp_path / f'p{i}.json'}", f"--coordinator_address={address}",
                       "--num_processes=2", f"--process_id={i}") for i in (0, 1)}
   runs["one"] = generate(f"--json={tmp_path / 'one.json'}")  # one process, one device, no mesh
   out = {k: p.communicate(timeout=300) for k, p in runs.items()}
@@ -41,11 +41,12 @@ def test_two_processes_give_one_process_tokens_and_only_process_0_writes(tmp_pat
     assert p.returncode == 0, (k, out[k][1][-3000:])
   assert "process 0 of 2 (coordinator localhost:" in out[0][0] and "1 of 2 devices here" in out[0][0]
   assert "this process writes the results" in out[0][0] and "process 1 of 2" in out[1][0]
-  assert "mesh expert=2: 4 of 8 routed experts per device on 2 devices" in out[0][0]
+  assert ("mesh expert+query=2: 4 of 8 routed experts per device on 2 devices; each band's attention split by "
+          "queries over 2 devices") in out[0][0]
   assert not (tmp_path / "p1.json").exists()  # process 1 computed the same, wrote nothing
   sharded, one = (json.loads((tmp_path / f).read_text()) for f in ("p0.json", "one.json"))
   assert sharded["tokens"] == one["tokens"] and len(set(one["tokens"] + [int(t) for t in PROMPT.split(",")])) > 3
-  assert sharded["mesh"] == "expert=2" and one["mesh"] == ""
+  assert sharded["mesh"] == "expert+query=2" and one["mesh"] == ""
 
 
 @pytest.mark.parametrize("kw, env, message", [
