@@ -174,7 +174,8 @@ class Attention(nnx.Module):
     # bf16 operands for both dots under bf16_matmul, the softmax weights included (as the reference's bf16 math
     # rounds them); f32 operands keep the platform's default ("split" on CUDA: the f32 parity path).
     bf16 = dict(precision="bf16") if features.bf16_matmul else {}
-    config = mla.Config.default(cfg.num_heads, d, kind, platform=features.platform, dtype=dt, **bf16)
+    config = mla.Config.default(cfg.num_heads, d, kind, platform=features.platform, dtype=dt,
+                                f32_stage=features.mla_stream_f32_stage, **bf16)
 
     def one_chunk(args):
       qc, pc, ic = args

@@ -84,7 +84,7 @@ def main(argv):
   platform = "cpu" if interpret else mla.default_platform()
   over = {} if _PRECISION.value is None else dict(precision=_PRECISION.value)
   over |= config_overrides(_CONFIG.value)
-  cfg = mla.Config.default(H, D, "csa", platform=platform, **over)
+  cfg = mla.Config.default(H, D, "csa", platform=platform, **over)  # the staged kernels'; recorded
   freqs = (1.0 / 10000.0 ** (np.arange(0, dims["rope_dim"], 2) / dims["rope_dim"])).astype(np.float32)
   record = dict(benchmark="sparse_mla", env=run_record.environment(), dims=dims, queries=T,
                 config=dataclasses.asdict(cfg), smoke=_SMOKE.value, runs=[])
@@ -146,13 +146,15 @@ def main(argv):
     # Attention variants.
     outs = {}
     for name, (impl, stage, fast) in VARIANTS.items():
-      f = jax.jit(lambda a, b, c, d, e, s, impl=impl, stage=stage, fast=fast: mla.sparse_mla(
+      cfg = mla.Config.default(H, D, "csa", platform=platform, f32_stage=stage, **over)
+      f = jax.jit(lambda a, b, c, d, e, s, impl=impl, stage=stage, fast=fast, cfg=cfg: mla.sparse_mla(
           a, b, c, d, q_start=s, raw_start=jnp.maximum(s - (W - 1), 0), kind="csa", ratio=ratio, window=W,
           inv_freq=freqs, indices=e, impl=impl, f32_stage=stage, fast_exp=fast, config=cfg, interpret=interpret))
       try:
         outs[name] = f(q, raw_kv, comp_kv, sink, indices, qs)
         ms = timeit(f, q, raw_kv, comp_kv, sink, indices, qs, n=n)
-        save(base | dict(contender=name, kernel=mla.kernel_name(impl, stage, fast), ms=ms))
+        save(base | dict(contender=name, kernel=mla.kernel_name(impl, stage, fast), ms=ms,
+                         keys_per_stage=cfg.keys_per_stage))
       except Exception as e:  # noqa: BLE001 -- one failing contender must not stop the others
         save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
     if PRECISE in outs:

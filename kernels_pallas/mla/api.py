@@ -77,7 +77,8 @@ def sparse_mla(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio
   indices = None if indices is None else jnp.asarray(indices)
   if config is None:
     config = Config.default(q.shape[1] if q.ndim == 3 else 1, q.shape[-1], kind,
-                            platform="cpu" if interpret else default_platform(), dtype=raw_kv.dtype)
+                            platform="cpu" if interpret else default_platform(), dtype=raw_kv.dtype,
+                            f32_stage=f32_stage)
   config.validate(compiled=not interpret)
   g = geometry(q, raw_kv, comp_kv, sink, q_start=q_start, raw_start=raw_start, kind=kind, ratio=ratio,
                window=window, inv_freq=inv_freq, indices=indices, scale=scale, config=config)
@@ -125,7 +126,7 @@ def lowering_cases(platform: str) -> list[tuple[str, object, tuple]]:
 
   def case(label, kind, ratio, dtype, impl="stream", f32_stage=True, fast_exp=False):
     R = (q_start + T) // ratio if kind != "window" else 0
-    cfg = Config.default(H, D, kind, platform=platform, dtype=dtype)
+    cfg = Config.default(H, D, kind, platform=platform, dtype=dtype, f32_stage=f32_stage)
 
     def fn(q, raw_kv, comp_kv, sink, indices, qs):
       return sparse_mla(q, raw_kv, comp_kv, sink, q_start=qs, raw_start=qs - (W - 1), kind=kind, ratio=ratio,

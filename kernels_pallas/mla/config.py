@@ -79,12 +79,13 @@ class Config:
 
   @classmethod
   def default(cls, num_heads: int, head_dim: int, kind: str, platform: str = "cuda", dtype="bfloat16",
-              **overrides) -> "Config":
-    """Heuristic starting point for q / KV rows of `dtype`.
+              f32_stage: bool = True, **overrides) -> "Config":
+    """Heuristic starting point for q / KV rows of `dtype`, for the streaming kernel with or without `f32_stage`.
 
     CUDA: all heads of a query per program (up to 64; M = 64 rows share each staged KV row), 64 keys per stage
-    (16 when f32 rows arrive split into bf16 hi + lo: twice the staged bytes; at 32, 64 heads and D 512 they ask
-    for 260 KiB of shared memory), 2 stages, q resident, head-dim chunks of 128.
+    (32 without f32 staging: its value dot's second copy of the rows asks for 332 KiB of shared memory at 64 keys,
+    64 heads and D 512 on sm_90; 16 when f32 rows arrive split into bf16 hi + lo: twice the staged bytes, at 32
+    keys 260 KiB), 2 stages, q resident, head-dim chunks of 128.
     ROCm: 16 heads per program as upstream (M = 16, one mma row block), with as many queries per program as it
     takes to reach M = 16 when the model has fewer heads; 16 keys per stage, head-dim chunks of 128. The f32
     accumulator [16, 512] is 32 KiB: 8 warps keep it at 32 registers per lane. Offline compiles at V4-Flash
@@ -118,6 +119,7 @@ class Config:
         # tune_attention sweep): 3.8 ms at precision "bf16" (32 keys: 4.9) and 9.5 ms "split" (32 keys: 13.7).
         hp = min(next_pow2(num_heads), 64)
         split_rows = str(jnp.dtype(dtype)) == "float32" and overrides.get("precision", "split") == "split"
-        cfg = cls(heads_per_program=hp, tokens_per_program=max(1, MIN_DOT // hp),
-                  keys_per_stage=16 if split_rows else 64, q_resident=True, num_warps=8 if big else 4, num_stages=2)
+        keys = 16 if split_rows else 64 if f32_stage else 32
+        cfg = cls(heads_per_program=hp, tokens_per_program=max(1, MIN_DOT // hp), keys_per_stage=keys,
+                  q_resident=True, num_warps=8 if big else 4, num_stages=2)
     return dataclasses.replace(cfg, **overrides)

@@ -373,3 +373,17 @@ def test_contraction_bounds():
   """
   found = {c.use.split(" =")[0]: c.exact for c in lowering.contractions(ir)}
   assert found == {"%c": True, "%z": False, "%v": False, "%h": False, "%e": False}
+
+
+def test_cuda_mla_streaming_tiles_fit_sm90_shared_memory():
+  """The CUDA configs of the streaming MLA kernel, staged and unstaged, at V4-Flash shapes fit the H200's shared
+  memory (compiled for sm_90 without a GPU). The unstaged kernel loads the rows a second time for the value dot: at
+  the staged kernel's 64 keys per stage it asked for 332 KiB, so Config.default gives it 32."""
+  cases = [c for c in lowering.package_cases("cuda", ("mla",)) if c.label.startswith("mla csa stream")
+           and " bf16 " in c.label]
+  assert len(cases) == 3, [c.label for c in cases]
+  for case in cases:
+    (kernel,) = lowering.lower_case(case)
+    stats = lowering.compile_kernel(kernel, "sm_90")
+    assert "error" not in stats, stats.get("error")
+    assert stats["smem_bytes"] <= lowering.SMEM_LIMIT_SM90, (case.label, stats["smem_bytes"])

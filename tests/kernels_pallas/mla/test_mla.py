@@ -288,3 +288,12 @@ def test_gpu_needs_16_rows():
   cfg.validate(compiled=False)
   with pytest.raises(ValueError, match=r">= 16"):
     cfg.validate(compiled=True)
+
+
+def test_cuda_default_keys_per_stage():
+  """64 keys per stage for the staged kernel with bf16 rows (measured fastest on the H200), 32 without staging
+  (its second copy of the rows would not fit in shared memory at 64: test_lowering_gfx1151), 16 for f32 rows split
+  into two bf16 parts."""
+  keys = lambda **kw: Config.default(64, 512, "csa", platform="cuda", **kw).keys_per_stage
+  assert (keys(), keys(f32_stage=False), keys(dtype="float32"), keys(dtype="float32", precision="bf16")) == \
+      (64, 32, 16, 64)
