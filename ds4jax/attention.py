@@ -15,6 +15,8 @@ which every device computes (the KV projection and the compressors are small nex
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -48,6 +50,13 @@ def query_chunks(n: int, chunk: int) -> int:
   return n // chunk
 
 
+def query_chunk(n: int, chunk: int) -> int:
+  """The chunk a device attends its share of n queries in, on a query axis: `long_context_chunk`, or, when the
+  share is not a whole number of chunks (a band of 15 chunks over 2 devices), the largest number that divides both
+  (gcd), which keeps the bound on the masks and scores. Chunking does not change a query's result."""
+  return math.gcd(n, chunk) if chunk and chunk < n and n % chunk else chunk
+
+
 def kernel_row_list(indices: jnp.ndarray, n_rows: int, features: Features) -> jnp.ndarray:
   """The [S, k] row list the streaming kernel reads, k padded to a power of two with -1.
 
@@ -70,7 +79,7 @@ def kernel_row_list(indices: jnp.ndarray, n_rows: int, features: Features) -> jn
 class Attention(nnx.Module):
 
   def __init__(self, cfg: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype=F32,
-               policy: QuantPolicy = POLICIES["bf16"]):
+               policy: QuantPolicy = POLICIES["bf16"], mesh: str = ""):
     self.cfg, self.kind = cfg, cfg.attention[layer]
     H, d, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
     q = dict(rngs=rngs, dtype=dtype, fmt=policy.dense)  # the projections the official checkpoint keeps in FP8
@@ -85,7 +94,7 @@ class Attention(nnx.Module):
     self.compressor = None if self.kind is Kind.WINDOW else Compressor(
         D, d, cfg.compress_ratio(layer), self.kind is Kind.CSA, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
     self.indexer = Indexer(cfg, rngs=rngs, dtype=dtype, policy=policy) if self.kind is Kind.CSA else None
-    self.mesh = ""  # the model's mesh spec (set by ds4jax.mesh.place): a query axis splits `band`'s queries
+    self.mesh = mesh  # the model's mesh spec (ds4jax.mesh.place sets it): a query axis splits `band`'s queries
 
   def empty_cache(self, capacity: int, band: int) -> LayerCache:
     layer = self.cfg.attention.index(self.kind)  # any layer of this kind: the cache depends on the kind only
@@ -134,7 +143,8 @@ class Attention(nnx.Module):
         indices = self.indexer.select(xq, qr, pq, freqs, keys, features, pinned)
         if record_scores:
           index_scores = self.indexer.scores(xq, qr, pq, freqs, keys)
-      o = self.attend(q, raw, rows, indices, s0, pq, freqs, features)  # [b, H, d], de-rotated
+      chunk = features.long_context_chunk
+      o = self.attend(q, raw, rows, indices, s0, pq, freqs, features, query_chunk(b, chunk) if b < B else chunk)
       # Grouped low-rank output: heads are grouped contiguously, each group has its own wo_a slice.
       wo_a = dense(self.wo_a.weight).reshape(G, cfg.o_lora_rank, H * d // G)
       z = einsum("sgi,gri->sgr", o.reshape(b, G, H * d // G), wo_a, operand_dtype=dt).reshape(b, -1)
@@ -157,14 +167,14 @@ class Attention(nnx.Module):
     return jax.shard_map(per_query, mesh=mesh_lib.build(self.mesh), in_specs=P(axis[0]), out_specs=P(axis[0]),
                          check_vma=False)(x, positions, pinned)
 
-  def attend(self, q, raw, rows, indices, s0, positions, freqs, features: Features):
+  def attend(self, q, raw, rows, indices, s0, positions, freqs, features: Features, chunk: int):
     """The joint sink softmax over each query's key set, then the output de-rotation: [B, H, d] f32.
 
-    Queries go in `long_context_chunk` chunks, which bounds the [chunk, keys] masks and scores at long context.
+    Queries go in chunks of `chunk` (`query_chunk`), which bounds the [chunk, keys] masks and scores at long context.
     """
     cfg, W = self.cfg, self.cfg.sliding_window
     B, d = q.shape[0], cfg.head_dim
-    n = query_chunks(B, features.long_context_chunk)
+    n = query_chunks(B, chunk)
     raw_start = s0 - (W - 1)
     ratio = self.compressor.ratio if self.compressor is not None else 1
     if indices is not None and features.mla_stream_topk:

@@ -36,7 +36,7 @@ class Block(nnx.Module):
     D, n, eps = cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps
     self.hc_attn = HyperConnection(D, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, rngs=rngs)
     self.attn_norm = RMSNorm(D, eps)
-    self.attn = Attention(cfg, layer, rngs=rngs, dtype=dtype, policy=policy)
+    self.attn = Attention(cfg, layer, rngs=rngs, dtype=dtype, policy=policy, mesh=mesh)
     self.hc_ffn = HyperConnection(D, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, rngs=rngs)
     self.ffn_norm = RMSNorm(D, eps)
     self.ffn = MoE(cfg, layer, rngs=rngs, dtype=dtype, policy=policy, mesh=mesh)
@@ -149,8 +149,8 @@ def init_random(cfg: DeepseekV4Config, seed: int = 0, dtype=jnp.bfloat16,
                 policy: str | QuantPolicy = "bf16", mesh: str = "") -> DeepseekV4:
   """Random weights under a quantization policy. Each one is drawn by a jax op on the default device,
   so on a GPU nothing is staged in host memory (peak memory is the model itself plus one weight). `mesh`
-  ("expert=N", ds4jax/mesh.py): each device draws its share of the routed experts, the rest is drawn once and
-  replicated; the values are the unsharded init's, bit for bit."""
+  (ds4jax/mesh.py): with an expert axis each device draws its share of the routed experts; the rest is drawn once
+  and replicated; the values are the unsharded init's, bit for bit."""
   if not mesh:
     return DeepseekV4(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, policy=policy)
   mesh_lib.check(mesh, cfg)

@@ -61,9 +61,9 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
   """The routed experts, stacked: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down).
 
-  `mesh` is the spec of the mesh the stacks are split over ("" = one device holds them all). `ds4jax.mesh.place`
-  sets it when it splits the stacks over the `expert` axis; the routed experts then run where they live
-  (`routed`)."""
+  `mesh` is the model's mesh spec ("" = one device holds them all). `ds4jax.mesh.place` sets it; on a spec with an
+  expert axis the stacks are split over it and the routed experts run where they live (`routed`), otherwise they
+  are replicated and run whole on every device."""
 
   def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"],
                mesh: str = ""):

@@ -23,8 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 4
 EXPERT_FORMAT = "rocmfp3_mix"  # quantized experts: codes, scales, codebooks and mode [E] all split
 # Sharded runs: the exact path; every switch the CPU advertises at once (f32 operands: the MoE kernels with the
-# in-kernel decode of the quantized experts inside the shard_map, the indexer and sparse MLA kernels outside it on
-# replicated inputs; the one layer is a CSA layer, so every kernel runs); dequantize-then-matmul with
+# in-kernel decode of the quantized experts inside the expert shard_map, the indexer and sparse MLA kernels on
+# replicated inputs or inside the query shard_map; the one layer is a CSA layer, so every kernel runs); dequantize-then-matmul with
 # weights-stationary bands (the experts decoded once per layer, outside the layer step, kept split). Each is a compile
 # of its own, so each takes one mesh size (both sizes are covered), and all are held to the one-device exact path:
 # in f32 these switches change kernels, not math (tests/test_model_features.py holds them within NMSE 1e-10 of it).
@@ -37,6 +37,9 @@ SHARDED = {
     "exact/expert=2,query=2": ({}, "expert=2,query=2"),
     "every_cpu_switch/expert=2": (ALL_CPU, "expert=2"),
     "every_cpu_switch/query=2": (ALL_CPU, "query=2"),
+    # Bands of 12 after the first start at s0 = 12 (a cache to attend to); 6 queries per device are not a whole
+    # number of 4-query chunks, so each device attends in chunks of gcd(6, 4) = 2.
+    "exact_bands_of_12_in_chunks_of_4/query=2": ({"prefill_band_tokens": 12, "long_context_chunk": 4}, "query=2"),
     "stationary_decoded/expert=4": ({"moe_compact_queue": True, "prefill_weights_stationary": True,
                                      "prefill_band_tokens": 8}, "expert=4"),
 }
@@ -106,7 +109,8 @@ def main():
   tokens = np.random.default_rng(int(sys.argv[2])).integers(0, cfg.vocab_size, TOKENS)
   out = {"logits": {}, "errors": {}}
 
-  placed = {spec: mesh.place(m, spec) for spec in ("expert=2", "expert=4", "query=2", "expert=2,query=2")}
+  placed = {spec: mesh.place(m, spec) for spec in ("expert=2", "expert=4", "query=2", "expert=2,query=2",
+                                                   "expert+query=2")}
   leaves = lambda mm: {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(mm))}
   s4, orig = leaves(placed["expert=4"]), leaves(m)
   experts = [k for k in s4 if mesh.is_expert_path(tuple(k.split(".")))]
@@ -129,7 +133,7 @@ def main():
   # 16 tokens and of 15 (which two devices do not divide: it runs whole on each).
   feats = features.resolve("cpu_interpret", {"prefill_band_tokens": 0})
   out["splits"] = {}
-  for spec in ("expert=2", "query=2", "expert=2,query=2"):
+  for spec in ("expert=2", "query=2", "expert=2,query=2", "expert+query=2"):
     blk = placed[spec].layers[0]
     for n in (16, 15):
       x = jnp.asarray(np.random.default_rng(0).standard_normal((n, cfg.hidden_size)), jnp.float32)
@@ -234,6 +238,7 @@ def test_each_axis_splits_its_own_work(sharded):
   assert got["expert=2,query=2/16"] == {"attention": ["query"], "experts": ["expert"]}
   assert got["query=2/15"] == {"attention": [], "experts": []}
   assert got["expert=2,query=2/15"] == {"attention": [], "experts": ["expert"]}
+  assert got["expert+query=2/16"] == {"attention": ["expert+query"], "experts": ["expert+query"]}
 
 
 def test_init_random_on_a_mesh_draws_each_share_on_its_device(sharded):

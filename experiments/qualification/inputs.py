@@ -134,8 +134,8 @@ def prompt_ids(opts: Options, cfg: config_lib.DeepseekV4Config) -> tuple[np.ndar
 
 
 def build_model(opts: Options, cfg: config_lib.DeepseekV4Config, log: Callable[[str], None] = print):
-  """The weights, placed on --mesh (each device its share of the routed experts, the rest replicated): drawn or read
-  there share by share (docs/mesh.md)."""
+  """The weights, placed on --mesh (each device its share of the routed experts on an expert axis, the rest
+  replicated): drawn or read there share by share (docs/mesh.md)."""
   dtype = DTYPES[opts.dtype]
   if opts.checkpoint is not None:
     m = mapping.load_checkpoint(opts.checkpoint, cfg, dtype=dtype, policy=opts.quant_policy, log=log, mesh=opts.mesh)

@@ -53,7 +53,7 @@ class Options:
   stop_after_s: float = 0.0            # > 0: start nothing new this long after the start (a bounded call)
   features: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # switch/knob -> value (None = table)
   device_class: str | None = None      # default: the capability-table class of jax.devices()[0]
-  mesh: str = ""                       # "expert=N": routed experts split over N devices (ds4jax/mesh.py); "" = one
+  mesh: str = ""                       # "expert=N", "query=N", "expert+query=N", ...: ds4jax/mesh.py; "" = one
 
 
 def define_flags(flag_values=None) -> None:
