@@ -50,6 +50,7 @@ VARIANTS = {
     "kb16_s3": dict(keys_per_stage=16, num_stages=3),
     "kb64_s1": dict(keys_per_stage=64, num_stages=1),
     "kb64": dict(keys_per_stage=64),
+    "kb32": dict(keys_per_stage=32),
     "s1": dict(num_stages=1),
     "s3": dict(num_stages=3),
     "s4": dict(num_stages=4),
@@ -70,6 +71,8 @@ VARIANTS = {
     "kb64_dk256": dict(keys_per_stage=64, head_dim_chunk=256),
     "kb64_dk512": dict(keys_per_stage=64, head_dim_chunk=512),
     "kb64_qreload": dict(keys_per_stage=64, q_resident=False),
+    # Offline sm_90 compiles at precision bf16: 64 keys spill 184 B at chunks of 128, 52 B at 256, 8 B at 64.
+    "kb64_dk64": dict(keys_per_stage=64, head_dim_chunk=64),
     "split_kb64": dict(precision="split", keys_per_stage=64),
 }
 
