@@ -43,8 +43,8 @@ class MeshError(ValueError):
 
 
 def parse(spec: str) -> tuple[tuple[str, int], ...]:
-  """"expert=2" -> (("expert", 2),); "expert+query=2,..." -> (("expert+query", 2), ...): the mesh axes, named by
-  their roles; "" -> () (one device). Raises MeshError."""
+  """"expert=2" -> (("expert", 2),); "query+expert=2,..." -> (("expert+query", 2), ...): the mesh axes, named by
+  their roles in a fixed order; "" -> () (one device). Raises MeshError."""
   spec = (spec or "").strip()
   if not spec:
     return ()
@@ -66,8 +66,13 @@ def parse(spec: str) -> tuple[tuple[str, int], ...]:
       if role in seen:
         raise MeshError(f"mesh spec {spec!r}: axis {role!r} is given twice")
       seen.add(role)
-    axes["+".join(roles)] = int(size)
+    axes["+".join(sorted(roles, key=SUPPORTED.index))] = int(size)
   return tuple(axes.items())
+
+
+def normalize(spec: str) -> str:
+  """The spec as the model records it: "query + expert=2" -> "expert+query=2" (results compare these strings)."""
+  return ",".join(f"{name}={size}" for name, size in parse(spec))
 
 
 def axis_of(spec: str, role: str) -> tuple[str, int] | None:
@@ -155,7 +160,7 @@ def place(m, spec: str):
   copy = nnx.merge(graphdef, nnx.from_flat_state(placed))  # new modules and variables: m keeps its own
   for path, module in nnx.iter_modules(copy):
     if _runs_on_mesh(path):
-      module.mesh = spec  # moe.Experts, attention.Attention: each splits its work by its role in the spec
+      module.mesh = normalize(spec)  # moe.Experts, attention.Attention: each splits its work by its role in it
   return copy
 
 

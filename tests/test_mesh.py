@@ -274,7 +274,8 @@ def test_parse():
   assert mesh.parse("") == () and mesh.parse(" ") == ()
   assert mesh.parse("expert=2") == (("expert", 2),) and mesh.parse(" expert = 4 ") == (("expert", 4),)
   assert mesh.expert_devices("") == 1 and mesh.expert_devices("expert=4") == 4
-  assert mesh.parse("expert + query=2") == (("expert+query", 2),)
+  assert mesh.parse("expert + query=2") == (("expert+query", 2),) == mesh.parse("query+expert=2")
+  assert mesh.normalize(" query + expert = 2 ") == "expert+query=2" and mesh.normalize("") == ""
   assert mesh.parse("query=2,expert=4") == (("query", 2), ("expert", 4))
   assert (mesh.expert_devices("expert+query=2"), mesh.query_devices("expert+query=2")) == (2, 2)
   assert (mesh.expert_devices("query=2"), mesh.query_devices("query=2"), mesh.query_devices("expert=2")) == (1, 2, 1)
@@ -329,6 +330,7 @@ def test_spec_of_says_where_the_model_runs():
   m = model.DeepseekV4(config.tiny_window(), rngs=nnx.Rngs(params=0), dtype=jnp.float32)
   placed = mesh.place(m, "expert=1")
   assert mesh.spec_of(m) == "" and mesh.spec_of(placed) == "expert=1"
+  assert mesh.spec_of(mesh.place(m, "query + expert=1")) == "expert+query=1"  # recorded in one spelling
   placed.layers[1].ffn.experts.mesh = ""
   with pytest.raises(mesh.MeshError, match=r"different meshes: \['', 'expert=1'\]"):
     mesh.spec_of(placed)

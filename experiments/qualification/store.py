@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ds4jax import mesh as mesh_lib
 from experiments import processes, run_record
 from experiments.qualification import report
 from experiments.qualification.inputs import sha256_array
@@ -88,7 +89,7 @@ def same_run(r: Record, fingerprint: str, prompt_sha: Mapping[int, str], feature
   why = []
   if r.weights_fingerprint != fingerprint:
     why.append("weights fingerprint")
-  if (r.options or {}).get("mesh", "") != mesh:
+  if mesh_lib.normalize((r.options or {}).get("mesh", "")) != mesh_lib.normalize(mesh):  # one spelling per mesh
     why.append("mesh")
   if r.length in prompt_sha and r.prompt.get("sha256") != prompt_sha[r.length]:
     why.append("prompt ids")
