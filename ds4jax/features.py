@@ -277,14 +277,13 @@ def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None) -> Feat
   return Features(device_class=device_cls, **values)
 
 
-def pallas_calls(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
-  """(name, grid) of every pallas_call that `fn(*args)` would run, in order: how tests see which path ran."""
+def traced_eqns(fn, *args) -> list:
+  """Every equation `fn(*args)` traces to, nested jaxprs (loops, conditionals, shard_map, pjit) included, in order."""
   found = []
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found.append((eqn.params["name"], tuple(eqn.params["grid_mapping"].grid)))
+      found.append(eqn)
       for v in eqn.params.values():
         for sub in v if isinstance(v, (tuple, list)) else [v]:
           if isinstance(sub, jax.extend.core.ClosedJaxpr):
@@ -294,4 +293,10 @@ def pallas_calls(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
 
   walk(jax.make_jaxpr(fn)(*args).jaxpr)
   return found
+
+
+def pallas_calls(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
+  """(name, grid) of every pallas_call that `fn(*args)` would run, in order: how tests see which path ran."""
+  return [(e.params["name"], tuple(e.params["grid_mapping"].grid)) for e in traced_eqns(fn, *args)
+          if e.primitive.name == "pallas_call"]
 

@@ -22,7 +22,7 @@ import numpy as np
 from absl import app, flags
 
 from ds4jax.metrics import nmse
-from experiments import run_record, timing
+from experiments import attention_problem, run_record, timing
 from kernels_pallas import indexer, mla
 
 _QUERIES = flags.DEFINE_integer("queries", 8192, "Queries per chunk (T).")
@@ -89,27 +89,15 @@ def main(argv):
   record = dict(benchmark="sparse_mla", env=run_record.environment(), dims=dims, queries=T,
                 config=dataclasses.asdict(cfg), smoke=_SMOKE.value, runs=[])
 
-  def save(run):
-    record["runs"].append(run)
-    print(run, flush=True)
-    if _OUT.value:
-      run_record.write_json(_OUT.value, record)
+  save = run_record.appender(_OUT.value, record)
 
   for L in contexts:
-    q_start = max(L - T, 0)
+    (q_start, raw_start, N, R), (q, raw_kv, comp_kv, sink), keys = attention_problem.chunk_inputs(L, T, dims)
     Tq = L - q_start
-    raw_start = max(q_start - (W - 1), 0)
-    N, R = L - raw_start, L // ratio
     base = dict(context=L, q_start=q_start, queries=Tq, raw_rows=N, comp_rows=R)
-    keys = jax.random.split(jax.random.key(L), 8)
-    q = jax.random.normal(keys[0], (Tq, H, D), jnp.float32)
-    q = (q * jax.lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True))).astype(jnp.bfloat16)
-    raw_kv = jax.random.normal(keys[1], (N, D)).astype(jnp.bfloat16)
-    comp_kv = jax.random.normal(keys[2], (R, D)).astype(jnp.bfloat16)
-    sink = jax.random.normal(keys[3], (H,), jnp.float32)
-    iq = jax.random.normal(keys[4], (Tq, dims["index_heads"], dims["index_dim"])).astype(jnp.bfloat16)
-    iw = jax.random.normal(keys[5], (Tq, dims["index_heads"]), jnp.float32)
-    ik = jax.random.normal(keys[6], (R, dims["index_dim"])).astype(jnp.bfloat16)
+    iq = jax.random.normal(keys[0], (Tq, dims["index_heads"], dims["index_dim"])).astype(jnp.bfloat16)
+    iw = jax.random.normal(keys[1], (Tq, dims["index_heads"]), jnp.float32)
+    ik = jax.random.normal(keys[2], (R, dims["index_dim"])).astype(jnp.bfloat16)
 
     # The indexer's scoring kernel alone: TFLOP/s over the visible (query, compressed row) pairs, whose q·k dots
     # (2·heads·dim each) are the useful work, and over the whole [T, R] rectangle the grid covers.

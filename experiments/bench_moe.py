@@ -82,11 +82,7 @@ def main(argv):
   tokens = [16, 64] if _SMOKE.value else [int(t) for t in _TOKENS.value]
   record = dict(benchmark="moe", env=run_record.environment(), dims=dims, smoke=_SMOKE.value, runs=[])
 
-  def save(run):
-    record["runs"].append(run)
-    print(run, flush=True)
-    if _OUT.value:
-      run_record.write_json(_OUT.value, record)
+  save = run_record.appender(_OUT.value, record)
 
   keys = jax.random.split(jax.random.key(0), 8)
   w1 = (jax.random.normal(keys[0], (E, I, D)) * D**-0.5).astype(jnp.bfloat16)

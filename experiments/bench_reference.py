@@ -45,6 +45,7 @@ def main(argv):
   record["init_seconds"] = time.perf_counter() - t0
   record["weights_bytes_on_device"] = run_record.peak_device_bytes()
   print(f"init {record['init_seconds']:.1f}s", flush=True)
+  save = run_record.appender(_OUT.value, record)
   for s in map(int, _TOKENS.value):
     run = dict(tokens=s)
     try:
@@ -62,10 +63,7 @@ def main(argv):
                  finite=bool(jnp.isfinite(logits).all()), logits_sum=float(jnp.sum(logits)))
     except Exception as e:  # noqa: BLE001 -- an OOM at one length must not lose the others
       run["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-    record["runs"].append(run)
-    print(run, flush=True)
-    if _OUT.value:
-      run_record.write_json(_OUT.value, record)
+    save(run)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,17 @@ def write_json(path: str, record: dict) -> None:
   os.replace(tmp, path)
 
 
+def appender(path: str | None, record: dict):
+  """save(run): appends `run` to record["runs"], prints it and rewrites `path` (when given), so that a crash or a
+  time-out loses nothing already measured."""
+  def save(run: dict) -> None:
+    record["runs"].append(run)
+    print(run, flush=True)
+    if path:
+      write_json(path, record)
+  return save
+
+
 def peak_device_bytes() -> int | None:
   """Peak bytes in use on this process's first device (jax.devices() starts with process 0's, whose stats another
   process cannot read)."""

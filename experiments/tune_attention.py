@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags
 
 from ds4jax.metrics import nmse
-from experiments import run_record, timing
+from experiments import attention_problem, run_record, timing
 from kernels_pallas import indexer, mla
 from kernels_pallas.mla import keyset
 
@@ -119,27 +119,15 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"--variants: unknown {unknown}; known: {sorted(VARIANTS)}")
 
-  def save(run):
-    record["runs"].append(run)
-    print(run, flush=True)
-    if _OUT.value:
-      run_record.write_json(_OUT.value, record)
+  save = run_record.appender(_OUT.value, record)
 
   for L in contexts:
-    q_start = max(L - T, 0)
+    (q_start, raw_start, _, R), (q, raw_kv, comp_kv, sink), keys = attention_problem.chunk_inputs(L, T, dims)
     Tq = L - q_start
-    raw_start = max(q_start - (W - 1), 0)
-    N, R = L - raw_start, L // ratio
-    keys = jax.random.split(jax.random.key(L), 6)
-    q = jax.random.normal(keys[0], (Tq, H, D), jnp.float32)
-    q = (q * jax.lax.rsqrt(jnp.mean(q * q, axis=-1, keepdims=True))).astype(jnp.bfloat16)
-    raw_kv = jax.random.normal(keys[1], (N, D)).astype(jnp.bfloat16)
-    comp_kv = jax.random.normal(keys[2], (R, D)).astype(jnp.bfloat16)
-    sink = jax.random.normal(keys[3], (H,), jnp.float32)
     # Random visible rows per query (the indexer's output is ascending, −1 past the visible ones).
     pos = q_start + jnp.arange(Tq)
     vis = jnp.minimum((pos + 1) // ratio, R)
-    u = jax.random.uniform(keys[4], (Tq, R))
+    u = jax.random.uniform(keys[0], (Tq, R))
     u = jnp.where(jnp.arange(R)[None, :] < vis[:, None], u, -1.0)
     top = jax.lax.top_k(u, k)[1]
     indices = jnp.sort(jnp.where(jnp.take_along_axis(u, top, 1) >= 0, top, R + 1), axis=1)

@@ -72,24 +72,11 @@ def quantized_experts(m):
 
 def shard_map_axes(fn, *args) -> list[str]:
   """The split axes (mesh axis names in the in_specs) of every shard_map `fn(*args)` runs, in order."""
-  import jax  # pylint: disable=import-outside-toplevel
+  from ds4jax import features  # pylint: disable=import-outside-toplevel
 
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "shard_map":
-        found.append(sorted({a for spec in eqn.params["in_specs"] for part in spec if part for a in
-                             ((part,) if isinstance(part, str) else part)}))
-      for v in eqn.params.values():
-        for sub in v if isinstance(v, (tuple, list)) else [v]:
-          if isinstance(sub, jax.extend.core.ClosedJaxpr):
-            walk(sub.jaxpr)
-          elif isinstance(sub, jax.extend.core.Jaxpr):
-            walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return ["+".join(a) for a in found]
+  return ["+".join(sorted({a for spec in e.params["in_specs"] for part in spec if part
+                           for a in ((part,) if isinstance(part, str) else part)}))
+          for e in features.traced_eqns(fn, *args) if e.primitive.name == "shard_map"]
 
 
 def main():
