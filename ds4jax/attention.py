@@ -50,7 +50,7 @@ def query_chunks(n: int, chunk: int) -> int:
   return n // chunk
 
 
-def query_chunk(n: int, chunk: int) -> int:
+def chunk_for_share(n: int, chunk: int) -> int:
   """The chunk a device attends its share of n queries in, on a query axis: `long_context_chunk`, or, when the
   share is not a whole number of chunks (a band of 15 chunks over 2 devices), the largest number that divides both
   (gcd), which keeps the bound on the masks and scores. Chunking does not change a query's result."""
@@ -144,7 +144,8 @@ class Attention(nnx.Module):
         if record_scores:
           index_scores = self.indexer.scores(xq, qr, pq, freqs, keys)
       chunk = features.long_context_chunk
-      o = self.attend(q, raw, rows, indices, s0, pq, freqs, features, query_chunk(b, chunk) if b < B else chunk)
+      o = self.attend(q, raw, rows, indices, s0, pq, freqs, features,
+                      chunk_for_share(b, chunk) if b < B else chunk)  # [b, H, d], de-rotated
       # Grouped low-rank output: heads are grouped contiguously, each group has its own wo_a slice.
       wo_a = dense(self.wo_a.weight).reshape(G, cfg.o_lora_rank, H * d // G)
       z = einsum("sgi,gri->sgr", o.reshape(b, G, H * d // G), wo_a, operand_dtype=dt).reshape(b, -1)
@@ -170,7 +171,8 @@ class Attention(nnx.Module):
   def attend(self, q, raw, rows, indices, s0, positions, freqs, features: Features, chunk: int):
     """The joint sink softmax over each query's key set, then the output de-rotation: [B, H, d] f32.
 
-    Queries go in chunks of `chunk` (`query_chunk`), which bounds the [chunk, keys] masks and scores at long context.
+    Queries go in chunks of `chunk` (`long_context_chunk`, or `chunk_for_share`), which bounds the [chunk, keys]
+    masks and scores at long context.
     """
     cfg, W = self.cfg, self.cfg.sliding_window
     B, d = q.shape[0], cfg.head_dim
