@@ -12,7 +12,9 @@ rocmfp3_mix [256, 4096, 2048]):
   lookup      one gather per weight from a per-expert table of level x scale [E, 256 meta bytes, K codes]. The
               table holds the canonical decode's own products, so the result is bit-identical. XLA only.
   tiles_*     the Pallas kernel `dequantize_tiles` (the grouped kernels' tile loader alone, so the canonical decode),
-              one [bn, bk] tile per program, bf16 out, at a few tilings and warp counts
+              one [bn, bk] tile per program, bf16 out, at its best tiling of 2026-12-01
+  kernel_*    `kernels_pallas.moe.decode.decode_stack` (what `moe_decode_kernel` runs): the K values of each
+              half-block made once, a select tree per weight, at a few tilings and warp counts
   write       the unpacked codes cast to bf16: the same output write with almost no arithmetic (the floor)
 
 Every variant's bf16 output is checked bit for bit against the canonical one. `--smoke` runs small shapes on any
@@ -28,7 +30,7 @@ from absl import app, flags
 from ds4jax.quant import bitplanes, rocmfp2, rocmfp2_mix, rocmfp3, rocmfp3_mix, ue4m3
 from ds4jax.quant.rocmfp_layout import HALF
 from experiments import run_record, timing
-from kernels_pallas.moe import quantized_weights
+from kernels_pallas.moe import decode, quantized_weights
 
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per variant (median).")
@@ -104,7 +106,9 @@ def same_bits(a, b) -> bool:
                                                        jax.lax.bitcast_convert_type(b, u)))
 
 
-TILINGS = ((32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8))  # (bn, bk, warps)
+TILES = (64, 256, 8)  # (bn, bk, warps) of dequantize_tiles
+KERNEL_TILINGS = ((64, 256, 8), (32, 256, 4), (64, 128, 4), (128, 256, 8), (32, 512, 8), (16, 256, 2), (128, 128, 4),
+                  (64, 512, 8))
 
 
 def variants(fmt_name, fmt, uniform_level, unpack, shape, smoke: bool):
@@ -115,12 +119,14 @@ def variants(fmt_name, fmt, uniform_level, unpack, shape, smoke: bool):
                                                  uniform_level).astype(bf16)),
       lookup=jax.jit(lambda s: lookup_decode(unpack(s), s["scales"],
                                              lookup_table(s["books"], s["mode"], uniform_level)).astype(bf16)))
-  for bn, bk, warps in ((16, 128, 4),) if smoke else TILINGS:
-    def tiles(s, bn=bn, bk=bk, warps=warps):
-      w = quantized_weights.QuantizedExpertWeights.from_storage(fmt_name, s, shape)
-      return quantized_weights.dequantize_tiles(w, block_n=bn, block_k=bk, dtype=bf16, num_warps=warps,
-                                                interpret=smoke)
-    out[f"tiles_{bn}x{bk}_w{warps}"] = tiles
+  as_weights = lambda s: quantized_weights.QuantizedExpertWeights.from_storage(fmt_name, s, shape)
+  bn, bk, warps = (16, 128, 4) if smoke else TILES
+  out[f"tiles_{bn}x{bk}_w{warps}"] = lambda s, bn=bn, bk=bk, warps=warps: quantized_weights.dequantize_tiles(
+      as_weights(s), block_n=bn, block_k=bk, dtype=bf16, num_warps=warps, interpret=smoke)
+  for bn, bk, warps in ((16, 128, 4), (32, 128, 8)) if smoke else KERNEL_TILINGS:
+    tiling = decode.Tiling(bn, bk, warps)
+    out[f"kernel_{bn}x{bk}_w{warps}"] = lambda s, t=tiling: decode.decode_stack(as_weights(s), bf16, tiling=t,
+                                                                                 interpret=smoke)
   out["write"] = jax.jit(lambda s: unpack(s).astype(bf16))
   return out
 

@@ -66,6 +66,29 @@ def dequantize(code, meta, books, mode, fixed_level) -> jnp.ndarray:
   return level * ue4m3.decode(jnp.where(uniform, meta, meta & 0x7F))
 
 
+def half_block_values(meta, books, mode, fixed_level, dtype=jnp.float32) -> list[jnp.ndarray]:
+  """The value each code k takes in each half-block, [..., out, in/16] per k, cast to `dtype`: the same level and
+  scale products as `dequantize` makes per weight, made once per 16 weights (casting before or after picking gives
+  the same bits). meta [..., out, in/16], books [..., 2, K], mode [...]."""
+  mode = jnp.asarray(mode)
+  uniform = (mode == 0).reshape(*mode.shape, 1, 1)
+  meta = jnp.asarray(meta).astype(jnp.int32)
+  scale = ue4m3.decode(jnp.where(uniform, meta, meta & 0x7F))
+  select = (meta & SELECT_BIT) != 0
+  entries = _book_entries(jnp.asarray(books).astype(jnp.float32))
+  return [(jnp.where(uniform, fixed_level(jnp.int32(k)), jnp.where(select, entries[1][k], entries[0][k])) * scale
+           ).astype(dtype) for k in range(len(entries[0]))]
+
+
+def pick(code_bits, values) -> jnp.ndarray:
+  """values[code] per weight, by a select tree over the code's bits (bool arrays, lowest bit first): K - 1 selects
+  for K = 2^len(code_bits) values, which broadcast against the bits."""
+  for bit in code_bits:
+    values = [jnp.where(bit, one, zero) for zero, one in zip(values[0::2], values[1::2])]
+  (value,) = values
+  return value
+
+
 def static_check_side(fmt: str, lead_shape, books, mode, k: int) -> None:
   """Shape/dtype checks of books [..., 2, K] and mode [...] against the weight's leading dims (jit-safe)."""
   if np.dtype(books.dtype) != np.dtype(BF16):
