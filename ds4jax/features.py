@@ -12,6 +12,7 @@ one field of the frozen `Features` that the model receives. Library code and tes
     moe_persistent         GGML_CUDA_MMQ_MOE_PERSISTENT                   fixed programs loop over the work queue
     moe_programs_per_core  GGML_CUDA_MMQ_MOE_PERSISTENT_BLOCKS_PER_CU     persistent programs per core
     moe_fused_combine      DFLASH_MOE_FUSED_COMBINE                       weight + sum the top-k outputs + shared expert in one kernel
+    moe_decode_kernel      (ds4jax)                                       quantized experts decoded by a Pallas kernel before the MoE kernels
     indexer_score_kernel   GGML_DS4_INDEXER_M32                           tiled Pallas indexer scoring + query-blocked top-k
     indexer_radix_topk     GGML_DS4_TOPK_BLOCK_RADIX                      exact radix-selection top-k kernel instead of a sort
     direct_indexer_topk    DFLASH_DS4_DIRECT_INDEXER_TOPK                 top-k indices go straight into attention (no dense mask)
@@ -47,6 +48,13 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                        ("moe_compact_queue",)),
     "moe_fused_combine": ("DFLASH_MOE_FUSED_COMBINE",
                           "Weighted top-k combine + shared add in one kernel after the down projection.", ()),
+    # Not an upstream switch: upstream's MMQ reads quantized experts directly. Here dequantize-then-matmul decodes
+    # them first, and XLA's canonical decode (level and scale chosen per weight) is ALU-bound on the H200.
+    "moe_decode_kernel": ("ds4jax: Pallas expert decode",
+                          "Quantized experts are decoded to bf16 by a Pallas kernel before the MoE kernels (MIX "
+                          "formats: each half-block's values made once, one select tree per weight) instead of XLA's "
+                          "canonical decode; the same bits. Under moe_sparse_gate_up nothing is decoded beforehand.",
+                          ()),
     "indexer_score_kernel": ("GGML_DS4_INDEXER_M32", "Tiled Pallas indexer scoring kernel with query-blocked top-k.",
                              ()),
     "indexer_radix_topk": ("GGML_DS4_TOPK_BLOCK_RADIX",
@@ -88,6 +96,7 @@ class Features:
   moe_compact_queue: bool = False
   moe_persistent: bool = False
   moe_fused_combine: bool = False
+  moe_decode_kernel: bool = False
   indexer_score_kernel: bool = False
   indexer_radix_topk: bool = False
   direct_indexer_topk: bool = False
@@ -166,6 +175,7 @@ def _row(ran: set[str], default_on: set[str], lowered: set[str] = frozenset()) -
 # for it (tests/kernels_pallas/test_lowering_gfx1151.py, tests/test_features.py).
 # A gfx1151-only default is keyed to "gfx1151", never to all RDNA3.5 (upstream review item 6).
 _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent", "moe_fused_combine"}
+_DECODE = {"moe_decode_kernel"}  # ran on the H200; not in gfx1151's lowering check (its gate/up reads quantized tiles)
 _ATTENTION = {"indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
               "mla_stream_fast_exp"}
 _MOE_RAN_ON_H200 = _MOE | _ATTENTION  # bf16 and quantized (in-kernel dequantization) kernels ran compiled with parity
@@ -193,10 +203,10 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # 4685 at 122879; one band is the same program either way (trace_prefill, BENCHMARKS.md).
     # indexer_radix_topk: one CSA layer's top-k at 128K context 5.8 vs 19.1 ms (sort), at 8K 0.75 vs 1.15 ms, the
     # same ids (bench_attention, BENCHMARKS.md).
-    "sm_90": _row(_MOE_RAN_ON_H200 | _PRECISION | _SCHEDULE,
-                  (_MOE_RAN_ON_H200 | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
+    "sm_90": _row(_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE,
+                  (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.
-    "cpu_interpret": _row(_MOE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
+    "cpu_interpret": _row(_MOE | _DECODE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
 }
 
 

@@ -86,30 +86,38 @@ class Experts(nnx.Module):
     return tuple(_quantized(w, s) if isinstance(w, QuantizedWeight) else s
                  for w, s in zip((self.w1, self.w2, self.w3), stacks))
 
-  def kernel_weights(self, dtype, quantized: bool, stacks: tuple | None = None) -> tuple:
-    """(w1, w2, w3) as the kernels' `ExpertWeights`: quantized storage as is (`quantized`, decoded in-kernel), or
-    dense stacks in `dtype` (a quantized stack decoded first, in XLA: "dequantize-then-matmul"). `stacks`: a slice
-    of `stacks()` (one device's experts); default all of them."""
+  def kernel_weights(self, dtype, features: Features, stacks: tuple | None = None) -> tuple:
+    """(w1, w2, w3) as the kernels' `ExpertWeights`: quantized storage as is under `moe_sparse_gate_up` (decoded
+    in-kernel), or dense stacks in `dtype` (a quantized stack decoded first, `decode_stack`:
+    "dequantize-then-matmul"). `stacks`: a slice of `stacks()` (one device's experts); default all of them."""
     def one(w, s):
       if not isinstance(w, QuantizedWeight):  # f32 operands read the stored dtype as is
         return moe_kernels.DenseWeights(s if dtype == F32 else s.astype(dtype))
-      if quantized:
+      if features.moe_sparse_gate_up:
         return _quantized(w, s)
-      return moe_kernels.DenseWeights(formats.get(w.format).dequantize(**s).astype(dtype))  # the cast fuses in
+      return moe_kernels.DenseWeights(decode_stack(w.format, s, w.logical_shape[1:], dtype, features))
     return tuple(one(w, s) for w, s in zip((self.w1, self.w2, self.w3), self.stacks() if stacks is None else stacks))
 
-  def decode_quantized(self, dtype, abstract: bool = False) -> None:
-    """Replaces the quantized stacks by their dense decode in `dtype`, in place (call it on a copy): the decode
-    `kernel_weights` would otherwise repeat on every call, done once (the weights-stationary prefill does this per
-    layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead. On a mesh the decode stays split as the
-    storage was."""
+  def decode_quantized(self, features: Features, abstract: bool = False) -> None:
+    """Replaces the quantized stacks by their dense decode in the matmul dtype, in place (call it on a copy): the
+    decode `kernel_weights` would otherwise repeat on every call, done once (the weights-stationary prefill does this
+    per layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead. On a mesh each device decodes the
+    experts it holds."""
     names = [n for n in ("w1", "w2", "w3") if isinstance(getattr(self, n), QuantizedWeight)]
     ws = [getattr(self, n) for n in names]
+    dtype = features.matmul_dtype
     where = mesh_lib.expert_sharding(self.mesh) if self.mesh else None
     if abstract:
       dense = [jax.ShapeDtypeStruct(w.logical_shape, dtype, sharding=where) for w in ws]
     else:  # one program for all three, as when the decode sits inside the layer step (XLA fuses them alike)
-      dense = _decoded(tuple(w.format for w in ws), tuple(w.storage() for w in ws), dtype)
+      decode = functools.partial(_decoded, tuple(w.format for w in ws), tuple(w.logical_shape[1:] for w in ws),
+                                 features=features)
+      storages = tuple(w.storage() for w in ws)
+      axis = mesh_lib.axis_of(self.mesh, mesh_lib.EXPERT) if self.mesh else None
+      if axis is not None:  # the kernel decodes what it is given: run it where each device's experts live
+        decode = jax.shard_map(decode, mesh=mesh_lib.build(self.mesh), in_specs=P(axis[0]), out_specs=P(axis[0]),
+                               check_vma=False)
+      dense = decode(storages)
       dense = dense if where is None else [jax.device_put(d, where) for d in dense]
     for name, value in zip(names, dense):
       setattr(self, name, nnx.Param(value))
@@ -167,10 +175,20 @@ def on_local_experts(spec: str, run, stacks: tuple, x, weights, idx) -> jnp.ndar
                        out_specs=P(), check_vma=False)(stacks, x, weights, idx)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _decoded(fmts: tuple[str, ...], storages: tuple[dict, ...], dtype) -> list[jax.Array]:
-  """The canonical decodes cast to `dtype`: the same ops as `kernel_weights`' decode, so the same bits."""
-  return [formats.get(f).dequantize(**s).astype(dtype) for f, s in zip(fmts, storages)]
+def decode_stack(fmt: str, storage: dict, shape, dtype, features: Features) -> jax.Array:
+  """A quantized stack (storage of [n, *shape]) decoded to dense `dtype`: by the Pallas kernel under
+  `moe_decode_kernel` (kernels_pallas/moe/decode.py), else by XLA's canonical decode. The same bits either way."""
+  if features.moe_decode_kernel:
+    n = storage[next(iter(storage))].shape[0]
+    w = moe_kernels.QuantizedExpertWeights.from_storage(fmt, storage, (n, *shape))
+    return moe_kernels.decode_stack(w, dtype, interpret=features.interpret)
+  return formats.get(fmt).dequantize(**storage).astype(dtype)  # the cast fuses in
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("features",))
+def _decoded(fmts: tuple[str, ...], shapes: tuple, storages: tuple[dict, ...], *, features: Features) -> list:
+  """`decode_stack` of each stack, in the matmul dtype, as one program."""
+  return [decode_stack(f, s, shape, features.matmul_dtype, features) for f, shape, s in zip(fmts, shapes, storages)]
 
 
 def decodes_experts(features: Features) -> bool:
@@ -232,14 +250,14 @@ def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Fea
   """Routed experts + `shared` through the Pallas grouped-MoE kernels (kernels_pallas/moe).
 
   `moe_sparse_gate_up` feeds the quantized storage to the kernels, which dequantize each tile in-kernel;
-  without it the stacked weights are dequantized first (in XLA, by the same canonical decode) and the
-  kernels read bf16/f32 ("dequantize-then-matmul"). f32 operands make exact IEEE f32 dots; bf16
+  without it the stacked weights are dequantized first (`decode_stack`: the same bits) and the kernels read
+  bf16/f32 ("dequantize-then-matmul"). f32 operands make exact IEEE f32 dots; bf16
   (`bf16_matmul`) tensor-core dots. On a mesh each device runs the kernels on its own experts (`Experts.routed`).
   """
   x = x.astype(features.matmul_dtype)
 
   def run(stacks, x, w, ids, shared):
-    ws = experts.kernel_weights(x.dtype, features.moe_sparse_gate_up, stacks)
+    ws = experts.kernel_weights(x.dtype, features, stacks)
     return moe_kernels.moe(x, w, ids, *ws, swiglu_limit=experts.limit, shared=shared,
                            config=kernel_config(features, x, experts, ids.shape[1], ws[0].shape[0],
                                                 moe_kernels.decoded_in_kernel(*ws)),

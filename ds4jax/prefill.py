@@ -59,7 +59,7 @@ def step_parts(block, features: Features, n_bands: int, abstract: bool = False):
   if not (features.prefill_weights_stationary and n_bands > 1 and moe_lib.decodes_experts(features)):
     return nnx.split(block)
   copy = nnx.merge(*nnx.split(block))  # new modules over the same arrays
-  copy.ffn.experts.decode_quantized(features.matmul_dtype, abstract)
+  copy.ffn.experts.decode_quantized(features, abstract)
   return nnx.split(copy)
 
 

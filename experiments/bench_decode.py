@@ -107,8 +107,8 @@ def same_bits(a, b) -> bool:
 
 
 TILES = (64, 256, 8)  # (bn, bk, warps) of dequantize_tiles
-KERNEL_TILINGS = ((64, 256, 8), (32, 256, 4), (64, 128, 4), (128, 256, 8), (32, 512, 8), (16, 256, 2), (128, 128, 4),
-                  (64, 512, 8))
+KERNEL_TILINGS = ((64, 256, 8), (32, 256, 4), (32, 512, 8), (16, 256, 2), (16, 512, 4), (16, 1024, 8), (8, 512, 2),
+                  (8, 256, 1), (16, 512, 2), (32, 512, 4), (32, 1024, 8))  # (bn, bk, warps)
 
 
 def variants(fmt_name, fmt, uniform_level, unpack, shape, smoke: bool):

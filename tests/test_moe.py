@@ -13,6 +13,7 @@ from flax import nnx
 
 from ds4jax import config
 from ds4jax.config import Routing
+from ds4jax.features import Features
 from ds4jax.moe import MoE, Router, Experts, SharedExpert, local_routes
 from ds4jax.layers import QuantizedWeight
 from ds4jax.quant import formats
@@ -336,7 +337,8 @@ def test_a_slice_of_quantized_experts_is_those_experts(seed, rng):
   part = tuple({k: a[2:4] for k, a in s.items()} for s in ex.stacks())
   whole, decoded = _slice_decodes(ex, part)
   whole = [np.asarray(w) for w in whole]
-  for got, ours in zip(decoded, whole * 3):
+  assert len(decoded) == 12
+  for got, ours in zip(decoded, whole * 4):
     assert got.shape[0] == 2
     np.testing.assert_array_equal(np.asarray(got), ours[2:4])
   assert whole[0][2:4].std() > 0
@@ -344,8 +346,10 @@ def test_a_slice_of_quantized_experts_is_those_experts(seed, rng):
 
 @nnx.jit
 def _slice_decodes(ex, part):
-  """(every expert decoded, then the slice `part` decoded three ways: reference format, in-kernel, decoded first)."""
+  """(every expert decoded, then the slice `part` decoded four ways: reference format, in-kernel, decoded first by
+  XLA and by the decode kernel)."""
   return [w.dequantize() for w in (ex.w1, ex.w2, ex.w3)], (
       [f.dequantize() for f in ex.as_formats(part)]
-      + [f.dequantize() for f in ex.kernel_weights(jnp.float32, True, part)]
-      + [f.w for f in ex.kernel_weights(jnp.float32, False, part)])
+      + [f.dequantize() for f in ex.kernel_weights(jnp.float32, Features(moe_sparse_gate_up=True), part)]
+      + [f.w for f in ex.kernel_weights(jnp.float32, Features(moe_compact_queue=True), part)]
+      + [f.w for f in ex.kernel_weights(jnp.float32, Features(moe_decode_kernel=True), part)])

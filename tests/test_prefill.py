@@ -270,11 +270,19 @@ def test_weights_stationary_decodes_each_layers_experts_once(seed, monkeypatch):
   tokens = np.arange(2, 42)
   f = features.resolve("cpu_interpret", dict(moe_compact_queue=True, prefill_band_tokens=16))
   decoded, decode = [], moe._decoded  # pylint: disable=protected-access
-  monkeypatch.setattr(moe, "_decoded", lambda fmts, *a: decoded.append(fmts) or decode(fmts, *a))
+  monkeypatch.setattr(moe, "_decoded", lambda fmts, *a, **k: decoded.append(fmts) or decode(fmts, *a, **k))
   want = np.asarray(prefill.prefill(m, tokens, f, all_logits=True))
   assert decoded == []
   got = np.asarray(prefill.prefill(m, tokens, stationary(f), all_logits=True))
   assert decoded == [("rocmfp2_mix", "rocmfp3_mix", "rocmfp2_mix")] * m.cfg.num_layers  # w1, w2, w3 per layer
+  assert np.array_equal(got, want)
+  # moe_decode_kernel: the same decode by the Pallas kernel (traced once per program), the same logits.
+  kernel_calls, kernel = [], moe.moe_kernels.decode_stack
+  monkeypatch.setattr(moe.moe_kernels, "decode_stack", lambda w, *a, **k: kernel_calls.append(w.fmt_name) or
+                      kernel(w, *a, **k))
+  got = np.asarray(prefill.prefill(m, tokens, stationary(dataclasses.replace(f, moe_decode_kernel=True)),
+                                   all_logits=True))
+  assert kernel_calls[:3] == ["rocmfp2_mix", "rocmfp3_mix", "rocmfp2_mix"]
   assert np.array_equal(got, want)
   _, state = prefill.step_parts(m.layers[0], stationary(f), n_bands=1)
   assert any("codes" in str(p) for p, _ in state.flat_state())  # one band: nothing hoisted, band-major's program

@@ -43,10 +43,23 @@ class Tiling:
   num_warps: int = 8
 
 
-def default_tiling(fmt_name: str) -> Tiling:
-  """Measured on the H200 (bench_decode, BENCHMARKS.md); the same tiles elsewhere."""
-  del fmt_name
-  return Tiling()
+# Measured on the H200 at V4-Flash's stacks (bench_decode, BENCHMARKS.md): about 64 weights per thread did best.
+BEST = {"rocmfp2_mix": Tiling(32, 512, 8), "rocmfp3_mix": Tiling(16, 256, 2)}
+WEIGHTS_PER_WARP = 2048
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+  """The largest power of two ≤ cap that divides n."""
+  return min(n & -n, cap)
+
+
+def default_tiling(fmt_name: str, shape) -> Tiling:
+  """The measured tiles (`BEST`; the tile loader's 64 × 256, 8 warps for other formats), cut to what divides a
+  small stack, with a warp per 2048 weights of a smaller tile."""
+  _, N, K = shape
+  best = BEST.get(fmt_name, Tiling())
+  bn, bk = _pow2_divisor(N, best.block_n), _pow2_divisor(K, best.block_k)
+  return Tiling(bn, bk, max(1, min(best.num_warps, bn * bk // WEIGHTS_PER_WARP)))
 
 
 def _iota(shape, axis):
@@ -112,7 +125,7 @@ def _tile_kernel(*refs, load, block_n: int, block_k: int, dtype):
 def decode_stack(w: QuantizedExpertWeights, dtype=jnp.bfloat16, *, tiling: Tiling | None = None,
                  interpret: bool = False) -> jax.Array:
   """[E, N, K] of `dtype`, equal bit for bit to the canonical decode of `w` cast to `dtype`."""
-  tiling = tiling or default_tiling(w.fmt_name)
+  tiling = tiling or default_tiling(w.fmt_name, w.shape)
   bn, bk = tiling.block_n, tiling.block_k
   w.check_blocks(bn, bk, "decode_stack")
   E, N, K = w.shape
