@@ -31,6 +31,11 @@ def unpack(packed, bits: int) -> jnp.ndarray:
   return codes.reshape(*b.shape[:-1], b.shape[-1] * per)
 
 
+def iota_last(n: int, ndim: int) -> jnp.ndarray:
+  """int32 0..n-1 along the last of `ndim` axes, the others of size 1 (broadcasts against [..., n])."""
+  return lax.broadcasted_iota(jnp.int32, (1,) * (ndim - 1) + (n,), ndim - 1)
+
+
 def repeat_last(x, times: int) -> jnp.ndarray:
   """[..., n] → [..., n · times], each element repeated `times` times (broadcast + reshape, no gather)."""
   x = jnp.asarray(x)

@@ -63,6 +63,22 @@ def dequantize(codes, scales, books, mode) -> jnp.ndarray:
   return rocmfp_mix.dequantize(bitplanes.unpack(codes, 2), meta, books, mode, fixed_level)
 
 
+# The half-block view: the codes plane as [..., in/16, 4] (byte a of a half-block) and the weights as
+# [..., in/16, 4, 4] (code b of byte a is weight 4a + b), row-major views of [..., in/4] and [..., in].
+HALF_VIEWS = {"codes": (4,)}
+HALF_WEIGHTS = (4, 4)
+
+
+def dequantize_halves(codes, scales, books, mode, dtype=jnp.float32) -> jnp.ndarray:
+  """`dequantize` in the half-block view, cast to `dtype`: codes [..., in/16, 4] → W [..., in/16, 4, 4]. The four
+  values of each half-block (level × scale) are made once and each weight picks one by its two code bits: the same
+  products as the canonical decode, so the same bits, with a fraction of its work per weight. In-kernel safe (no
+  reshape: Pallas-Triton reshapes may move data between threads)."""
+  values = rocmfp_mix.half_block_values(scales, books, mode, fixed_level, dtype)
+  c = jnp.asarray(codes).astype(jnp.int32)[..., None] >> (2 * bitplanes.iota_last(4, codes.ndim + 1))
+  return rocmfp_mix.pick([(c & 1) != 0, (c & 2) != 0], [v[..., None, None] for v in values])
+
+
 def check(codes, scales, books, mode, name: str = NAME) -> None:
   """Host-side validation: dtypes, shapes (`in` a multiple of 128), books, and meta bytes against the mode."""
   scales = np.asarray(scales)

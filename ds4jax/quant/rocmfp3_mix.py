@@ -58,6 +58,24 @@ def dequantize(codes_lo, codes_hi, scales, books, mode) -> jnp.ndarray:
   return rocmfp_mix.dequantize(rocmfp3.unpack_codes(codes_lo, codes_hi), meta, books, mode, rocmfp3.levels)
 
 
+# The half-block view: codes_lo as [..., in/16, 2, 2], codes_hi as [..., in/16, 2] and the weights as
+# [..., in/16, 2, 2, 4]: weight 8p + 4q + b of a half-block has its low bits at 2b in byte 2p + q of codes_lo and
+# its high bit at 4q + b in byte p of codes_hi. Row-major views of [..., in/4], [..., in/8] and [..., in].
+HALF_VIEWS = {"codes_lo": (2, 2), "codes_hi": (2,)}
+HALF_WEIGHTS = (2, 2, 4)
+
+
+def dequantize_halves(codes_lo, codes_hi, scales, books, mode, dtype=jnp.float32) -> jnp.ndarray:
+  """`dequantize` in the half-block view, cast to `dtype`: the eight values of each half-block made once, each
+  weight picking one by its three code bits (the same products, so the same bits). In-kernel safe, no reshape."""
+  values = rocmfp_mix.half_block_values(scales, books, mode, rocmfp3.levels, dtype)
+  n = codes_lo.ndim + 1
+  lo = jnp.asarray(codes_lo).astype(jnp.int32)[..., None] >> (2 * bitplanes.iota_last(4, n))
+  hi_shift = 4 * bitplanes.iota_last(2, n - 1)[..., None] + bitplanes.iota_last(4, n)
+  hi = jnp.asarray(codes_hi).astype(jnp.int32)[..., None, None] >> hi_shift
+  return rocmfp_mix.pick([(lo & 1) != 0, (lo & 2) != 0, (hi & 1) != 0], [v[..., None, None, None] for v in values])
+
+
 def check(codes_lo, codes_hi, scales, books, mode, name: str = NAME) -> None:
   """Host-side validation: dtypes, shapes (`in` a multiple of 32), books, and meta bytes against the mode."""
   scales = np.asarray(scales)

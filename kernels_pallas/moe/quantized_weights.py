@@ -55,7 +55,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ds4jax.quant import formats, fp8_e4m3
+from ds4jax.quant import formats, fp8_e4m3, rocmfp2_mix, rocmfp3_mix
 from kernels_pallas.moe.weights import DenseWeights, ExpertWeights, TileLoader
 
 F32 = jnp.float32
@@ -75,6 +75,17 @@ TILING: dict[str, dict[str, tuple]] = {
 QUANTIZED_FORMATS = tuple(TILING)
 K_BLOCK = {name: 1 if name == "fp8_e4m3" else 32 for name in TILING}  # block_k must be a multiple of this
 BF16_EXACT = {name: not name.endswith("_mix") for name in TILING}  # dequantized values all exact in bf16
+
+
+# Formats with a half-block decode (`dequantize_halves`, the canonical decode's bits with each half-block's values
+# made once): the modules, which also define the half-block views of their planes.
+HALF_BLOCK_FORMATS = {"rocmfp2_mix": rocmfp2_mix, "rocmfp3_mix": rocmfp3_mix}
+
+
+def half_views(fmt_name: str, storage: dict) -> dict:
+  """The code planes of `storage` (a stack's or a tile's) as the format's half-block views (row-major reshapes)."""
+  views = HALF_BLOCK_FORMATS[fmt_name].HALF_VIEWS
+  return {n: a.reshape(*a.shape[:-1], -1, *views[n]) if n in views else a for n, a in storage.items()}
 
 
 def _is_pow2(n: int) -> bool:
@@ -127,19 +138,24 @@ def load_tiles(fmt_name: str, refs, expert, n_start, k_start, *, block_n: int, b
   return tiles
 
 
-def dequantize_tile(fmt_name: str, tiles: dict[str, Any], *, block_n: int, block_k: int):
-  """f32 [bn, bk] from the storage tiles, by the format's ONE canonical dequantize (pure jnp; in-kernel safe)."""
+def dequantize_tile(fmt_name: str, tiles: dict[str, Any], *, block_n: int, block_k: int, dtype=F32):
+  """[bn, bk] of `dtype` from the storage tiles (pure jnp; in-kernel safe): the MIX formats by their half-block
+  decode (`dequantize_halves`: each half-block's values made once), the others by the format's canonical
+  dequantize. Both give the canonical decode's bits."""
   fmt = formats.get(fmt_name)
   if fmt_name == "fp8_e4m3":
     grid, g = fp8_scale_grid(tiles["scale"], block_n, block_k)
-    return fp8_e4m3.dequantize(tiles["weight"], grid, block=g)
-  return fmt.dequantize(**tiles)
+    return fp8_e4m3.dequantize(tiles["weight"], grid, block=g).astype(dtype)
+  if fmt_name in HALF_BLOCK_FORMATS:
+    return HALF_BLOCK_FORMATS[fmt_name].dequantize_halves(**half_views(fmt_name, tiles), dtype=dtype).reshape(
+        block_n, block_k)
+  return fmt.dequantize(**tiles).astype(dtype)
 
 
 def load_quantized_tile(refs, expert, n_start, k_start, *, block_n: int, block_k: int, dtype, fmt_name: str):
   """Tile loader of `QuantizedExpertWeights` (see the module docstring): [bn, bk] of `dtype`."""
   tiles = load_tiles(fmt_name, refs, expert, n_start, k_start, block_n=block_n, block_k=block_k)
-  return dequantize_tile(fmt_name, tiles, block_n=block_n, block_k=block_k).astype(dtype)
+  return dequantize_tile(fmt_name, tiles, block_n=block_n, block_k=block_k, dtype=dtype)
 
 
 @functools.cache
