@@ -12,7 +12,7 @@ token count first. Needs a GPU (compiled Pallas-Triton).
 `--formats`: expert weights in each ds4jax.quant format (random valid storage, `policy.random_storage`), dequantized
 in-kernel (quantized_weights.py); per format also the in-kernel dequantization against the canonical one (bit for
 bit), and the dequantize-then-matmul path (bf16 copy made in XLA, then the bf16 kernels; "dq" = the dequantization
-alone, "dq+moe" = both).
+alone, "dq+moe" = both; "decode kernel" = the copy made by `decode_stack`, what `moe_decode_kernel` runs).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from absl import app, flags
 from ds4jax.metrics import nmse
 from ds4jax.quant import formats, policy
 from experiments.timing import timeit
-from kernels_pallas.moe import Config, api, down, gate_up, moe, moe_reference, routing
+from kernels_pallas.moe import Config, DenseWeights, api, decode_stack, down, gate_up, moe, moe_reference, routing
 from kernels_pallas.moe import quantized_weights as qw
 
 _TOKENS = flags.DEFINE_list("tokens", ["2048", "8192"], "Token counts to time.")
@@ -212,11 +212,12 @@ def bench_format(sh, fmt, tokens):
         f = jax.jit(lambda *args, cfg=dense_cfg: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg,
                                                     interpret=sh.interpret))
         dq = jax.jit(lambda ws: tuple(qw.dequantize_to_dense(w) for w in ws))
+        dq_kernel = jax.jit(lambda ws: tuple(DenseWeights(decode_stack(w, interpret=sh.interpret)) for w in ws))
         dense = dq(args[3:])
-        t_dq = timeit(dq, args[3:])
+        t_dq, t_dq_kernel = timeit(dq, args[3:]), timeit(dq_kernel, args[3:])
         t_dense = timeit(f, *args[:3], *dense)
-        print(f"{fmt:12s} S={S} dq {t_dq:.3f} dq+moe {t_dq + t_dense:.3f} (moe on bf16 copy {t_dense:.3f})",
-              flush=True)
+        print(f"{fmt:12s} S={S} dq {t_dq:.3f} dq+moe {t_dq + t_dense:.3f} (moe on bf16 copy {t_dense:.3f}); "
+              f"decode kernel {t_dq_kernel:.3f} + moe {t_dq_kernel + t_dense:.3f}", flush=True)
         del dense
     except Exception as e:  # keep going through the sweep
       print(f"{fmt} S={S}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
@@ -231,6 +232,8 @@ def format_variants(base: Config) -> dict[str, Config]:
          "bm256_bn64": r(base, block_m=256, adaptive_tile=False, block_n=64, num_warps=8),
          "bm256_bn64_s2": r(base, block_m=256, adaptive_tile=False, block_n=64, num_warps=8, num_stages=2),
          "bm256_bn128": r(base, block_m=256, adaptive_tile=False, num_warps=8, num_stages=2),
+         "bm256_bn128_s3": r(base, block_m=256, adaptive_tile=False, block_n=128, num_warps=8),
+         "bm128_bn128": r(base, block_m=128, block_n=128, num_warps=8),
          "bm256_bn64_w4": r(base, block_m=256, adaptive_tile=False, block_n=64, num_warps=4),
          "bm256_bn64_k32": r(base, block_m=256, adaptive_tile=False, block_n=64, block_k=32, num_warps=8),
          "bm256_bn64_k128": r(base, block_m=256, adaptive_tile=False, block_n=64, block_k=128, num_warps=8,
