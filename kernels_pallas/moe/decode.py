@@ -12,7 +12,7 @@ One program decodes a [block_n, block_k] tile of one expert (grid E × N/bn × K
   weight (a where chain over both books, a UE4M3 decode, a multiply), which leaves XLA's decode ALU-bound on the H200
   (experiments/bench_decode.py, BENCHMARKS.md). Planes and output are handled in the format's half-block view (row-
   major views of the storage and of [E, N, K]), so the kernel reshapes nothing.
-* Every other format: the grouped kernels' tile loader (the canonical decode on the tile).
+* Every other format: `dequantize_tiles`, the grouped kernels' tile loader alone (the canonical decode on a tile).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ds4jax.quant.rocmfp_layout import HALF
-from kernels_pallas.moe.quantized_weights import HALF_BLOCK_FORMATS, QuantizedExpertWeights, half_views
+from kernels_pallas.moe.quantized_weights import (HALF_BLOCK_FORMATS, QuantizedExpertWeights, dequantize_tiles,
+                                                  half_views)
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
@@ -68,15 +69,6 @@ def _mix_kernel(*refs, fmt_name: str, block_n: int, block_k: int, dtype):
   plt.store(out_ref.at[e, rows, halves], fmt.dequantize_halves(*planes, scales, books, mode_ref[e], dtype))
 
 
-def _tile_kernel(*refs, load, block_n: int, block_k: int, dtype):
-  *w_refs, out_ref = refs
-  e, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  n0 = pl.multiple_of(i * block_n, block_n)
-  k0 = pl.multiple_of(j * block_k, block_k)
-  tile = load(w_refs, e, n0, k0, block_n=block_n, block_k=block_k, dtype=dtype)
-  plt.store(out_ref.at[e, pl.ds(n0, block_n), pl.ds(k0, block_k)], tile)
-
-
 @functools.partial(jax.jit, static_argnames=("dtype", "tiling", "interpret"))
 def decode_stack(w: QuantizedExpertWeights, dtype=jnp.bfloat16, *, tiling: Tiling | None = None,
                  interpret: bool = False) -> jax.Array:
@@ -84,21 +76,16 @@ def decode_stack(w: QuantizedExpertWeights, dtype=jnp.bfloat16, *, tiling: Tilin
   tiling = tiling or default_tiling(w.fmt_name, w.shape)
   bn, bk = tiling.block_n, tiling.block_k
   w.check_blocks(bn, bk, "decode_stack")
-  E, N, K = w.shape
   dtype = jnp.dtype(dtype)
-  params = plt.CompilerParams(num_warps=tiling.num_warps, num_stages=1)
-  grid = (E, N // bn, K // bk)
-  if w.fmt_name in HALF_BLOCK_FORMATS:
-    fmt = HALF_BLOCK_FORMATS[w.fmt_name]
-    s = half_views(w.fmt_name, w.storage)
-    out = pl.pallas_call(
-        functools.partial(_mix_kernel, fmt_name=w.fmt_name, block_n=bn, block_k=bk, dtype=dtype),
-        out_shape=jax.ShapeDtypeStruct((E, N, K // HALF, *fmt.HALF_WEIGHTS), dtype),
-        grid=grid, interpret=interpret, name=f"moe_decode_{w.fmt_name}", compiler_params=params,
-    )(*(s[n] for n in fmt.HALF_VIEWS), s["scales"], s["books"], s["mode"])
-    return out.reshape(E, N, K)
-  return pl.pallas_call(
-      functools.partial(_tile_kernel, load=w.loader(), block_n=bn, block_k=bk, dtype=dtype),
-      out_shape=jax.ShapeDtypeStruct((E, N, K), dtype), grid=grid, interpret=interpret,
-      name=f"moe_decode_{w.fmt_name}", compiler_params=params,
-  )(*w.operands)
+  if w.fmt_name not in HALF_BLOCK_FORMATS:
+    return dequantize_tiles(w, block_n=bn, block_k=bk, dtype=dtype, num_warps=tiling.num_warps, interpret=interpret)
+  E, N, K = w.shape
+  fmt = HALF_BLOCK_FORMATS[w.fmt_name]
+  s = half_views(w.fmt_name, w.storage)
+  out = pl.pallas_call(
+      functools.partial(_mix_kernel, fmt_name=w.fmt_name, block_n=bn, block_k=bk, dtype=dtype),
+      out_shape=jax.ShapeDtypeStruct((E, N, K // HALF, *fmt.HALF_WEIGHTS), dtype), grid=(E, N // bn, K // bk),
+      interpret=interpret, name=f"moe_decode_{w.fmt_name}",
+      compiler_params=plt.CompilerParams(num_warps=tiling.num_warps, num_stages=1),
+  )(*(s[n] for n in fmt.HALF_VIEWS), s["scales"], s["books"], s["mode"])
+  return out.reshape(E, N, K)

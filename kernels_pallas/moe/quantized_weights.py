@@ -5,10 +5,11 @@
     dense = dequantize_to_dense(w)              # the "dequantize-then-matmul" path: bf16 DenseWeights, same values
 
 In the kernel, `load(refs, e, n0, k0, block_n=bn, block_k=bk, dtype)` loads the [bn, bk] tile's slice of EVERY
-storage array of expert e (codes / scales planes at their packing, the expert's books and mode) and calls the format
-module's canonical `dequantize` (ds4jax.quant.<format>.dequantize, the function the reference uses) on those tiles,
-so the kernel's weights are bit-identical to `formats.get(fmt).dequantize(**arrays)`
-(`dequantize_tiles` below runs the loader alone, for that check and as a Pallas decode of a whole stack).
+storage array of expert e (codes / scales planes at their packing, the expert's books and mode) and decodes them: the
+MIX formats by their `dequantize_halves` (the same products as the canonical decode, each half-block's made once),
+the others by the format module's canonical `dequantize` (the function the reference uses). Either way the kernel's
+weights are bit-identical to `formats.get(fmt).dequantize(**arrays)` (`dequantize_tiles` below runs the loader
+alone, for that check).
 
 Tile geometry, per storage array of an [E, N, K] stack (tile = rows [n0, n0+bn), columns [k0, k0+bk)):
 
