@@ -6,17 +6,16 @@
 Times the decode of one V4-Flash layer's routed experts (gate and up: rocmfp2_mix [256, 2048, 4096]; down:
 rocmfp3_mix [256, 4096, 2048]):
 
-  canonical   the format's own dequantize in XLA (a where chain over the 2K book levels, as the Pallas kernels run it)
-  per_half    level x scale for each of the K codes once per 16-weight half-block, then one select per weight
-              (the same products, so the same bits; XLA)
-  lookup      one gather per weight from a per-expert table of level x scale [E, 256 meta bytes, K codes]. The
-              table holds the canonical decode's own products, so the result is bit-identical. XLA only.
-  tiles_*     the Pallas kernel `dequantize_tiles` (the grouped kernels' tile loader alone, so the canonical decode),
-              one [bn, bk] tile per program, bf16 out, at its best tiling of 2026-12-01
-  kernel_*    `kernels_pallas.moe.decode.decode_stack` (what `moe_decode_kernel` runs): the K values of each
-              half-block made once, a select tree per weight, at a few tilings and warp counts
-  write       the unpacked codes cast to bf16: the same output write with almost no arithmetic (the floor)
+  canonical   the format's own dequantize in XLA (level and scale chosen per weight)
+  halves      the format's `dequantize_halves` in XLA (each half-block's K values made once, a select tree per
+              weight: the arithmetic of the kernels below)
+  tiles_*     the Pallas kernel `dequantize_tiles` (the grouped kernels' tile loader alone), one [bn, bk] tile per
+              program, at its best tiling of 2026-12-01
+  kernel_*    `kernels_pallas.moe.decode.decode_stack` (what `moe_decode_kernel` runs): the half-block decode in its
+              reshape-free view, at a few tilings and warp counts
+  write       the unpacked codes cast to bf16: the same output write with almost no arithmetic
 
+(The 2026-12-01 file also has `per_half` and `lookup`, XLA experiments replaced by `halves`.)
 Every variant's bf16 output is checked bit for bit against the canonical one. `--smoke` runs small shapes on any
 device (the CPU check of the script; the Pallas variant then runs in interpret mode). Results are rewritten after
 every weight.
@@ -27,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from ds4jax.quant import bitplanes, rocmfp2, rocmfp2_mix, rocmfp3, rocmfp3_mix, ue4m3
-from ds4jax.quant.rocmfp_layout import HALF
+from ds4jax.quant import bitplanes, rocmfp2_mix, rocmfp3, rocmfp3_mix
 from experiments import run_record, timing
 from kernels_pallas.moe import decode, quantized_weights
 
@@ -36,13 +34,12 @@ _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per variant (median).")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Small shapes (checks the script on a CPU).")
 
-# name -> (format module, uniform-mode level of a code, unpack codes, weight shape at V4-Flash, smoke shape)
+# name -> (format module, unpack codes, weight shape at V4-Flash, smoke shape)
 WEIGHTS = {
-    "gate_up (rocmfp2_mix)": (rocmfp2_mix, lambda c: rocmfp2.levels(c, False),
-                              lambda s: bitplanes.unpack(s["codes"], 2), (256, 2048, 4096), (4, 64, 256)),
-    "down (rocmfp3_mix)": (rocmfp3_mix, rocmfp3.levels,
-                           lambda s: rocmfp3.unpack_codes(s["codes_lo"], s["codes_hi"]), (256, 4096, 2048),
-                           (4, 256, 128)),
+    "gate_up (rocmfp2_mix)": (rocmfp2_mix, lambda s: bitplanes.unpack(s["codes"], 2), (256, 2048, 4096),
+                              (4, 64, 256)),
+    "down (rocmfp3_mix)": (rocmfp3_mix, lambda s: rocmfp3.unpack_codes(s["codes_lo"], s["codes_hi"]),
+                           (256, 4096, 2048), (4, 256, 128)),
 }
 
 
@@ -61,43 +58,6 @@ def random_storage(key, fmt, shape) -> dict[str, jnp.ndarray]:
   return out
 
 
-def lookup_table(books, mode, uniform_level) -> jnp.ndarray:
-  """f32 [E, 256, K]: the value of code k under meta byte m in expert e, as the canonical decode computes it
-  (level and scale chosen first, then one multiply)."""
-  k = books.shape[-1]
-  meta = jnp.arange(256, dtype=jnp.int32)
-  book_level = books.astype(jnp.float32)[:, meta >> 7, :]                       # [E, 256, K]
-  mix = book_level * ue4m3.decode(meta & 0x7F)[None, :, None]
-  uniform = uniform_level(jnp.arange(k, dtype=jnp.int32))[None, None, :] * ue4m3.decode(meta)[None, :, None]
-  return jnp.where((mode != 0)[:, None, None], mix, uniform)
-
-
-def lookup_decode(codes, scales, table) -> jnp.ndarray:
-  """f32 W [E, out, in] from int codes [E, out, in], meta bytes [E, out, in/16] and `lookup_table`: one gather."""
-  E, k = table.shape[0], table.shape[-1]
-  meta = bitplanes.repeat_last(scales.astype(jnp.int32), HALF)
-  expert = jax.lax.broadcasted_iota(jnp.int32, codes.shape, 0)
-  idx = (expert * 256 + meta) * k + codes
-  return table.reshape(E * 256 * k).at[idx].get(mode="promise_in_bounds")
-
-
-def per_half_decode(codes, scales, books, mode, uniform_level) -> jnp.ndarray:
-  """f32 W [E, out, in]: the K candidate values level x scale of every half-block (the canonical decode's products),
-  then a where chain over the codes picks one per weight."""
-  meta = scales.astype(jnp.int32)
-  uniform = (mode == 0)[:, None, None]
-  scale = ue4m3.decode(jnp.where(uniform, meta, meta & 0x7F))
-  select = (meta & 0x80) != 0
-  b = books.astype(jnp.float32)
-  out = None
-  for k in range(b.shape[-1]):
-    level = jnp.where(uniform, uniform_level(jnp.int32(k)),
-                      jnp.where(select, b[:, 1, k][:, None, None], b[:, 0, k][:, None, None]))
-    value = bitplanes.repeat_last(level * scale, HALF)
-    out = value if out is None else jnp.where(codes == k, value, out)
-  return out
-
-
 def same_bits(a, b) -> bool:
   """Equal bit patterns (so -0.0 differs from 0.0), any float dtype."""
   a, b = jnp.asarray(a), jnp.asarray(b)
@@ -111,19 +71,18 @@ KERNEL_TILINGS = ((64, 256, 8), (32, 256, 4), (32, 512, 8), (16, 256, 2), (16, 5
                   (8, 256, 1), (16, 512, 2), (32, 512, 4), (32, 1024, 8))  # (bn, bk, warps)
 
 
-def variants(fmt_name, fmt, uniform_level, unpack, shape, smoke: bool):
+def variants(fmt_name, fmt, unpack, shape, smoke: bool):
   bf16 = jnp.bfloat16
+  module = quantized_weights.HALF_BLOCK_FORMATS[fmt_name]
   out = dict(
       canonical=jax.jit(lambda s: fmt.dequantize(**s).astype(bf16)),
-      per_half=jax.jit(lambda s: per_half_decode(unpack(s), s["scales"], s["books"], s["mode"],
-                                                 uniform_level).astype(bf16)),
-      lookup=jax.jit(lambda s: lookup_decode(unpack(s), s["scales"],
-                                             lookup_table(s["books"], s["mode"], uniform_level)).astype(bf16)))
+      halves=jax.jit(lambda s: module.dequantize_halves(**quantized_weights.half_views(fmt_name, s),
+                                                        dtype=bf16).reshape(shape)))
   as_weights = lambda s: quantized_weights.QuantizedExpertWeights.from_storage(fmt_name, s, shape)
   bn, bk, warps = (16, 128, 4) if smoke else TILES
   out[f"tiles_{bn}x{bk}_w{warps}"] = lambda s, bn=bn, bk=bk, warps=warps: quantized_weights.dequantize_tiles(
       as_weights(s), block_n=bn, block_k=bk, dtype=bf16, num_warps=warps, interpret=smoke)
-  for bn, bk, warps in ((16, 128, 4), (32, 128, 8)) if smoke else KERNEL_TILINGS:
+  for bn, bk, warps in ((16, 128, 4),) if smoke else KERNEL_TILINGS:
     tiling = decode.Tiling(bn, bk, warps)
     out[f"kernel_{bn}x{bk}_w{warps}"] = lambda s, t=tiling: decode.decode_stack(as_weights(s), bf16, tiling=t,
                                                                                  interpret=smoke)
@@ -134,13 +93,13 @@ def variants(fmt_name, fmt, uniform_level, unpack, shape, smoke: bool):
 def main(argv):
   del argv
   out = dict(env=run_record.environment(), smoke=_SMOKE.value, repeats=_REPEATS.value, weights={})
-  for i, (name, (fmt, uniform_level, unpack, shape, smoke_shape)) in enumerate(WEIGHTS.items()):
+  for i, (name, (fmt, unpack, shape, smoke_shape)) in enumerate(WEIGHTS.items()):
     fmt_name = fmt.__name__.rsplit(".", 1)[-1]  # the registry name is the module's
     shape = smoke_shape if _SMOKE.value else shape
     storage = random_storage(jax.random.key(i), fmt, shape)
     rec = dict(shape=list(shape), bf16_bytes=2 * int(np.prod(shape)),
                storage_bytes=sum(int(a.size) * a.dtype.itemsize for a in storage.values()), bit_identical={}, ms={})
-    fns = variants(fmt_name, fmt, uniform_level, unpack, shape, _SMOKE.value)
+    fns = variants(fmt_name, fmt, unpack, shape, _SMOKE.value)
     want = fns["canonical"](storage)
     for vname, f in fns.items():
       if vname != "write":
