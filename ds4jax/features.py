@@ -203,6 +203,8 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # 4685 at 122879; one band is the same program either way (trace_prefill, BENCHMARKS.md).
     # indexer_radix_topk: one CSA layer's top-k at 128K context 5.8 vs 19.1 ms (sort), at 8K 0.75 vs 1.15 ms, the
     # same ids (bench_attention, BENCHMARKS.md).
+    # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
+    # (bench_decode, BENCHMARKS.md); the whole prefill with it has not run yet.
     "sm_90": _row(_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE,
                   (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.

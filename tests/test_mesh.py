@@ -25,7 +25,8 @@ EXPERT_FORMAT = "rocmfp3_mix"  # quantized experts: codes, scales, codebooks and
 # Sharded runs: the exact path; every switch the CPU advertises at once (f32 operands: the MoE kernels with the
 # in-kernel decode of the quantized experts inside the expert shard_map, the indexer and sparse MLA kernels on
 # replicated inputs or inside the query shard_map; the one layer is a CSA layer, so every kernel runs); dequantize-then-matmul with
-# weights-stationary bands (the experts decoded once per layer, outside the layer step, kept split). Each is a compile
+# weights-stationary bands (the experts decoded once per layer by the decode kernel, each device its own, outside
+# the layer step, kept split). Each is a compile
 # of its own, so each takes one mesh size (both sizes are covered), and all are held to the one-device exact path:
 # in f32 these switches change kernels, not math (tests/test_model_features.py holds them within NMSE 1e-10 of it).
 ALL_CPU = {"moe_sparse_gate_up": True, "moe_adaptive_tile": True, "moe_compact_queue": True,
@@ -40,8 +41,8 @@ SHARDED = {
     # Bands of 12 after the first start at s0 = 12 (a cache to attend to); 6 queries per device are not a whole
     # number of 4-query chunks, so each device attends in chunks of gcd(6, 4) = 2.
     "exact_bands_of_12_in_chunks_of_4/query=2": ({"prefill_band_tokens": 12, "long_context_chunk": 4}, "query=2"),
-    "stationary_decoded/expert=4": ({"moe_compact_queue": True, "prefill_weights_stationary": True,
-                                     "prefill_band_tokens": 8}, "expert=4"),
+    "stationary_decoded/expert=4": ({"moe_compact_queue": True, "moe_decode_kernel": True,
+                                     "prefill_weights_stationary": True, "prefill_band_tokens": 8}, "expert=4"),
 }
 TOKENS = 16
 TRAINED = os.path.join(REPO, "experiments", "checkpoints", "tiny_stdlib")

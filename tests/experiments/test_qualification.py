@@ -657,7 +657,7 @@ def test_qual_cfg():
   assert (o.preset, o.quant_policy, o.dtype) == ("v4_flash", "lucebox_mix", "bf16")
   assert o.lengths == (8192, 32768, 122879) and o.warmups >= 2 and o.repeats >= 3 and o.append
   assert 0 < o.max_cold_s <= 120  # the f32 path is recorded too slow, never timed for minutes per call
-  assert o.out == "experiments/results/qual_v4flash_h200_wave2b.json"
+  assert o.out == "experiments/results/qual_v4flash_h200_wave2c.json"
   assert 0 < o.parity_prefix_tokens <= o.exact_max_tokens < 8192 and o.verdict_tokens <= o.exact_max_tokens
   assert len(o.mutations) >= 3
   cfg = qualify.start_up(dataclasses.replace(o, device_class="sm_90")).cfg
