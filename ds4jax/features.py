@@ -195,8 +195,9 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     "rdna35_other": _row(set(), set()),
     "rocm_other": _row(set(), set()),
     # Defaults: persistent is experimental (as upstream); the fused quantized gate/up is slower than
-    # dequantize-then-matmul on the H200 (rocmfp2_mix MoE at 8192 tokens: 31.5 vs 17.5 ms, bench_moe), because
-    # the in-tile MIX decode is ALU-bound there while HBM is not the bottleneck it is on gfx1151.
+    # decode-then-matmul on the H200 (rocmfp2_mix MoE with the half-block loader: 15.3 vs 11.9 ms at 8192 tokens,
+    # 48.4 vs 27.0 at 32768, tune_moe), because the in-tile MIX decode is ALU-bound there while HBM is not the
+    # bottleneck it is on gfx1151.
     # bf16_matmul is on by default: f32 operands make the MoE kernels run IEEE f32 dots (no tensor cores) and the
     # projections HIGHEST-precision f32 GEMMs; V4-Flash all_on at 8192 tokens ran at 90 tok/s that way.
     # prefill_weights_stationary: all_on V4-Flash (lucebox_mix) 7558 vs 5757 tok/s at 32768 tokens and 6142 vs
@@ -204,7 +205,7 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # indexer_radix_topk: one CSA layer's top-k at 128K context 5.8 vs 19.1 ms (sort), at 8K 0.75 vs 1.15 ms, the
     # same ids (bench_attention, BENCHMARKS.md).
     # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
-    # (bench_decode, BENCHMARKS.md); the whole prefill with it has not run yet.
+    # (bench_decode); all_on V4-Flash at 8192 tokens 7849 vs 6633 tok/s, at 122879 8141 vs 8006 (trace_prefill).
     "sm_90": _row(_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE,
                   (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.

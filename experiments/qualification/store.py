@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ds4jax import features as features_lib
 from ds4jax import mesh as mesh_lib
 from experiments import processes, run_record
 from experiments.qualification import report
@@ -169,6 +170,8 @@ class ExactPrefixes:
     out = {}
     with np.load(self.path) as z:
       for meta in json.loads(str(z["meta"])):
+        # A switch added after the file was written did not exist then, so that path was off.
+        meta["features"] = {s: False for s in features_lib.SWITCHES} | meta["features"]
         n, noise = meta["tokens"], meta.get("input_noise", 0.0)
         if meta == self._meta(n, noise):
           out[self._name(n, noise)] = (meta, np.asarray(z[self._name(n, noise)]))

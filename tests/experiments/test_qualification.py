@@ -742,6 +742,23 @@ def test_exact_prefix_store_creates_its_directory(tmp_path):
     again.get(33)
 
 
+def test_exact_prefix_store_reads_a_file_from_before_a_switch_existed(tmp_path):
+  """A switch added since the file was written was off then: the exact path's logits still match; a feature set
+  with a value the file contradicts does not."""
+  path = str(tmp_path / "r.exact.npz")
+  ids = np.arange(1, 33, dtype=np.int32)
+  store.ExactPrefixes(ids, EXACT, "fp", path, lambda i, noise: FakeRunner.final(i, EXACT), lambda s: None).get(16)
+  with np.load(path) as z:
+    arrays = {k: z[k] for k in z.files}
+  meta = json.loads(str(arrays.pop("meta")))
+  del meta[0]["features"]["moe_decode_kernel"]
+  np.savez(path, meta=json.dumps(meta), **arrays)
+  assert store.ExactPrefixes(ids, EXACT, "fp", path, lambda i, noise: 1 / 0, lambda s: None).has(16)
+  meta[0]["features"]["bf16_matmul"] = True
+  np.savez(path, meta=json.dumps(meta), **arrays)
+  assert not store.ExactPrefixes(ids, EXACT, "fp", path, lambda i, noise: 1 / 0, lambda s: None).has(16)
+
+
 def test_noise_floor_is_measured_once_and_stays_information(tmp_path, tiny_model):
   """The exact path with perturbed input, against itself: once per parity length, stored, shown in the table; the
   verdicts do not depend on it."""
