@@ -115,13 +115,17 @@ def stages(sh, cfg, args):
               combine=timeit(cb, out, w, r))
 
 
-def timed(sh, cfg, args, S) -> str:
-  """The whole MoE under `cfg`: median ms, useful TFLOP/s (2·S·K·D·I·3), the gate/up's TFLOP/s, each stage's ms."""
+def timed(sh, cfg, args, S, against=None) -> tuple[str, jax.Array]:
+  """The whole MoE under `cfg`: median ms, useful TFLOP/s (2·S·K·D·I·3), the gate/up's TFLOP/s, each stage's ms
+  (and the output's NMSE against `against`, another config's output); returns the line and the output."""
   f = jax.jit(lambda *args: api._moe(*args, None, swiglu_limit=LIMIT, config=cfg, interpret=sh.interpret))
   ms, st = timeit(f, *args), stages(sh, cfg, args)
+  y = f(*args)
   flops = 2 * S * K * sh.D * sh.I * 3
+  vs = "" if against is None else f" | NMSE vs default {nmse(y, against):.1e}"
   return (f"{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s | gate/up {flops * 2 / 3 / st['gate_up'] / 1e9:6.1f} "
-          f"TFLOP/s | " + " ".join(f"{k} {v:.3f}" for k, v in st.items()) + f" | bm={cfg.row_tile(S * K, sh.E)}")
+          f"TFLOP/s | " + " ".join(f"{k} {v:.3f}" for k, v in st.items()) + f" | bm={cfg.row_tile(S * K, sh.E)}"
+          + vs), y
 
 
 def main(argv):
@@ -175,7 +179,7 @@ def main(argv):
       variants = {k: v for k, v in variants.items() if k in _VARIANTS.value}
     for name, cfg in variants.items():
       try:
-        print(f"S={S} {name:18s} {timed(sh, cfg, args, S)} {cfg}", flush=True)
+        print(f"S={S} {name:18s} {timed(sh, cfg, args, S)[0]} {cfg}", flush=True)
       except Exception as e:  # keep going through the sweep
         print(f"S={S} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
 
@@ -202,9 +206,12 @@ def bench_format(sh, fmt, tokens):
       args = problem(sh, S, fmt=fmt)
       base = Config.default(num_tokens=S, top_k=K, num_experts=sh.E, hidden=sh.D, intermediate=sh.I,
                             decodes_weights=fmt != "bf16")  # what the model ships for these weights
+      first = None  # the first variant's output: every other variant is checked against it
       for name, cfg in format_variants(base).items():
         try:
-          print(f"{fmt:12s} S={S} {name:14s} {timed(sh, cfg, args, S)}", flush=True)
+          line, y = timed(sh, cfg, args, S, first)
+          first = y if first is None else first
+          print(f"{fmt:12s} S={S} {name:14s} {line}", flush=True)
         except Exception as e:  # keep going through the variants
           print(f"{fmt} S={S} {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
       if fmt != "bf16":  # the bf16 copy runs the bf16 default
@@ -245,7 +252,15 @@ def format_variants(base: Config) -> dict[str, Config]:
          "bk128_s2": r(base, block_k=128, num_stages=2),
          "w4": r(base, num_warps=4),
          "s2": r(base, num_stages=2),
-         "s4": r(base, num_stages=4)}
+         "s4": r(base, num_stages=4),
+         # the weight tile as the dot's left operand (Config.weights_lhs): gate/up holds two [bn, bm] f32
+         # accumulators, so bn·bm ≤ 128·128 at 8 warps (offline sm_90 compile: no spills for FP2-MIX)
+         "lhs_bn128_bm64": r(base, weights_lhs=True, block_n=128, block_m=64, down_block_n=128),
+         "lhs_bn128_bm128_k32": r(base, weights_lhs=True, block_n=128, block_m=128, block_k=32, down_block_n=128,
+                                  down_block_k=32),
+         "lhs_bn64_bm64_w4": r(base, weights_lhs=True, block_n=64, block_m=64, num_warps=4, down_block_n=64),
+         "lhs_bn128_bm64_s4": r(base, weights_lhs=True, block_n=128, block_m=64, down_block_n=128, num_stages=4),
+         "lhs_bn128_bm128": r(base, weights_lhs=True, block_n=128, block_m=128, down_block_n=128)}
   return {k: v for k, v in out.items() if k in (_VARIANTS.value or ["default"])}
 
 if __name__ == "__main__":
