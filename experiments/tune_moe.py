@@ -252,15 +252,7 @@ def format_variants(base: Config) -> dict[str, Config]:
          "bk128_s2": r(base, block_k=128, num_stages=2),
          "w4": r(base, num_warps=4),
          "s2": r(base, num_stages=2),
-         "s4": r(base, num_stages=4),
-         # the weight tile as the dot's left operand (Config.weights_lhs): gate/up holds two [bn, bm] f32
-         # accumulators, so bn·bm ≤ 128·128 at 8 warps (offline sm_90 compile: no spills for FP2-MIX)
-         "lhs_bn128_bm64": r(base, weights_lhs=True, block_n=128, block_m=64, down_block_n=128),
-         "lhs_bn128_bm128_k32": r(base, weights_lhs=True, block_n=128, block_m=128, block_k=32, down_block_n=128,
-                                  down_block_k=32),
-         "lhs_bn64_bm64_w4": r(base, weights_lhs=True, block_n=64, block_m=64, num_warps=4, down_block_n=64),
-         "lhs_bn128_bm64_s4": r(base, weights_lhs=True, block_n=128, block_m=64, down_block_n=128, num_stages=4),
-         "lhs_bn128_bm128": r(base, weights_lhs=True, block_n=128, block_m=128, down_block_n=128)}
+         "s4": r(base, num_stages=4)}
   return {k: v for k, v in out.items() if k in (_VARIANTS.value or ["default"])}
 
 if __name__ == "__main__":

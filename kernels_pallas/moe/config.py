@@ -36,11 +36,6 @@ class Config:
                 bf16 weights run exact f32 dots (IEEE, not TF32), bf16 with bf16 run bf16 dots. Accumulation is f32.
   h_dtype       storage dtype of the SwiGLU output h [rows, I]; None = compute dtype.
   num_cores     SMs/CUs for the persistent grid; None = the default device's `core_count`, else 132 (H200).
-  weights_lhs   the weight tile is the dot's left operand: each program computes its output tile transposed
-                ([block_n, rows] = W · xᵀ), so the MMA's M runs over weight rows. On Hopper, wgmma takes its left
-                operand from registers, so a weight tile decoded in the kernel feeds the MMA without a round trip
-                through shared memory and the MMA stays asynchronous across K steps (offline sm_90 TTGIR: the
-                dot waits drop from pendings=0 to 3). For in-kernel decoded weights; bf16 weights gain nothing.
   tile_order    "n" or "item": which work index varies fastest in launch order (see _schedule.py). "n" (all N
                 tiles of an item run together, so its activation tile is read once) measured 14% faster than
                 "item" on the H200 at V4-Flash shapes (8192 tokens: 6.8 vs 8.0 ms; down 2.3 vs 3.2 ms).
@@ -64,7 +59,6 @@ class Config:
   compute_dtype: str | None = None
   h_dtype: str | None = None
   tile_order: str = "n"
-  weights_lhs: bool = False
 
   # ---- resolved values -------------------------------------------------------------------------------------
   @property

@@ -36,7 +36,7 @@ I32 = jnp.int32
 
 def _down_kernel(item_expert_ref, item_start_ref, item_end_ref, num_items_ref, h_ref, *refs, load_w2,
                  block_m: int, block_n: int, block_k: int, i_dim: int, n_tiles: int, persistent: bool,
-                 num_programs: int, tile_order: str, cdt, weights_lhs: bool):
+                 num_programs: int, tile_order: str, cdt):
   w2_refs, (out_ref,) = refs[:-1], refs[-1:]
 
   def unit(i, j):
@@ -52,13 +52,9 @@ def _down_kernel(item_expert_ref, item_start_ref, item_end_ref, num_items_ref, h
         k0 = pl.multiple_of(kk * block_k, block_k)
         ht = plt.load(h_ref.at[pl.ds(start, block_m), pl.ds(k0, block_k)], mask=rmask[:, None], other=0)
         wt = load_w2(w2_refs, e, n0, k0, block_n=block_n, block_k=block_k, dtype=cdt)
-        if weights_lhs:  # [bn, bm] (Config.weights_lhs)
-          return acc + dot_nt(wt, ht.astype(cdt), cdt)
         return acc + dot_nt(ht.astype(cdt), wt, cdt)
 
-      shape = (block_n, block_m) if weights_lhs else (block_m, block_n)
-      acc = jax.lax.fori_loop(0, i_dim // block_k, step, jnp.zeros(shape, F32))
-      acc = acc.T if weights_lhs else acc
+      acc = jax.lax.fori_loop(0, i_dim // block_k, step, jnp.zeros((block_m, block_n), F32))
       plt.store(out_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], acc.astype(out_ref.dtype),
                 mask=rmask[:, None])
 
@@ -99,7 +95,7 @@ def down(h: jax.Array, w2, r: Routing, *, config: Config, compute_dtype=None, in
                         num_programs=P, tile_order=config.tile_order)
   kernel = functools.partial(_down_kernel, load_w2=w2.loader(), block_m=bm, block_n=bn, block_k=bk, i_dim=I,
                              n_tiles=n_tiles, persistent=config.persistent, num_programs=P,
-                             tile_order=config.tile_order, cdt=cdt, weights_lhs=config.weights_lhs)
+                             tile_order=config.tile_order, cdt=cdt)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((r.num_routes, D), F32), grid=grid, interpret=interpret,
       name=name + ("_persistent" if config.persistent else ""),

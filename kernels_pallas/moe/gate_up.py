@@ -66,7 +66,7 @@ def resolve_dtypes(x_dtype, weights: ExpertWeights, config: Config):
 
 def _kernel(item_expert_ref, item_start_ref, item_end_ref, num_items_ref, token_ref, x_ref, *refs,
             n_w1: int, load_w1, load_w3, limit: float, block_m: int, block_n: int, block_k: int, d: int,
-            n_tiles: int, persistent: bool, num_programs: int, tile_order: str, cdt, weights_lhs: bool):
+            n_tiles: int, persistent: bool, num_programs: int, tile_order: str, cdt):
   w1_refs, w3_refs, (h_ref,) = refs[:n_w1], refs[n_w1:-1], refs[-1:]
 
   def unit(i, j):
@@ -88,14 +88,11 @@ def _kernel(item_expert_ref, item_start_ref, item_end_ref, num_items_ref, token_
         xt = plt.load(x_ref.at[tok[:, None], cols[None, :]], mask=rmask[:, None], other=0).astype(cdt)
         w1t = load_w1(w1_refs, e, n0, k0, block_n=block_n, block_k=block_k, dtype=cdt)
         w3t = load_w3(w3_refs, e, n0, k0, block_n=block_n, block_k=block_k, dtype=cdt)
-        if weights_lhs:  # [bn, bm]: the decoded tile goes to the MMA from registers (Config.weights_lhs)
-          return a1 + dot_nt(w1t, xt, cdt), a3 + dot_nt(w3t, xt, cdt)
         return a1 + dot_nt(xt, w1t, cdt), a3 + dot_nt(xt, w3t, cdt)
 
-      zeros = jnp.zeros((block_n, block_m) if weights_lhs else (block_m, block_n), F32)
+      zeros = jnp.zeros((block_m, block_n), F32)
       a1, a3 = jax.lax.fori_loop(0, d // block_k, step, (zeros, zeros))
       h = clamped_swiglu(a1, a3, limit)
-      h = h.T if weights_lhs else h
       plt.store(h_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], h.astype(h_ref.dtype), mask=rmask[:, None])
 
   _schedule.run(unit, persistent=persistent, num_items_ref=num_items_ref, n_tiles=n_tiles,
@@ -143,7 +140,7 @@ def gate_up(x: jax.Array, w1, w3, r: Routing, *, swiglu_limit: float, config: Co
   kernel = functools.partial(
       _kernel, n_w1=len(w1.operands), load_w1=w1.loader(), load_w3=w3.loader(), limit=float(swiglu_limit),
       block_m=bm, block_n=bn, block_k=bk, d=D, n_tiles=n_tiles, persistent=config.persistent, num_programs=P,
-      tile_order=config.tile_order, cdt=cdt, weights_lhs=config.weights_lhs)
+      tile_order=config.tile_order, cdt=cdt)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((r.num_routes, I), hdt), grid=grid, interpret=interpret,
       name=name + ("_persistent" if config.persistent else ""),

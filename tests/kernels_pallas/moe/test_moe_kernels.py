@@ -217,35 +217,6 @@ def test_pluggable_weight_format(rng):
     run({**p, "w1": dataclasses.replace(p["w1"], k_multiple=64)}, cfg)
 
 
-# ---- the weight tile as the dot's left operand ---------------------------------------------------------------
-
-@pytest.mark.parametrize("block_n, block_m", [(32, 32), (64, 16)], ids=["square", "wide"])
-def test_weights_lhs_stages_match_stage_references(rng, block_n, block_m):
-  """`Config.weights_lhs` computes each output tile transposed ([bn, bm] = W · xᵀ). Square tiles catch a missing
-  transpose (values land in the wrong rows without a shape error); the wide ones unequal tiles. Dense f32 weights
-  and a format decoded in the kernel (w1, w2), partial row tiles and masked routes."""
-  S = 48
-  K = TOP_K[S]
-  p = make_problem(rng, S, K, mask_every=5, all_masked=(3,))
-  fmt = lambda w: RowScaled(jnp.asarray(w).astype(jnp.bfloat16),
-                            jnp.asarray(rng.uniform(0.5, 2.0, w.shape[:2]), jnp.float32))
-  p["w1"], p["w2"] = fmt(p["w1"]), fmt(p["w2"])
-  cfg = dataclasses.replace(BASE, weights_lhs=True, block_n=block_n, down_block_n=block_n, block_m=block_m,
-                            adaptive_tile=False)
-  kcfg = api._kernel_config(cfg)
-  r = api._route(p["route_ids"], E, block_m)
-  n = int(r.num_rows[0])
-  assert n % block_m  # a partial row tile
-  h = api._gate_up(p["x"], p["w1"], p["w3"], r, swiglu_limit=LIMIT, config=kcfg, interpret=INTERPRET)
-  assert_parity(np.asarray(h)[:n],
-                np.asarray(gate_up.gate_up_reference(p["x"], p["w1"], p["w3"], r, swiglu_limit=LIMIT))[:n])
-  out = api._down(h, p["w2"], r, config=kcfg, interpret=INTERPRET)
-  assert_parity(np.asarray(out)[:n], np.asarray(down.down_reference(h, p["w2"], r))[:n])
-  y = run(p, cfg)
-  assert_parity(y, reference(p))
-  assert (y[3] == 0).all() and not np.signbit(y[3]).any()
-
-
 # ---- random shapes and routings ----------------------------------------------------------------------------------
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
