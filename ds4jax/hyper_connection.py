@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ds4jax.layers import F32, normal, rms_normalize
+from ds4jax.layers import F32, normal
+from kernels_pallas.precision import einsum
 
 # Random init near the identity-like values a trained model holds (docs/model.md §12): the mixing logits vary little
 # with the input (MIX_STD), post ~ 1 (each stream takes the sublayer's update), comb ~ the identity (each stream
@@ -16,7 +17,15 @@ from ds4jax.layers import F32, normal, rms_normalize
 MIX_STD = 0.1
 COMB_DIAGONAL = 4.0
 BASE_SPREAD = 0.1
-from kernels_pallas.precision import einsum
+
+
+def mix_logits(X: jnp.ndarray, fn: jnp.ndarray, norm_eps: float) -> jnp.ndarray:
+  """[S, n, D] streams -> [S, m] f32: `fn` applied to the unweighted RMSNorm of the flattened streams. Computed as
+  both references write it, the f32 matmul on the raw streams and then each row scaled, so no normalized f32 copy of
+  the streams is written (docs/model.md §8). The matmul stays f32 under bf16_matmul: the references run it in f32,
+  and the mixing weights feed a 20-round Sinkhorn and the residual streams of every later layer."""
+  xf = X.reshape(X.shape[0], -1).astype(F32)
+  return einsum("si,oi->so", xf, fn) * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
 
 
 def sinkhorn(logits: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
@@ -57,7 +66,7 @@ class HyperConnection(nnx.Module):
   def __call__(self, X: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """X: [S, n, D] -> (h [S, D] sublayer input, post [S, n], comb [S, n, n])."""
     n = self.n
-    mix = einsum("si,oi->so", rms_normalize(X.reshape(X.shape[0], -1), self.norm_eps), self.fn[...])
+    mix = mix_logits(X, self.fn[...], self.norm_eps)
     scale, base = self.scale[...], self.base[...]
     pre = jax.nn.sigmoid(mix[:, :n] * scale[0] + base[:n]) + self.eps
     post = 2.0 * jax.nn.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
@@ -81,6 +90,6 @@ class HyperHead(nnx.Module):
     self.scale = nnx.Param(jnp.ones((1,), F32))
 
   def __call__(self, X: jnp.ndarray) -> jnp.ndarray:
-    mix = einsum("si,oi->so", rms_normalize(X.reshape(X.shape[0], -1), self.norm_eps), self.fn[...])
+    mix = mix_logits(X, self.fn[...], self.norm_eps)
     pre = jax.nn.sigmoid(mix * self.scale[...] + self.base[...]) + self.eps
     return einsum("sn,snd->sd", pre, X.astype(F32))

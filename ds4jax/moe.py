@@ -37,7 +37,8 @@ class Router(nnx.Module):
         jax.lax.top_k(jax.random.uniform(rngs.params(), (cfg.vocab_size, E)), self.k)[1].astype(jnp.int32))
 
   def scores(self, x: jnp.ndarray) -> jnp.ndarray:
-    """[S, E] f32 affinities sqrt(softplus(x . w_e))."""
+    """[S, E] f32 affinities sqrt(softplus(x . w_e)). An f32 matmul under bf16_matmul too: both references compute
+    the router logits in f32 (docs/model.md §7), and they pick the experts."""
     return jnp.sqrt(jax.nn.softplus(matmul_t(x, self.weight[...])))
 
   def selection_scores(self, x: jnp.ndarray) -> jnp.ndarray:
