@@ -102,9 +102,14 @@ def main(argv):
     fns = variants(fmt_name, fmt, unpack, shape, _SMOKE.value)
     want = fns["canonical"](storage)
     for vname, f in fns.items():
-      if vname != "write":
-        rec["bit_identical"][vname] = same_bits(f(storage), want)
-      rec["ms"][vname] = timing.timeit(f, storage, n=_REPEATS.value)
+      try:
+        if vname != "write":
+          rec["bit_identical"][vname] = same_bits(f(storage), want)
+        rec["ms"][vname] = timing.timeit(f, storage, n=_REPEATS.value)
+      except Exception as e:  # noqa: BLE001 -- one tiling that does not compile must not stop the sweep
+        rec.setdefault("errors", {})[vname] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"{name} {vname}: FAILED {rec['errors'][vname]}", flush=True)
+        continue
       print(f"{name} {vname}: {rec['ms'][vname]:.2f} ms, bit-identical {rec['bit_identical'].get(vname)}",
             flush=True)
     rec["write_TB_per_s"] = {v: rec["bf16_bytes"] / (ms * 1e-3) / 1e12 for v, ms in rec["ms"].items()}
