@@ -36,8 +36,9 @@ class Tiling:
   num_warps: int = 8
 
 
-# Measured on the H200 at V4-Flash's stacks (bench_decode, BENCHMARKS.md): about 64 weights per thread did best.
-BEST = {"rocmfp2_mix": Tiling(32, 512, 8), "rocmfp3_mix": Tiling(16, 256, 2)}
+# Measured on the H200 at V4-Flash's stacks (bench_decode, BENCHMARKS.md): about 64 weights per thread did best, and
+# of those tiles the narrowest (8 rows of 512) for both formats.
+BEST = {"rocmfp2_mix": Tiling(8, 512, 2), "rocmfp3_mix": Tiling(8, 512, 2)}
 WEIGHTS_PER_WARP = 2048
 
 
