@@ -102,6 +102,27 @@ def _timing_cell(row: dict[str, Any]) -> str:
   return error_summary(row["error"], row["error_kind"]).replace("|", "/")
 
 
+def _unrecorded_verdicts(results) -> list[str]:
+  """Lines for verdicts whose configuration has no record yet (a call that ended after the verdict pass, before the
+  timed runs): the verdict is in the JSON, and the table says so too."""
+  recorded = {r.config for r in results.records}
+  latest = {}
+  for v in results.verdicts:
+    if v.config not in recorded and v.result != "not run":
+      latest[(v.config, v.tokens)] = v
+  lines = []
+  for (config, tokens), v in sorted(latest.items()):
+    worst = v.worst_layer or {}
+    tf = v.teacher_forced or {}
+    lines.append(f"- {config}: **{v.result}** on the first {tokens} tokens"
+                 + (f", worst layer {worst['layer']} {worst['update_nmse']:.1e} / {worst['bound']:.1e}"
+                    if worst else "")
+                 + (f", teacher-forced KL {tf['mean_kl']:.1e} / {tf['bound']:.1e}" if "mean_kl" in tf else "")
+                 + ("; " + "; ".join(v.reasons)[:160] if v.reasons else ""))
+  return (["", "Verdicts taken, not yet timed (no record; the run ended before its timed runs):"] + lines
+          if lines else [])
+
+
 def markdown_table(results) -> str:
   """The results as a markdown table (with the run's device, versions, model and prompt above it)."""
   records = results.records
@@ -137,6 +158,7 @@ def markdown_table(results) -> str:
     lines.append(f"| {row['length']} | {name} | {_fmt(row['tokens_per_s'], '.1f')} | "
                  f"{_fmt(row['speedup_vs_all_off'], '.2f')} | {_fmt(row['cold_s'], '.1f')} | {verdict} | {worst} | "
                  f"{tf} | {final} | {_timing_cell(row)} |")
+  lines += _unrecorded_verdicts(results)
   lines += ["", "verdict: each layer on the exact path's input streams with its routing and indexer choices pinned "
             "(update NMSE within 4x the bf16-operand reference math, or 1e-9 on f32 operands), every unpinned "
             "choice that differs a near-tie, and the teacher-forced KL over every position (choices pinned) within "

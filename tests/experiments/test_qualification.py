@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -729,6 +730,23 @@ def test_real_model_catches_every_planted_bug(tmp_path):
     assert r.status == "not_timed" and r.result == q.FAIL, (name, r.verdict.reasons)
     assert any(f"layer {r.verdict.mutation_layer}" in why for why in r.verdict.reasons), r.verdict.reasons
   assert lines[-1] == "verdicts: 1 pass, 0 fail, 0 not run; planted bugs: 6 of 6 caught" and not q.failed(doc)
+
+
+def test_table_shows_a_verdict_whose_run_was_not_timed():
+  """A call that ends after the verdict pass keeps the verdict in the JSON; the markdown says so, until a record of
+  that configuration exists."""
+  from experiments.qualification.records import Verdict
+  v = Verdict(result=q.PASS, tokens=4096, config="all_on",
+              worst_layer=dict(layer=6, update_nmse=1.4e-5, bound=5.6e-5),
+              teacher_forced=dict(mean_kl=6.1e-5, bound=1.8e-4))
+  results = store.Results(verdicts=[v, dataclasses.replace(v, config="kill_x", result=q.FAIL, reasons=("layer 3",))])
+  text = report.markdown_table(results)
+  assert "- all_on: **PASS** on the first 4096 tokens, worst layer 6 1.4e-05 / 5.6e-05, teacher-forced KL " \
+         "6.1e-05 / 1.8e-04" in text
+  assert "- kill_x: **FAIL** on the first 4096 tokens" in text and "; layer 3" in text
+  timed = store.Results(verdicts=[v], records=[types.SimpleNamespace(config="all_on")])  # only .config is read
+  assert not report._unrecorded_verdicts(timed)
+  assert not report._unrecorded_verdicts(store.Results(verdicts=[dataclasses.replace(v, result="not run")]))
 
 
 def test_exact_prefix_store_creates_its_directory(tmp_path):
