@@ -3,8 +3,10 @@ positions that put the band across the window's wrap and the compression windows
 caches (within bf16 rounding), and once through every fast path.
 
 One model (tiny with a window of 4, so that bands of 4 and 5 reach past it; CSA ratio 4, HCA ratio 8 standing in
-for V4's 128) and one state shape (capacity 128K, made for bands up to 8) for every f32 test: each band width is then
-one compile per layer kind for the whole file. bf16 caches and the fast paths compile programs of their own."""
+for V4's 128) and one state shape (capacity 64, made for bands up to 8) for every f32 test: each band width is then
+one compile per layer kind for the whole file. A step copies and scans its state's rows (~0.08 s per band at 128K
+positions on CPU, ~0.003 s at 64), so only the tests of positions near 128K hold a 128K state (bands of 1 and 3: their
+own programs). bf16 caches and the fast paths compile programs of their own."""
 
 import collections
 import dataclasses
@@ -20,9 +22,9 @@ from experiments import cache_memory
 
 PROMPT = 3  # decode runs from here to LENGTH, one token at a time
 LENGTH = 36
-CAPACITY = 131072
+CAPACITY = 131072  # the model's max_position_embeddings: the long-position tests' states
+STATES = 64  # the capacity of every other state (LENGTH and a band of up to 8 fit)
 WINDOW = 4
-BF16_CAPACITY = 64
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def tiny():
 def sequential(tiny):
   """Greedy decode from a 3-token prompt, one token per step: the states after each length and the tokens."""
   prompt = np.random.default_rng(3).integers(0, tiny.cfg.vocab_size, PROMPT)
-  state = decode.start(tiny, prompt, capacity=CAPACITY)
+  state = decode.start(tiny, prompt, capacity=STATES)
   states, tokens = {PROMPT: state}, list(prompt)
   while state.length < LENGTH:
     tokens.append(int(jnp.argmax(state.logits)))
@@ -54,9 +56,9 @@ def full(tiny, sequential):
 def bf16(tiny, sequential):
   """The same tokens decoded again on bf16 caches, one per step (teacher-forced, so that its logits compare with the
   prefill of those tokens): the states after each length. Its programs are its own (the cache dtype is part of
-  their signature), so its states are small: a step at 128K positions spends ~0.1 s copying and scanning rows."""
+  their signature)."""
   _, tokens = sequential
-  state = decode.start(tiny, tokens[:PROMPT], capacity=BF16_CAPACITY, cache_dtype=jnp.bfloat16)
+  state = decode.start(tiny, tokens[:PROMPT], capacity=STATES, cache_dtype=jnp.bfloat16)
   states = {PROMPT: state}
   while state.length < LENGTH:
     _, state = decode.extend(tiny, state, tokens[state.length:state.length + 1])
@@ -206,7 +208,7 @@ def test_a_state_keeps_its_model(tiny, sequential, full):
   states, tokens = sequential
   other = model.init_random(tiny.cfg, seed=4, dtype=jnp.float32)
   want = np.asarray(prefill.prefill(other, tokens, all_logits=True))
-  state = decode.start(other, tokens[:PROMPT], capacity=CAPACITY)
+  state = decode.start(other, tokens[:PROMPT], capacity=STATES)
   logits, _ = decode.extend(other, state, tokens[PROMPT:PROMPT + 2])
   got = np.concatenate([np.asarray(state.logits)[None], np.asarray(logits)])
   np.testing.assert_allclose(got, want[PROMPT - 1:PROMPT + 2], rtol=1e-5, atol=2e-5)

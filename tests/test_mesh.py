@@ -24,11 +24,13 @@ DEVICES = 4
 EXPERT_FORMAT = "rocmfp3_mix"  # quantized experts: codes, scales, codebooks and mode [E] all split
 # Sharded runs: the exact path; every switch the CPU advertises at once (f32 operands: the MoE kernels with the
 # in-kernel decode of the quantized experts inside the expert shard_map, the indexer and sparse MLA kernels on
-# replicated inputs or inside the query shard_map; the one layer is a CSA layer, so every kernel runs); dequantize-then-matmul with
+# replicated inputs; the one layer is a CSA layer, so every kernel runs); dequantize-then-matmul with
 # weights-stationary bands (the experts decoded once per layer by the decode kernel, each device its own, outside
 # the layer step, kept split). Each is a compile
 # of its own, so each takes one mesh size (both sizes are covered), and all are held to the one-device exact path:
 # in f32 these switches change kernels, not math (tests/test_model_features.py holds them within NMSE 1e-10 of it).
+# Every switch inside the query shard_map: the trained checkpoint's run below (expert+query=2: attention.split_queries
+# finds the query role by mesh.axis_of, whatever else the axis splits), on all four of its layers, CSA ones selecting.
 ALL_CPU = {"moe_sparse_gate_up": True, "moe_adaptive_tile": True, "moe_compact_queue": True,
            "moe_persistent": True, "moe_fused_combine": True, "indexer_score_kernel": True,
            "indexer_radix_topk": True, "direct_indexer_topk": True, "mla_stream_topk": True, "mla_stream_f32_stage": True,
@@ -37,7 +39,6 @@ SHARDED = {
     "exact/expert=4": ({}, "expert=4"),
     "exact/expert=2,query=2": ({}, "expert=2,query=2"),
     "every_cpu_switch/expert=2": (ALL_CPU, "expert=2"),
-    "every_cpu_switch/query=2": (ALL_CPU, "query=2"),
     # Bands of 12 after the first start at s0 = 12 (a cache to attend to); 6 queries per device are not a whole
     # number of 4-query chunks, so each device attends in chunks of gcd(6, 4) = 2.
     "exact_bands_of_12_in_chunks_of_4/query=2": ({"prefill_band_tokens": 12, "long_context_chunk": 4}, "query=2"),
@@ -186,6 +187,16 @@ def main():
             sorted({v.sharding.shard_shape(v.shape)[0] for k, v in direct.items()
                     if mesh.is_expert_path(tuple(k.split(".")))})]
 
+  # spec_of: what a model's modules carry, in one spelling; a model whose layers disagree is refused.
+  one = mesh.place(m, "expert=1")
+  out["spec_of"] = {"unplaced": mesh.spec_of(m), "placed": mesh.spec_of(one),
+                    "spelling": mesh.spec_of(mesh.place(m, "query + expert=1"))}
+  one.layers[0].ffn.experts.mesh = ""  # its attention still says expert=1
+  try:
+    out["spec_of"]["mixed"] = mesh.spec_of(one)
+  except mesh.MeshError as e:
+    out["spec_of"]["mixed"] = f"MeshError: {e}"
+
   for spec in ("expert=8", "expert=3"):
     try:
       mesh.place(m, spec)
@@ -254,6 +265,15 @@ def test_place_refuses_a_mesh_that_does_not_fit(sharded):
   assert "8 routed experts do not split evenly over 3 devices" in sharded["errors"]["expert=3"]
 
 
+def test_spec_of_says_where_the_model_runs(sharded):
+  """Results record `spec_of(model)`, not the flag: a model that was never placed reads as one device. (On the
+  subprocess's model, built there anyway: a model of its own here cost ~3 s of random-init compiles.)"""
+  got = sharded["spec_of"]
+  assert got["unplaced"] == "" and got["placed"] == "expert=1"
+  assert got["spelling"] == "expert+query=1"  # recorded in one spelling
+  assert got["mixed"] == "MeshError: the model's layers run on different meshes: ['', 'expert=1']"
+
+
 # ---- the spec and its checks, in this process (one device) ----
 
 def test_parse():
@@ -306,22 +326,6 @@ def test_check_against_the_model_and_the_devices():
   assert mesh.is_expert_path(("layers", 3, "ffn", "experts", "w1", "codes"))
   assert not mesh.is_expert_path(("layers", 3, "ffn", "shared_experts", "w1", "weight"))
   assert not mesh.is_expert_path(("layers", 3, "ffn", "gate", "weight"))
-
-
-def test_spec_of_says_where_the_model_runs():
-  """Results record `spec_of(model)`, not the flag: a model that was never placed reads as one device."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  from ds4jax import config, mesh, model  # pylint: disable=import-outside-toplevel
-
-  m = model.DeepseekV4(config.tiny_window(), rngs=nnx.Rngs(params=0), dtype=jnp.float32)
-  placed = mesh.place(m, "expert=1")
-  assert mesh.spec_of(m) == "" and mesh.spec_of(placed) == "expert=1"
-  assert mesh.spec_of(mesh.place(m, "query + expert=1")) == "expert+query=1"  # recorded in one spelling
-  placed.layers[1].ffn.experts.mesh = ""
-  with pytest.raises(mesh.MeshError, match=r"different meshes: \['', 'expert=1'\]"):
-    mesh.spec_of(placed)
 
 
 def test_entry_points_refuse_a_bad_mesh_in_one_line():

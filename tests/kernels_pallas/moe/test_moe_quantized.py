@@ -1,23 +1,29 @@
 """Quantized expert weights in the grouped MoE kernels (kernels_pallas/moe/quantized_weights.py), in Pallas interpret
 mode on CPU and compiled on a GPU (INTERPRET follows the default backend, as in test_moe_kernels.py).
 
-Parity grid: every registry format (the six quantized ones + bf16) × token widths {2, 4, 8, 9, 16, 32, 48, 64}, fused
-and unfused combine on each, against `moe_reference` on the SAME weights dequantized to f32 by the format's canonical
+Parity grid: every quantized registry format × token widths {2, 4, 8, 9, 16, 32, 48, 64}, fused and unfused combine
+on each, against `moe_reference` on the SAME weights dequantized to f32 by the format's canonical
 `formats.get(f).dequantize(**storage)`. Activations are f32, so the kernels multiply the exact dequantized weights in
-f32: NMSE ≤ 5e-4 is required for quantized formats (the Lucebox MMQ bound) and ≤ 1e-6 for bf16; measured ~1e-13.
+f32: NMSE ≤ 5e-4 is required (the Lucebox MMQ bound); measured ~1e-13. (bf16 weights, `DenseWeights`, take no tile
+decode: test_moe_kernels.py's parity widths run them at 1e-6, every queue config, both combines.)
 Widths >= 32 mask every 5th route and all routes of token 3; a token with all routes masked must come out exactly
 +0.0 (sign bit clear). Dims follow test_moe_kernels.py: E 16, D 128, I 64 (I 128 for rocmfp2_mix, whose `in` must be
 a multiple of 128). Storage follows `policy.random_storage` (random codes, one target scale), drawn in numpy, with
 the scale bytes jittered per block (so the tiles meet different scales) and, for the MIX formats, expert 1 in mode 0.
 
-Cost: an interpret-mode kernel compiles in ~0.7 s on CPU, so 7 formats × 8 widths of their own shapes would compile
-112 gate/up + down kernels. Instead each width runs in one of two padded token BUCKETS (17 tokens for widths ≤ 16, 64
-above) with 6 route slots: the width's S tokens carry its top-k routes, the other slots and tokens are masked (−1),
-and every padding token must come out exactly +0.0 as well. Each format then compiles 2 shapes (one config each:
-adaptive/compact grid with tile order "n" for 17; persistent dense queue, fixed row tile, tile order "item" for 64),
-which every width, both combines, the special routings and the dequantize-then-matmul comparison reuse. Bucket 17 is
-odd on purpose: partial row tiles and a partial combine token tile in every case. The shape logic across true widths
-(row tiles, work lists, grids, all Config booleans) is format-independent and covered by test_moe_kernels.py.
+Cost: an interpret-mode kernel compiles in ~0.7 s on CPU, so 6 formats × 8 widths of their own shapes would compile
+96 gate/up + down kernels. Instead each width runs in a padded token BUCKET with 6 route slots: the width's S tokens
+carry its top-k routes, the other slots and tokens are masked (−1), and every padding token must come out exactly
++0.0 as well. Two QUEUES: the adaptive/compact grid with tile order "n", and the persistent dense queue with a fixed
+row tile and tile order "item". Compiled on a GPU, widths ≤ 16 run in a bucket of 17 tokens on the compact queue and
+wider ones in a bucket of 64 on the persistent queue, so every format meets both. In interpret mode every width runs
+in one bucket of 65 tokens on the one queue its format is given (each queue gets an FP8/FP4, a plain ROCmFP and a MIX
+format): one compile per format instead of two, ~1 s each. The kernels call a format's tile loader with the same
+(expert, n0, k0, block_n, block_k) whatever the queue (gate_up.py, down.py), so interpret mode runs the same loader
+code under either. Either way every width, both combines, the special routings and the dequantize-then-matmul
+comparison reuse the format's compiled shapes. The buckets (17, 65) are odd on purpose: partial row tiles and a partial
+combine token tile in every case. The shape logic across true widths (row tiles, work lists, grids, all Config
+booleans) is format-independent and covered by test_moe_kernels.py.
 
 Also: all routes to one expert / empty experts with partial row tiles; the fused path against dequantize-then-matmul
 (bit-equal where the dequantized values are bf16-exact); bf16 activations; the official and lucebox_mix policies
@@ -47,19 +53,31 @@ LIMIT = base.LIMIT
 E, D = base.E, base.D
 FORMATS = ("bf16",) + qw.QUANTIZED_FORMATS
 TOL = {f: 1e-6 if f == "bf16" else 5e-4 for f in FORMATS}
-SLOTS = 6  # route slots per token in both buckets (max top-k of the widths)
-BUCKETS = {
-    17: dataclasses.replace(base.BASE, adaptive_tile=True, compact_queue=True, persistent=False, tile_order="n"),
-    64: dataclasses.replace(base.BASE, adaptive_tile=False, compact_queue=False, persistent=True, tile_order="item"),
+SLOTS = 6  # route slots per token in every bucket (max top-k of the widths)
+QUEUES = {
+    "compact": dataclasses.replace(base.BASE, adaptive_tile=True, compact_queue=True, persistent=False,
+                                   tile_order="n"),
+    "persistent": dataclasses.replace(base.BASE, adaptive_tile=False, compact_queue=False, persistent=True,
+                                      tile_order="item"),
 }
+# Interpret mode: each format's one queue (see the module docstring); formats not listed (bf16) take "compact".
+INTERPRET_QUEUE = {"fp8_e4m3": "persistent", "fp4_e2m1": "compact", "rocmfp2": "persistent", "rocmfp3": "compact",
+                   "rocmfp2_mix": "compact", "rocmfp3_mix": "persistent"}
+assert set(INTERPRET_QUEUE) == set(qw.QUANTIZED_FORMATS) and set(INTERPRET_QUEUE.values()) == set(QUEUES)
 
 
 def bucket(S: int) -> int:
+  if INTERPRET:
+    return 65
   return 17 if S <= 16 else 64
 
 
-def config(S: int, fused: bool = True) -> Config:
-  return dataclasses.replace(BUCKETS[bucket(S)], fused_combine=fused)
+def config(fmt: str, S: int, fused: bool = True) -> Config:
+  if INTERPRET:
+    queue = INTERPRET_QUEUE.get(fmt, "compact")
+  else:
+    queue = "compact" if S <= 16 else "persistent"
+  return dataclasses.replace(QUEUES[queue], fused_combine=fused)
 
 
 def inter_dim(fmt: str) -> int:
@@ -173,13 +191,13 @@ def check(y, want, fmt, what=""):
 # ---- parity grid: format × width × combine -------------------------------------------------------------------
 
 @pytest.mark.parametrize("S", base.WIDTHS)
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", qw.QUANTIZED_FORMATS)
 def test_parity_grid(rng, fmt, S):
   """Both combines on one problem (the kernels of a bucket compile once): each against the reference, and the two
   within f32 summation order of each other."""
   p, p_ref, dead = width_problem(rng, fmt, S)
   want = reference(p_ref)
-  outs = {fused: base.run(p, config(S, fused)) for fused in (False, True)}
+  outs = {fused: base.run(p, config(fmt, S, fused)) for fused in (False, True)}
   for fused, y in outs.items():
     err = check(y, want, fmt, f"S={S} fused={fused}")
     print(f"{fmt} S={S} fused={fused}: NMSE {err:.2e}")
@@ -188,25 +206,25 @@ def test_parity_grid(rng, fmt, S):
   np.testing.assert_allclose(outs[False], outs[True], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", qw.QUANTIZED_FORMATS)
 def test_special_routings(rng, fmt):
-  """All routes to one expert, and 14 empty experts with partial row tiles, on the 64 bucket's shapes."""
-  S = 64
+  """All routes to one expert, and 14 empty experts with partial row tiles, on the widest bucket's shapes."""
+  S = bucket(64)
   p, p_ref = problem(rng, fmt, S, SLOTS)
-  p["route_ids"] = p_ref["route_ids"] = jnp.full((S, SLOTS), 7, jnp.int32)  # 384 rows, duplicates in each token
+  p["route_ids"] = p_ref["route_ids"] = jnp.full((S, SLOTS), 7, jnp.int32)  # S·6 rows, duplicates in each token
   for fused in (True, False):
-    check(base.run(p, config(S, fused)), reference(p_ref), fmt, f"one expert fused={fused}")
+    check(base.run(p, config(fmt, S, fused)), reference(p_ref), fmt, f"one expert fused={fused}")
 
   p, p_ref = problem(rng, fmt, S, SLOTS)
   ids = rng.choice(np.array([2, 11]), size=(S, SLOTS)).astype(np.int32)
   ids[0], ids[1] = 2, 11
-  ids[5, :3] = -1  # 381 rows: an odd count, so a partial row tile
+  ids[5, :3] = -1  # S·6 - 3 rows: an odd count, so a partial row tile
   p["route_ids"] = p_ref["route_ids"] = jnp.asarray(ids)
-  bm = config(S).row_tile(S * SLOTS, E)
+  bm = config(fmt, S).row_tile(S * SLOTS, E)
   sizes = np.bincount(ids[ids >= 0], minlength=E)
   assert (sizes == 0).sum() == E - 2 and (sizes[[2, 11]] % bm).any()  # empty experts, a partial row tile
   for fused in (True, False):
-    check(base.run(p, config(S, fused)), reference(p_ref), fmt, f"two experts fused={fused}")
+    check(base.run(p, config(fmt, S, fused)), reference(p_ref), fmt, f"two experts fused={fused}")
 
 
 def test_cuda_default_for_in_kernel_decoded_weights_takes_rows_of_256():
@@ -229,7 +247,7 @@ def test_row_tile_of_256(rng):
   fmt, S = "rocmfp2_mix", 64
   p, p_ref = problem(rng, fmt, S, SLOTS)
   p["route_ids"] = p_ref["route_ids"] = jnp.full((S, SLOTS), 7, jnp.int32)
-  cfg = dataclasses.replace(config(S), block_m=256, block_n=64, adaptive_tile=False)
+  cfg = dataclasses.replace(QUEUES["persistent"], block_m=256, block_n=64)
   assert cfg.row_tile(S * SLOTS, E) == 256
   check(base.run(p, cfg), reference(p_ref), fmt, "row tile 256")
 
@@ -238,9 +256,9 @@ def test_row_tile_of_256(rng):
 
 @pytest.mark.parametrize("fmt", qw.QUANTIZED_FORMATS)
 def test_fused_dequant_equals_dequantize_then_matmul(rng, fmt):
-  S = 9  # bucket 17: the bf16 DenseWeights kernels are the bf16 grid's
+  S = 9
   p, p_ref, _ = width_problem(rng, fmt, S)
-  cfg = config(S)
+  cfg = config(fmt, S)
   y = base.run(p, cfg)
   ws = [p[n] for n in ("w1", "w2", "w3")]
   dense = [qw.dequantize_to_dense(w) for w in ws]  # bf16, in XLA
@@ -268,7 +286,7 @@ def test_bf16_activations(rng, fmt):
   p, p_ref, dead = width_problem(rng, fmt, S)
   p["x"] = p["x"].astype(jnp.bfloat16)
   p_ref["x"] = p["x"]
-  y = base.run(p, config(S))
+  y = base.run(p, config(fmt, S))
   err = check(y, reference(p_ref), fmt, "bf16 activations")
   assert err > 0 and (y[dead] == 0).all() and not np.signbit(y[dead]).any()
   print(f"{fmt} bf16 activations: NMSE {err:.2e}")
@@ -297,7 +315,7 @@ def test_policies_with_quantized_shared_expert(rng, policy, fused):
     shared_ref.append(_dequantize(pol.dense)(st)[0])
   p["shared"], p_ref["shared"] = api.SharedExpert(*shared), tuple(shared_ref)
   want = reference(p_ref)
-  y = base.run(p, config(S, fused))
+  y = base.run(p, config("bf16", S, fused))
   err = check(y, want, "fp4_e2m1", f"policy {policy} fused={fused}")
   print(f"policy {policy} fused={fused}: NMSE {err:.2e}")
   assert np.abs(want[dead]).min() > 0  # dead tokens get exactly their shared-expert row, here nonzero
