@@ -68,7 +68,7 @@ def shared_compilation_cache(tmp_path_factory):
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
 
 
-# The files that take longest on the 2-core CI machine (seconds, roughly, 2026-12-01), heaviest first. `scripts/dev
+# The files that take longest on the 2-core CI machine (seconds, roughly, 2026-12-02), heaviest first. `scripts/dev
 # test` hands files to the two workers in collection order (--dist loadfile --no-loadscope-reorder): started first,
 # they cannot be what one worker is still running alone while the other idles at the end.
 HEAVY_FILES = {
