@@ -4,8 +4,9 @@
 
 Per (tokens, routing): our bf16 gate/up and whole MoE, our rocmfp2_mix gate/up and rocmfp3_mix down
 (quantized tiles dequantized in-kernel), `jax.lax.ragged_dot` gate/up (where memory allows),
-`torch._grouped_mm` gate/up (when torch with CUDA is importable), and a dense bf16 GEMM with the same FLOPs
-as the gate/up, measured in the same run. Every number is also given as a fraction of that dense GEMM.
+`torch._grouped_mm` gate/up (when torch with CUDA is importable), our sm_90 Mosaic GPU gate/up at a few tilings
+(on a GPU; its time includes the row gather it needs, which is also timed alone), and a dense bf16 GEMM with the
+same FLOPs as the gate/up, measured in the same run. `--only=prefix,...` runs a subset of the contenders. Every number is also given as a fraction of that dense GEMM.
 `--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
 Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.
 """
@@ -17,21 +18,32 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from ds4jax.metrics import nmse
 from ds4jax.quant import formats
 from ds4jax.quant import policy as quant_policy
 from experiments import run_record, timing
 from kernels_pallas import moe as moe_kernels
-from kernels_pallas.moe import api, gate_up, routing
+from kernels_pallas.moe import api, gate_up, gate_up_wgmma, routing
 
 _TOKENS = flags.DEFINE_list("tokens", ["512", "2048", "8192", "32768"], "Token counts.")
 _ROUTINGS = flags.DEFINE_list("routings", ["uniform", "zipf"], "Routing distributions.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (median).")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes, interpret mode (CPU check of the script).")
+_ONLY = flags.DEFINE_list("only", [], "Run only the contenders whose names start with one of these (all if empty).")
 
 # Each entry kills (or turns on, for the experimental persistent queue) one MoE switch of the default config.
 ABLATIONS = {"moe_adaptive_tile off": dict(adaptive_tile=False), "moe_compact_queue off": dict(compact_queue=False),
              "moe_persistent on": dict(persistent=True), "moe_fused_combine off": dict(fused_combine=False)}
+# The sm_90 Mosaic GPU gate/up (gate_up_wgmma.py) at a few tilings; it runs where a Hopper GPU is (not in --smoke).
+WGMMA_TILINGS = {
+    "w64_n128_s4": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=64, stages=4),
+    "w64_n128_s4_f1": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=64, stages=4, mma_in_flight=1),
+    "w64_n128_s3": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=64, stages=3),
+    "w128_n64_s4": gate_up_wgmma.Tiling(wg_rows=128, block_n=64, block_k=64, stages=4),
+    "w128_n64_s4_f1": gate_up_wgmma.Tiling(wg_rows=128, block_n=64, block_k=64, stages=4, mma_in_flight=1),
+    "w64_n128_k128_s2": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=128, stages=2),
+}
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
 
@@ -108,10 +120,12 @@ def main(argv):
       record.setdefault("configs", {})[str(S)] = dataclasses.asdict(cfg)  # the defaults each ablation starts from
       r = jax.jit(lambda i, bm=cfg.row_tile(S * K, E): routing.route(i, E, bm))(ids)
 
-      def measure(name, f, *args, flops=gate_up_flops):
+      def measure(name, f, *args, flops=gate_up_flops, **extra):
+        if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
+          return
         try:
           sec = timeit(jax.jit(f), *args, n=n)
-          save(base | dict(contender=name, seconds=sec, tflops=flops / sec / 1e12))
+          save(base | dict(contender=name, seconds=sec, tflops=flops / sec / 1e12, **extra))
         except Exception as e:  # noqa: BLE001 -- an OOM in one contender must not stop the others
           save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
 
@@ -122,6 +136,24 @@ def main(argv):
       gu = lambda x, a, b, r: gate_up.gate_up(x, a, b, r, swiglu_limit=10.0, config=kcfg, interpret=interpret)
       measure("ours_bf16_gate_up", gu, x, w1, w3, r)
       measure("ours_rocmfp2_mix_gate_up", gu, x, q1, q3, r)
+      if not _SMOKE.value and jax.default_backend() == "gpu":
+        h_triton = jax.jit(gu)(x, w1, w3, r)
+        for tname, t in WGMMA_TILINGS.items():
+          name = f"ours_wgmma_bf16_gate_up {tname}"
+          if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
+            continue
+          rt = jax.jit(lambda i, bm=t.block_m: routing.route(i, E, bm))(ids)
+          gw = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
+          try:  # parity against our Triton gate/up on the valid rows (both bf16 h, f32 accumulation)
+            rows = int(r.num_rows[0])
+            diff = float(nmse(jax.jit(gw)(x, w1, w3, rt)[:rows].astype(jnp.float32),
+                              h_triton[:rows].astype(jnp.float32)))
+          except Exception as e:  # noqa: BLE001 -- a tiling that does not compile must not stop the others
+            save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+          measure(name, gw, x, w1, w3, rt, nmse_vs_triton=diff)
+        measure("wgmma gather_rows", lambda x, r: gate_up_wgmma.gather_rows(x, r)[0], x,
+                jax.jit(lambda i: routing.route(i, E, 128))(ids))
 
       def full_moe(c=cfg, dequantize_first=False):
         def f(x, w, i, a, b, d):
@@ -144,7 +176,7 @@ def main(argv):
       sizes = jnp.bincount(jnp.where(ids >= 0, ids, E).reshape(-1), length=E + 1)[:E].astype(jnp.int32)
       w13 = jnp.concatenate([w1, w3], axis=1).transpose(0, 2, 1)  # [E, D, 2I]
       measure("jax_ragged_dot_gate_up", lambda a, b, g: jax.lax.ragged_dot(a, b, g), x_sorted, w13, sizes)
-      if not _SMOKE.value:
+      if not _SMOKE.value and (not _ONLY.value or any("torch_grouped_mm_gate_up".startswith(o) for o in _ONLY.value)):
         sec = torch_grouped_mm_seconds(x_sorted, w13, sizes, n)
         save(base | dict(contender="torch_grouped_mm_gate_up",
                          **(dict(seconds=sec, tflops=gate_up_flops / sec / 1e12) if sec else dict(error="no torch"))))
