@@ -38,11 +38,11 @@ ABLATIONS = {"moe_adaptive_tile off": dict(adaptive_tile=False), "moe_compact_qu
 # The sm_90 Mosaic GPU gate/up (gate_up_wgmma.py) at a few tilings; it runs where a Hopper GPU is (not in --smoke).
 WGMMA_TILINGS = {
     "w64_n128_s4": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=64, stages=4),
+    "w64_n128_s4_item": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=64, stages=4, tile_order="item"),
     "w64_n128_s4_f1": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=64, stages=4, mma_in_flight=1),
-    "w64_n128_s3": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=64, stages=3),
+    "w64_n128_k128_s2": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=128, stages=2),
     "w128_n64_s4": gate_up_wgmma.Tiling(wg_rows=128, block_n=64, block_k=64, stages=4),
     "w128_n64_s4_f1": gate_up_wgmma.Tiling(wg_rows=128, block_n=64, block_k=64, stages=4, mma_in_flight=1),
-    "w64_n128_k128_s2": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=128, stages=2),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
@@ -142,18 +142,16 @@ def main(argv):
           name = f"ours_wgmma_bf16_gate_up {tname}"
           if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
             continue
-          rt = jax.jit(lambda i, bm=t.block_m: routing.route(i, E, bm))(ids)
           gw = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
           try:  # parity against our Triton gate/up on the valid rows (both bf16 h, f32 accumulation)
             rows = int(r.num_rows[0])
-            diff = float(nmse(jax.jit(gw)(x, w1, w3, rt)[:rows].astype(jnp.float32),
+            diff = float(nmse(jax.jit(gw)(x, w1, w3, r)[:rows].astype(jnp.float32),
                               h_triton[:rows].astype(jnp.float32)))
           except Exception as e:  # noqa: BLE001 -- a tiling that does not compile must not stop the others
             save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
-          measure(name, gw, x, w1, w3, rt, nmse_vs_triton=diff)
-        measure("wgmma gather_rows", lambda x, r: gate_up_wgmma.gather_rows(x, r)[0], x,
-                jax.jit(lambda i: routing.route(i, E, 128))(ids))
+          measure(name, gw, x, w1, w3, r, nmse_vs_triton=diff)
+        measure("wgmma sorted_rows", lambda x, r: gate_up_wgmma.sorted_rows(x, r, 128), x, r)
 
       def full_moe(c=cfg, dequantize_first=False):
         def f(x, w, i, a, b, d):

@@ -8,11 +8,14 @@ the next loads' consumers, and its grouped kernel reaches ~53% of the dense bf16
 ring of `stages` shared-memory slots, and two compute warpgroups issue wgmmas on them, each on its own half of the
 row tile, so the tensor cores never wait for a load or for the other half's epilogue.
 
-The work list is the compact queue of routing.py (item = expert, rows [start, start + block_m) clipped to the
-expert's end). Each SM loops over (item, N tile) units, items fastest, so the SMs running together read the same
-weight tiles (L2 hits). TMA cannot gather rows, so the rows come pre-gathered (`x_sorted`, padded by one row tile):
-an XLA gather of S·K rows before the kernel. Rows past the expert's end are computed and not stored; the store of
-a variable number of rows is a few power-of-two TMA copies.
+TMA cannot gather rows, so the rows come pre-gathered in sorted-row order (`x_sorted`, an XLA gather of S·K rows
+before the kernel). A TMA copy into the swizzled shared-memory layout wgmma reads must start at a multiple of 8
+rows, so the work list is this kernel's own (`aligned_items`): an expert's first tile starts at its first row
+rounded down to 8, and the up to 7 rows of the previous expert that it holds are computed and not stored. A
+warpgroup whose half of the tile holds no row of the expert issues no wgmma, leaving the tensor cores to the other.
+Each SM loops over (item, N tile) units. With `tile_order` "n" the SMs running together cover all N tiles of a few
+items: each x tile is read from HBM once, and an expert's items run together, so its weight tiles are too.
+The store of a variable number of rows is a few power-of-two TMA copies.
 
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,19 +36,22 @@ from kernels_pallas.moe.gate_up import clamped_swiglu
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
+I32 = jnp.int32
 ROW_ALIGN = 8  # the shared-memory tiling's row tile
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-  """wg_rows: rows per compute warpgroup (the CTA's row tile is twice that; it must equal the routing's block_m);
-  block_n: output columns of W1 and of W3 per unit; block_k: the reduction step; stages: shared-memory slots;
-  mma_in_flight 1 frees a slot one step late, so a step's wgmmas run while the next step's are issued."""
+  """wg_rows: rows per compute warpgroup (a unit's row tile is twice that); block_n: output columns of W1 and of W3
+  per unit; block_k: the reduction step; stages: shared-memory slots; mma_in_flight 1 frees a slot one step late,
+  so a step's wgmmas run while the next step's are issued; tile_order: which index of (item, N tile) the SMs
+  running together share ("n": the item, "item": the N tile)."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
   stages: int = 4
-  mma_in_flight: int = 0  # K steps whose wgmmas may still run when the next step's are issued (0 or 1)
+  mma_in_flight: int = 0
+  tile_order: str = "n"
   producer_registers: int = 40
 
   @property
@@ -52,25 +59,58 @@ class Tiling:
     return 2 * self.wg_rows
 
 
-def _store_rows(out_smem, slot, h_g, first_row, count, cols, max_rows: int):
-  """Copies rows [0, count) of out_smem[slot] to h rows [first_row, first_row + count), columns `cols`: TMA copies
-  need static shapes, so `count` is written as a sum of powers of two, largest first."""
+class Items(NamedTuple):
+  """The aligned work list: item i covers sorted rows [x_start, x_start + block_m) of expert `expert` and stores
+  rows [lo, end) ∩ that range. Padding items (i >= count) have expert 0 and lo = end = 0."""
+  expert: jax.Array
+  x_start: jax.Array
+  lo: jax.Array
+  end: jax.Array
+  count: jax.Array  # [1]
+
+
+def aligned_items(r: Routing, block_m: int) -> Items:
+  E, R = r.num_experts, r.num_routes
+  sizes, offsets = r.group_sizes, r.group_offsets
+  first = offsets[:E] - offsets[:E] % ROW_ALIGN
+  tiles = jnp.where(sizes > 0, -(-(offsets[1:] - first) // block_m), 0).astype(I32)
+  tile_ends = jnp.cumsum(tiles, dtype=I32)
+  T = max(1, (R + E * (block_m + ROW_ALIGN - 2)) // block_m)  # Σ ceil((c_e + 7) / bm) over non-empty experts
+  i = jnp.arange(T, dtype=I32)
+  e = jnp.minimum(jnp.searchsorted(tile_ends, i, side="right").astype(I32), E - 1)
+  ok = i < tile_ends[E - 1]
+  x_start = first[e] + (i - (tile_ends[e] - tiles[e])) * block_m
+  lo = jnp.maximum(x_start, offsets[e])
+  return Items(jnp.where(ok, e, 0), jnp.where(ok, x_start, 0), jnp.where(ok, lo, 0),
+               jnp.where(ok, offsets[e + 1], 0), tile_ends[E - 1].reshape(1))
+
+
+def sorted_rows(x, r: Routing, block_m: int) -> jax.Array:
+  """x_sorted [rows, D]: row r holds x[token_of_row[r]]; then x[0] up to a whole number of 8-row tiles plus one
+  row tile, so the last item's copy stays in bounds (those rows are never stored)."""
+  n = -(-r.num_routes // ROW_ALIGN) * ROW_ALIGN + block_m
+  return x[jnp.pad(r.token_of_row, (0, n - r.num_routes))]
+
+
+def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: int):
+  """Copies rows [src_row, src_row + count) of out_smem[slot] to h rows [first_row, first_row + count), columns
+  `cols`: TMA copies need static shapes, so `count` is written as a sum of powers of two, largest first."""
   done = 0  # a Python int while static: a constant array here breaks the slice lowering
   size = 1 << (max_rows.bit_length() - 1)
   while size >= 1:
     @pl.when((count & size) != 0)
     def _(size=size, done=done):
-      plgpu.copy_smem_to_gmem(out_smem.at[slot, pl.ds(done, size)], h_g.at[pl.ds(first_row + done, size), cols])
+      plgpu.copy_smem_to_gmem(out_smem.at[slot, pl.ds(src_row + done, size)],
+                              h_g.at[pl.ds(first_row + done, size), cols])
     done = done + (count & size)
     size //= 2
 
 
-def _kernel(item_expert, item_start, item_end, item_x_start, num_items, x_g, w1_g, w3_g, h_g, *, t: Tiling, limit: float,
-            max_items: int, n_tiles: int, d: int):
+def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, w1_g, w3_g, h_g, *, t: Tiling,
+            limit: float, max_items: int, n_tiles: int, d: int):
   dt = x_g.dtype
   swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dt).itemsize * 8)
-  swizzle_elems = swizzle // jnp.dtype(dt).itemsize
-  tiles = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+  tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(swizzle))
 
   def pipeline(body, compute_context):
     spec = lambda rows: plgpu.BlockSpec((rows, t.block_k), lambda k: (0, k), transforms=tiles,
@@ -95,13 +135,19 @@ def _kernel(item_expert, item_start, item_end, item_x_start, num_items, x_g, w1_
     @plgpu.nd_loop((max_items * n_tiles,), collective_axes="sm")
     def _unit(info):
       (w,) = info.index
-      safe = jnp.maximum(count, 1)
-      i, j = w % safe, w // safe
+      if t.tile_order == "n":
+        i, j = w // n_tiles, w % n_tiles
+      else:
+        safe = jnp.maximum(count, 1)
+        i, j = w % safe, w // safe
 
       @pl.when(w < count * n_tiles)
       def _():
-        e, start, end = item_expert[i], item_start[i], item_end[i]
+        e, x_start = item_expert[i], pl.multiple_of(item_x_start[i], ROW_ALIGN)
         cols = pl.ds(j * t.block_n, t.block_n)
+        wg_first = x_start + wg * t.wg_rows  # this warpgroup's rows of the tile: [wg_first, wg_first + wg_rows)
+        first = jnp.maximum(wg_first, item_lo[i])
+        rows = jnp.clip(jnp.minimum(wg_first + t.wg_rows, item_end[i]) - first, 0, t.wg_rows)
         mine = pl.ds(pl.multiple_of(wg * t.wg_rows, t.wg_rows), t.wg_rows)
 
         def compute_context(run):
@@ -113,63 +159,47 @@ def _kernel(item_expert, item_start, item_end, item_x_start, num_items, x_g, w1_
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
             out_smem[wg] = h
             plgpu.commit_smem()
-            first = start + wg * t.wg_rows
-            rows = jnp.clip(end - first, 0, t.wg_rows)
-            _store_rows(out_smem, wg, h_g, first, rows, cols, t.wg_rows)
+            _store_rows(out_smem, wg, first - wg_first, h_g, first, rows, cols, t.wg_rows)
 
         def mma(_, x_s, w1_s, w3_s, accs):
           acc1, acc3 = accs
-          xs = x_s.at[mine]
-          plgpu.wgmma(acc1, xs, w1_s.T)
-          plgpu.wgmma(acc3, xs, w3_s.T)
-          plgpu.wgmma_wait(2 * t.mma_in_flight)  # two wgmmas (W1, W3) per step
+
+          @pl.when(rows > 0)
+          def _():
+            xs = x_s.at[mine]
+            plgpu.wgmma(acc1, xs, w1_s.T)
+            plgpu.wgmma(acc3, xs, w3_s.T)
+            plgpu.wgmma_wait(2 * t.mma_in_flight)  # two wgmmas (W1, W3) per step
           return accs
 
-        x_rows = pl.ds(pl.multiple_of(item_x_start[i], ROW_ALIGN), t.block_m)
-        pipeline(mma, compute_context)(x_g.at[x_rows], w1_g.at[e, cols], w3_g.at[e, cols],
+        pipeline(mma, compute_context)(x_g.at[pl.ds(x_start, t.block_m)], w1_g.at[e, cols], w3_g.at[e, cols],
                                        allocations=allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def gather_rows(x, r: Routing) -> tuple[jax.Array, jax.Array]:
-  """(x_aligned, item_x_start): the routed rows of x grouped by expert as in sorted-row order, but with each
-  expert's first row at a multiple of ROW_ALIGN (a TMA copy into a tiled shared-memory layout needs aligned rows),
-  zeros between groups and one row tile of zeros at the end; and each work item's first row in it."""
-  E = r.num_experts
-  sizes, offsets = r.group_sizes, r.group_offsets[:-1]
-  aligned = jnp.cumsum(-(-sizes // ROW_ALIGN) * ROW_ALIGN) - -(-sizes // ROW_ALIGN) * ROW_ALIGN  # exclusive
-  n = -(-(r.num_routes + E * (ROW_ALIGN - 1)) // ROW_ALIGN) * ROW_ALIGN + r.block_m  # whole tiles of rows
-  p = jnp.arange(n, dtype=jnp.int32)
-  e = jnp.clip(jnp.searchsorted(aligned, p, side="right") - 1, 0, E - 1)
-  within = p - aligned[e]
-  row = jnp.clip(offsets[e] + within, 0, r.num_routes - 1)
-  x_aligned = jnp.where((within < sizes[e])[:, None], x[r.token_of_row[row]], jnp.zeros((), x.dtype))
-  ie = jnp.clip(r.item_expert, 0, E - 1)
-  return x_aligned, (aligned[ie] + r.item_start - offsets[ie]).astype(jnp.int32)
-
-
 def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling = Tiling(), num_sms: int = 132,
                   interpret=None) -> jax.Array:
-  """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up; w1/w3 dense [E, I, D]."""
+  """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up; w1/w3 dense [E, I, D].
+  The routing's own row tile and work list are not used (see aligned_items)."""
   t = tiling
-  if r.block_m != t.block_m:
-    raise ValueError(f"routing row tile {r.block_m} != the wgmma tiling's 2 × wg_rows = {t.block_m}")
   if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError(f"the wgmma gate/up takes bf16/f16 activations, got {x.dtype}")
   if w1.dtype != x.dtype or w3.dtype != x.dtype:
     raise ValueError(f"w1/w3 dtypes {w1.dtype}/{w3.dtype} must equal x's {x.dtype} (decode MIX experts first)")
+  if t.tile_order not in ("n", "item"):
+    raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   S, D = x.shape
   E, I, Dw = w1.shape
   if Dw != D or tuple(w3.shape) != tuple(w1.shape):
     raise ValueError(f"w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} must be [E, I, D] with D = {D}")
   if D % t.block_k or I % t.block_n:
     raise ValueError(f"D={D} / I={I} must be multiples of block_k={t.block_k} / block_n={t.block_n}")
-  xs, item_x_start = gather_rows(x, r)
-  max_items = r.item_expert.shape[0]
+  items = aligned_items(r, t.block_m)
   kernel = plgpu.kernel(
-      functools.partial(_kernel, t=t, limit=float(swiglu_limit), max_items=max_items, n_tiles=I // t.block_n, d=D),
+      functools.partial(_kernel, t=t, limit=float(swiglu_limit), max_items=items.expert.shape[0],
+                        n_tiles=I // t.block_n, d=D),
       out_type=jax.ShapeDtypeStruct((r.num_routes, I), x.dtype), grid=(num_sms,), grid_names=("sm",),
       num_threads=3, thread_name="wg", interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(r.item_expert, r.item_start, r.item_end, item_x_start, r.num_items, xs, w1, w3)
+  return kernel(*items, sorted_rows(x, r, t.block_m), w1, w3)

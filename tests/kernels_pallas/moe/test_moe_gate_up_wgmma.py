@@ -1,9 +1,9 @@
 """The Mosaic GPU (sm_90) grouped gate/up against the exact reference: in Mosaic GPU's interpret mode on CPU (which
 simulates the warpgroups, the TMA copies and their barriers) and compiled on an H100/H200.
 
-The routes cover what the work list can hold: experts with more rows than one row tile (several items each), an
-item that only the first warpgroup's half covers, empty experts, masked routes (−1), and fewer SMs than units (each
-SM loops). bf16 operands, bf16 h: the tolerance is bf16's rounding of h (NMSE ≤ 2e-5, measured ~3e-6).
+The routes cover what the work list can hold: experts with more rows than one row tile (several items each), tiles
+that start inside the previous expert's rows, tiles whose second warpgroup holds no row (it issues no wgmma), empty
+experts, masked routes (−1), and fewer SMs than units (each SM loops), in both unit orders. bf16 operands, bf16 h: the tolerance is bf16's rounding of h (NMSE ≤ 2e-5, measured ~3e-6).
 """
 
 import jax
@@ -14,7 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.metrics import nmse
 from kernels_pallas.moe import gate_up, routing
-from kernels_pallas.moe.gate_up_wgmma import ROW_ALIGN, Tiling, gate_up_wgmma, gather_rows
+from kernels_pallas.moe.gate_up_wgmma import ROW_ALIGN, Tiling, aligned_items, gate_up_wgmma, sorted_rows
 
 ON_GPU = jax.default_backend() == "gpu"
 LIMIT = 3.0
@@ -36,7 +36,7 @@ def problem(rng, S, K, *, mask_every=0, empty=()):
 
 
 def check(x, w1, w3, ids, t: Tiling, num_sms: int):
-  r = routing.route(ids, E, t.block_m)
+  r = routing.route(ids, E, 32)  # the kernel builds its own work list; the routing's row tile does not matter
   h = gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=t, num_sms=num_sms, interpret=interpret())
   ref = gate_up.gate_up_reference(x, w1, w3, r, swiglu_limit=LIMIT)
   n = int(r.num_rows[0])
@@ -47,12 +47,13 @@ def check(x, w1, w3, ids, t: Tiling, num_sms: int):
   return r
 
 
-@pytest.mark.parametrize("stages,in_flight", [(2, 0), (3, 1)])
-def test_gate_up_wgmma_matches_reference(rng, stages, in_flight):
+@pytest.mark.parametrize("stages,in_flight,order", [(2, 0, "n"), (3, 1, "item")])
+def test_gate_up_wgmma_matches_reference(rng, stages, in_flight, order):
   # 80 tokens × top-3 over 7 experts (expert 5 empty, every 7th route masked): ~30 rows per expert, under one
   # warpgroup's 64, so the second warpgroup of every item stores nothing.
   x, w1, w3, ids = problem(rng, 80, 3, mask_every=7, empty=(5,))
-  r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=128, block_k=64, stages=stages, mma_in_flight=in_flight),
+  r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=128, block_k=64, stages=stages, mma_in_flight=in_flight,
+                                           tile_order=order),
             num_sms=3)
   assert int(r.group_sizes[5]) == 0 and int(r.num_rows[0]) < 80 * 3
 
@@ -65,30 +66,28 @@ def test_gate_up_wgmma_several_items_per_expert(rng):
   assert int(r.num_items[0]) > E
 
 
-def test_gather_rows_aligns_each_expert(rng):
-  x, _, _, ids = problem(rng, 40, 3, mask_every=5, empty=(2,))
-  r = routing.route(ids, E, 128)
-  xa, starts = gather_rows(x, r)
-  sizes, offsets = np.asarray(r.group_sizes), np.asarray(r.group_offsets)
-  xs = np.asarray(x)[np.asarray(r.token_of_row)]
-  first = 0
-  for e in range(E):
-    assert first % ROW_ALIGN == 0
-    np.testing.assert_array_equal(np.asarray(xa[first:first + sizes[e]]), xs[offsets[e]:offsets[e + 1]])
-    pad = -(-sizes[e] // ROW_ALIGN) * ROW_ALIGN
-    assert not np.any(np.asarray(xa[first + sizes[e]:first + pad], np.float32))
-    first += pad
-  items = np.asarray(r.item_expert)[:int(r.num_items[0])]
-  assert np.all(np.asarray(starts)[:len(items)] % ROW_ALIGN == 0)
-  assert xa.shape[0] % ROW_ALIGN == 0 and xa.shape[0] >= first + r.block_m
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_aligned_items_cover_each_row_once(rng, block_m):
+  x, _, _, ids = problem(rng, 70, 3, mask_every=5, empty=(2,))
+  r = routing.route(ids, E, 64)
+  items = aligned_items(r, block_m)
+  n, offsets = int(r.num_rows[0]), np.asarray(r.group_offsets)
+  stored = np.zeros(n, int)
+  for e, x_start, lo, end in zip(*(np.asarray(a)[:int(items.count[0])] for a in items[:4])):
+    assert x_start % ROW_ALIGN == 0 and x_start <= lo < end and offsets[e] <= lo and end == offsets[e + 1]
+    stored[lo:min(end, x_start + block_m)] += 1
+  np.testing.assert_array_equal(stored, 1)
+  assert items.expert.shape[0] >= int(items.count[0])
+  xs = sorted_rows(x, r, block_m)
+  assert xs.shape[0] % ROW_ALIGN == 0 and xs.shape[0] >= max(np.asarray(items.x_start)) + block_m
+  np.testing.assert_array_equal(np.asarray(xs[:n]), np.asarray(x)[np.asarray(r.token_of_row)[:n]])
 
 
 def test_gate_up_wgmma_rejects_bad_input(rng):
   x, w1, w3, ids = problem(rng, 16, 2)
-  r = routing.route(ids, E, 64)
-  with pytest.raises(ValueError, match="row tile 64"):
-    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(wg_rows=64))
   r = routing.route(ids, E, 128)
+  with pytest.raises(ValueError, match="tile_order"):
+    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(tile_order="m"))
   with pytest.raises(ValueError, match="bf16/f16"):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
   with pytest.raises(ValueError, match="decode MIX experts first"):
