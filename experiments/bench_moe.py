@@ -35,14 +35,19 @@ _ONLY = flags.DEFINE_list("only", [], "Run only the contenders whose names start
 # Each entry kills (or turns on, for the experimental persistent queue) one MoE switch of the default config.
 ABLATIONS = {"moe_adaptive_tile off": dict(adaptive_tile=False), "moe_compact_queue off": dict(compact_queue=False),
              "moe_persistent on": dict(persistent=True), "moe_fused_combine off": dict(fused_combine=False)}
-# The sm_90 Mosaic GPU gate/up (gate_up_wgmma.py) at a few tilings; it runs where a Hopper GPU is (not in --smoke).
+# The sm_90 Mosaic GPU gate/up (gate_up_wgmma.py) at a few tilings, on separate W1/W3 stacks or on one interleaved
+# stack ("_i": one wgmma per step for both; the interleaved copy is made before timing, as torch's w13 is). It runs
+# where a Hopper GPU is (not in --smoke).
+_T = gate_up_wgmma.Tiling
 WGMMA_TILINGS = {
-    "w64_n128_s4": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=64, stages=4),
-    "w64_n128_s4_item": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=64, stages=4, tile_order="item"),
-    "w64_n128_s4_f1": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=64, stages=4, mma_in_flight=1),
-    "w64_n128_k128_s2": gate_up_wgmma.Tiling(wg_rows=64, block_n=128, block_k=128, stages=2),
-    "w128_n64_s4": gate_up_wgmma.Tiling(wg_rows=128, block_n=64, block_k=64, stages=4),
-    "w128_n64_s4_f1": gate_up_wgmma.Tiling(wg_rows=128, block_n=64, block_k=64, stages=4, mma_in_flight=1),
+    "w128_n64_s4": (_T(wg_rows=128, block_n=64), False),
+    "w128_n64_s4_noskip": (_T(wg_rows=128, block_n=64, skip_empty_half=False), False),
+    "w64_n128_s4_noskip": (_T(wg_rows=64, block_n=128, skip_empty_half=False), False),
+    "w128_n64_s4_i": (_T(wg_rows=128, block_n=64), True),
+    "w128_n64_s4_i_f1": (_T(wg_rows=128, block_n=64, mma_in_flight=1), True),
+    "w64_n128_s4_i": (_T(wg_rows=64, block_n=128), True),
+    "w64_n128_s4_i_noskip": (_T(wg_rows=64, block_n=128, skip_empty_half=False), True),
+    "w64_n128_s4_i_f1": (_T(wg_rows=64, block_n=128, mma_in_flight=1), True),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
@@ -138,19 +143,22 @@ def main(argv):
       measure("ours_rocmfp2_mix_gate_up", gu, x, q1, q3, r)
       if not _SMOKE.value and jax.default_backend() == "gpu":
         h_triton = jax.jit(gu)(x, w1, w3, r)
-        for tname, t in WGMMA_TILINGS.items():
+        for tname, (t, interleaved) in WGMMA_TILINGS.items():
           name = f"ours_wgmma_bf16_gate_up {tname}"
           if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
             continue
+          ws = (jax.jit(gate_up_wgmma.interleave, static_argnums=2)(w1, w3, t.block_n), None) if interleaved \
+              else (w1, w3)
           gw = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
           try:  # parity against our Triton gate/up on the valid rows (both bf16 h, f32 accumulation)
             rows = int(r.num_rows[0])
-            diff = float(nmse(jax.jit(gw)(x, w1, w3, r)[:rows].astype(jnp.float32),
+            diff = float(nmse(jax.jit(gw)(x, *ws, r)[:rows].astype(jnp.float32),
                               h_triton[:rows].astype(jnp.float32)))
           except Exception as e:  # noqa: BLE001 -- a tiling that does not compile must not stop the others
             save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
-          measure(name, gw, x, w1, w3, r, nmse_vs_triton=diff)
+          measure(name, gw, x, *ws, r, nmse_vs_triton=diff)
+          del ws
         measure("wgmma sorted_rows", lambda x, r: gate_up_wgmma.sorted_rows(x, r, 128), x, r)
 
       def full_moe(c=cfg, dequantize_first=False):

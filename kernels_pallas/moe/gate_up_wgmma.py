@@ -45,13 +45,15 @@ class Tiling:
   """wg_rows: rows per compute warpgroup (a unit's row tile is twice that); block_n: output columns of W1 and of W3
   per unit; block_k: the reduction step; stages: shared-memory slots; mma_in_flight 1 frees a slot one step late,
   so a step's wgmmas run while the next step's are issued; tile_order: which index of (item, N tile) the SMs
-  running together share ("n": the item, "item": the N tile)."""
+  running together share ("n": the item, "item": the N tile); skip_empty_half: a warpgroup whose rows hold none
+  of the expert's issues no wgmma."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
   stages: int = 4
   mma_in_flight: int = 0
   tile_order: str = "n"
+  skip_empty_half: bool = True
   producer_registers: int = 40
 
   @property
@@ -106,8 +108,11 @@ def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: 
     size //= 2
 
 
-def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, w1_g, w3_g, h_g, *, t: Tiling,
-            limit: float, max_items: int, n_tiles: int, d: int):
+def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
+            max_items: int, n_tiles: int, d: int):
+  *w_gs, h_g = refs
+  fused = len(w_gs) == 1  # one interleaved [E, 2I, D] stack: one wgmma of width 2 · block_n per step
+  w_rows = 2 * t.block_n if fused else t.block_n
   dt = x_g.dtype
   swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dt).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(swizzle))
@@ -117,15 +122,15 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, w1_g, 
                                         memory_space=plgpu.SMEM, delay_release=t.mma_in_flight)
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(d // t.block_k,), memory_registers=t.producer_registers,
-        in_specs=[spec(t.block_m), spec(t.block_n), spec(t.block_n)], wg_axis="wg", num_compute_wgs=2,
+        in_specs=[spec(t.block_m)] + [spec(w_rows)] * len(w_gs), wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=t.stages, compute_context=compute_context)
 
   noop = lambda *_, **__: None
 
   @functools.partial(
       pl.run_scoped,
-      allocs=pipeline(noop, noop).get_allocations(x_g.at[pl.ds(0, t.block_m)], w1_g.at[0, pl.ds(0, t.block_n)],
-                                                  w3_g.at[0, pl.ds(0, t.block_n)]),
+      allocs=pipeline(noop, noop).get_allocations(x_g.at[pl.ds(0, t.block_m)],
+                                                  *(w.at[0, pl.ds(0, w_rows)] for w in w_gs)),
       out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype),  # untiled: row slices of any size
       collective_axes="wg")
   def _scope(allocs, out_smem):
@@ -151,48 +156,71 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, w1_g, 
         mine = pl.ds(pl.multiple_of(wg * t.wg_rows, t.wg_rows), t.wg_rows)
 
         def compute_context(run):
-          @functools.partial(pl.run_scoped, acc1=plgpu.ACC((t.wg_rows, t.block_n), F32),
-                             acc3=plgpu.ACC((t.wg_rows, t.block_n), F32))
-          def _acc(acc1, acc3):
-            run((acc1, acc3))
-            h = clamped_swiglu(acc1[...], acc3[...], limit).astype(h_g.dtype)
+          @functools.partial(pl.run_scoped, accs=[plgpu.ACC((t.wg_rows, w_rows), F32) for _ in w_gs])
+          def _acc(accs):
+            run(accs)
+            if fused:
+              a = accs[0][...]
+              gate, up = a[:, :t.block_n], a[:, t.block_n:]
+            else:
+              gate, up = accs[0][...], accs[1][...]
+            h = clamped_swiglu(gate, up, limit).astype(h_g.dtype)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
             out_smem[wg] = h
             plgpu.commit_smem()
             _store_rows(out_smem, wg, first - wg_first, h_g, first, rows, cols, t.wg_rows)
 
-        def mma(_, x_s, w1_s, w3_s, accs):
-          acc1, acc3 = accs
+        def mma(_, x_s, *args):
+          *w_ss, accs = args
 
-          @pl.when(rows > 0)
-          def _():
+          def issue():
             xs = x_s.at[mine]
-            plgpu.wgmma(acc1, xs, w1_s.T)
-            plgpu.wgmma(acc3, xs, w3_s.T)
-            plgpu.wgmma_wait(2 * t.mma_in_flight)  # two wgmmas (W1, W3) per step
+            for acc, w_s in zip(accs, w_ss):
+              plgpu.wgmma(acc, xs, w_s.T)
+            plgpu.wgmma_wait(len(w_ss) * t.mma_in_flight)
+
+          if t.skip_empty_half:
+            pl.when(rows > 0)(issue)
+          else:
+            issue()
           return accs
 
-        pipeline(mma, compute_context)(x_g.at[pl.ds(x_start, t.block_m)], w1_g.at[e, cols], w3_g.at[e, cols],
+        w_cols = pl.ds(j * w_rows, w_rows)
+        pipeline(mma, compute_context)(x_g.at[pl.ds(x_start, t.block_m)], *(w.at[e, w_cols] for w in w_gs),
                                        allocations=allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def interleave(w1, w3, block_n: int) -> jax.Array:
+  """w13 [E, 2I, D]: rows [2j·bn, (2j+1)·bn) are W1's N tile j and the next bn rows W3's, so one TMA copy and one
+  wgmma cover both projections of a tile."""
+  E, I, D = w1.shape
+  return jnp.stack([w1.reshape(E, I // block_n, block_n, D), w3.reshape(E, I // block_n, block_n, D)],
+                   axis=2).reshape(E, 2 * I, D)
+
+
 def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling = Tiling(), num_sms: int = 132,
                   interpret=None) -> jax.Array:
-  """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up; w1/w3 dense [E, I, D].
-  The routing's own row tile and work list are not used (see aligned_items)."""
+  """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up; w1/w3 dense [E, I, D], or
+  w3=None and w1 = interleave(w1, w3, tiling.block_n). The routing's own row tile and work list are not used
+  (see aligned_items)."""
   t = tiling
+  ws = (w1,) if w3 is None else (w1, w3)
   if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError(f"the wgmma gate/up takes bf16/f16 activations, got {x.dtype}")
-  if w1.dtype != x.dtype or w3.dtype != x.dtype:
-    raise ValueError(f"w1/w3 dtypes {w1.dtype}/{w3.dtype} must equal x's {x.dtype} (decode MIX experts first)")
+  if any(w.dtype != x.dtype for w in ws):
+    raise ValueError(f"w1/w3 dtypes {[str(w.dtype) for w in ws]} must equal x's {x.dtype} (decode MIX experts "
+                     "first)")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   S, D = x.shape
   E, I, Dw = w1.shape
-  if Dw != D or tuple(w3.shape) != tuple(w1.shape):
-    raise ValueError(f"w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} must be [E, I, D] with D = {D}")
+  if w3 is None:
+    I //= 2
+  if Dw != D or (w3 is not None and tuple(w3.shape) != tuple(w1.shape)):
+    raise ValueError(f"w1 {tuple(w1.shape)} / w3 {None if w3 is None else tuple(w3.shape)} must be [E, I, D] "
+                     f"(or w1 an interleaved [E, 2I, D] and w3 None) with D = {D}")
   if D % t.block_k or I % t.block_n:
     raise ValueError(f"D={D} / I={I} must be multiples of block_k={t.block_k} / block_n={t.block_n}")
   items = aligned_items(r, t.block_m)
@@ -202,4 +230,4 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
       out_type=jax.ShapeDtypeStruct((r.num_routes, I), x.dtype), grid=(num_sms,), grid_names=("sm",),
       num_threads=3, thread_name="wg", interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(*items, sorted_rows(x, r, t.block_m), w1, w3)
+  return kernel(*items, sorted_rows(x, r, t.block_m), *ws)

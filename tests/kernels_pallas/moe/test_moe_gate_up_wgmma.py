@@ -14,7 +14,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.metrics import nmse
 from kernels_pallas.moe import gate_up, routing
-from kernels_pallas.moe.gate_up_wgmma import ROW_ALIGN, Tiling, aligned_items, gate_up_wgmma, sorted_rows
+from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, Tiling, aligned_items, gate_up_wgmma, interleave,
+                                              sorted_rows)
 
 ON_GPU = jax.default_backend() == "gpu"
 LIMIT = 3.0
@@ -35,9 +36,10 @@ def problem(rng, S, K, *, mask_every=0, empty=()):
   return x, w1, w3, jnp.asarray(ids)
 
 
-def check(x, w1, w3, ids, t: Tiling, num_sms: int):
+def check(x, w1, w3, ids, t: Tiling, num_sms: int, interleaved=False):
   r = routing.route(ids, E, 32)  # the kernel builds its own work list; the routing's row tile does not matter
-  h = gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=t, num_sms=num_sms, interpret=interpret())
+  ws = (interleave(w1, w3, t.block_n), None) if interleaved else (w1, w3)
+  h = gate_up_wgmma(x, *ws, r, swiglu_limit=LIMIT, tiling=t, num_sms=num_sms, interpret=interpret())
   ref = gate_up.gate_up_reference(x, w1, w3, r, swiglu_limit=LIMIT)
   n = int(r.num_rows[0])
   assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1  # real values, both clamps reached below
@@ -47,14 +49,14 @@ def check(x, w1, w3, ids, t: Tiling, num_sms: int):
   return r
 
 
-@pytest.mark.parametrize("stages,in_flight,order", [(2, 0, "n"), (3, 1, "item")])
-def test_gate_up_wgmma_matches_reference(rng, stages, in_flight, order):
+@pytest.mark.parametrize("stages,in_flight,order,interleaved", [(2, 0, "n", False), (3, 1, "item", True)])
+def test_gate_up_wgmma_matches_reference(rng, stages, in_flight, order, interleaved):
   # 80 tokens × top-3 over 7 experts (expert 5 empty, every 7th route masked): ~30 rows per expert, under one
   # warpgroup's 64, so the second warpgroup of every item stores nothing.
   x, w1, w3, ids = problem(rng, 80, 3, mask_every=7, empty=(5,))
   r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=128, block_k=64, stages=stages, mma_in_flight=in_flight,
                                            tile_order=order),
-            num_sms=3)
+            num_sms=3, interleaved=interleaved)
   assert int(r.group_sizes[5]) == 0 and int(r.num_rows[0]) < 80 * 3
 
 
@@ -62,7 +64,8 @@ def test_gate_up_wgmma_several_items_per_expert(rng):
   # 300 tokens × top-4 over 8 experts: ~150 rows per expert, row tile 128 → a full item (both warpgroups) and
   # a second item that ends in the first warpgroup's half.
   x, w1, w3, ids = problem(rng, 300, 4)
-  r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=128, block_k=64, stages=2), num_sms=5)
+  r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=64, block_k=64, stages=2, skip_empty_half=False),
+            num_sms=5, interleaved=True)
   assert int(r.num_items[0]) > E
 
 
