@@ -41,13 +41,11 @@ ABLATIONS = {"moe_adaptive_tile off": dict(adaptive_tile=False), "moe_compact_qu
 _T = gate_up_wgmma.Tiling
 WGMMA_TILINGS = {
     "w128_n64_s4": (_T(wg_rows=128, block_n=64), False),
-    "w128_n64_s4_noskip": (_T(wg_rows=128, block_n=64, skip_empty_half=False), False),
+    "w128_n64_s4_c2": (_T(wg_rows=128, block_n=64, cluster=2), False),
+    "w128_n64_s4_noskip_c2": (_T(wg_rows=128, block_n=64, skip_empty_half=False, cluster=2), False),
     "w64_n128_s4_noskip": (_T(wg_rows=64, block_n=128, skip_empty_half=False), False),
-    "w128_n64_s4_i": (_T(wg_rows=128, block_n=64), True),
-    "w128_n64_s4_i_f1": (_T(wg_rows=128, block_n=64, mma_in_flight=1), True),
-    "w64_n128_s4_i": (_T(wg_rows=64, block_n=128), True),
-    "w64_n128_s4_i_noskip": (_T(wg_rows=64, block_n=128, skip_empty_half=False), True),
-    "w64_n128_s4_i_f1": (_T(wg_rows=64, block_n=128, mma_in_flight=1), True),
+    "w64_n128_s4_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty_half=False, cluster=2), False),
+    "w64_n128_s4_i_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty_half=False, cluster=2), True),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

@@ -54,6 +54,7 @@ class Tiling:
   mma_in_flight: int = 0
   tile_order: str = "n"
   skip_empty_half: bool = True
+  cluster: int = 1
   producer_registers: int = 40
 
   @property
@@ -118,11 +119,12 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(swizzle))
 
   def pipeline(body, compute_context):
-    spec = lambda rows: plgpu.BlockSpec((rows, t.block_k), lambda k: (0, k), transforms=tiles,
-                                        memory_space=plgpu.SMEM, delay_release=t.mma_in_flight)
+    spec = lambda rows, shared=False: plgpu.BlockSpec(
+        (rows, t.block_k), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM,
+        delay_release=t.mma_in_flight, collective_axes=("cluster",) if shared and t.cluster > 1 else ())
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(d // t.block_k,), memory_registers=t.producer_registers,
-        in_specs=[spec(t.block_m)] + [spec(w_rows)] * len(w_gs), wg_axis="wg", num_compute_wgs=2,
+        in_specs=[spec(t.block_m, shared=True)] + [spec(w_rows)] * len(w_gs), wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=t.stages, compute_context=compute_context)
 
   noop = lambda *_, **__: None
@@ -137,16 +139,19 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
     wg = lax.axis_index("wg")
     count = num_items[0]
 
-    @plgpu.nd_loop((max_items * n_tiles,), collective_axes="sm")
+    groups = n_tiles // t.cluster  # N tiles are taken `cluster` at a time, one per SM of the cluster
+
+    @plgpu.nd_loop((max_items * groups,), collective_axes="sm")
     def _unit(info):
       (w,) = info.index
       if t.tile_order == "n":
-        i, j = w // n_tiles, w % n_tiles
+        i, g = w // groups, w % groups
       else:
         safe = jnp.maximum(count, 1)
-        i, j = w % safe, w // safe
+        i, g = w % safe, w // safe
+      j = g * t.cluster + lax.axis_index("cluster")
 
-      @pl.when(w < count * n_tiles)
+      @pl.when(w < count * groups)
       def _():
         e, x_start = item_expert[i], pl.multiple_of(item_x_start[i], ROW_ALIGN)
         cols = pl.ds(j * t.block_n, t.block_n)
@@ -212,6 +217,8 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if any(w.dtype != x.dtype for w in ws):
     raise ValueError(f"w1/w3 dtypes {[str(w.dtype) for w in ws]} must equal x's {x.dtype} (decode MIX experts "
                      "first)")
+  if t.cluster not in (1, 2):
+    raise ValueError(f"cluster must be 1 or 2, got {t.cluster}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   S, D = x.shape
@@ -221,13 +228,15 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if Dw != D or (w3 is not None and tuple(w3.shape) != tuple(w1.shape)):
     raise ValueError(f"w1 {tuple(w1.shape)} / w3 {None if w3 is None else tuple(w3.shape)} must be [E, I, D] "
                      f"(or w1 an interleaved [E, 2I, D] and w3 None) with D = {D}")
-  if D % t.block_k or I % t.block_n:
-    raise ValueError(f"D={D} / I={I} must be multiples of block_k={t.block_k} / block_n={t.block_n}")
+  if D % t.block_k or I % (t.block_n * t.cluster):
+    raise ValueError(f"D={D} / I={I} must be multiples of block_k={t.block_k} / block_n × cluster="
+                     f"{t.block_n * t.cluster}")
   items = aligned_items(r, t.block_m)
   kernel = plgpu.kernel(
       functools.partial(_kernel, t=t, limit=float(swiglu_limit), max_items=items.expert.shape[0],
                         n_tiles=I // t.block_n, d=D),
-      out_type=jax.ShapeDtypeStruct((r.num_routes, I), x.dtype), grid=(num_sms,), grid_names=("sm",),
+      out_type=jax.ShapeDtypeStruct((r.num_routes, I), x.dtype), grid=(num_sms // t.cluster,), grid_names=("sm",),
+      cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(*items, sorted_rows(x, r, t.block_m), *ws)

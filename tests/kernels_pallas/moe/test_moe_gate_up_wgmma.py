@@ -64,8 +64,8 @@ def test_gate_up_wgmma_several_items_per_expert(rng):
   # 300 tokens × top-4 over 8 experts: ~150 rows per expert, row tile 128 → a full item (both warpgroups) and
   # a second item that ends in the first warpgroup's half.
   x, w1, w3, ids = problem(rng, 300, 4)
-  r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=64, block_k=64, stages=2, skip_empty_half=False),
-            num_sms=5, interleaved=True)
+  r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=64, block_k=64, stages=2, skip_empty_half=False, cluster=2),
+            num_sms=6, interleaved=True)
   assert int(r.num_items[0]) > E
 
 
