@@ -206,10 +206,11 @@ def interleave(w1, w3, block_n: int) -> jax.Array:
 
 
 def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling = Tiling(), num_sms: int = 132,
-                  interpret=None) -> jax.Array:
+                  rows_sorted: bool = False, interpret=None) -> jax.Array:
   """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up; w1/w3 dense [E, I, D], or
-  w3=None and w1 = interleave(w1, w3, tiling.block_n). The routing's own row tile and work list are not used
-  (see aligned_items)."""
+  w3=None and w1 = interleave(w1, w3, tiling.block_n). x [S, D], or with `rows_sorted` already
+  sorted_rows(x, r, tiling.block_m) (to time the kernel without the gather). The routing's own row tile and work
+  list are not used (see aligned_items)."""
   t = tiling
   ws = (w1,) if w3 is None else (w1, w3)
   if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -221,7 +222,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
     raise ValueError(f"cluster must be 1 or 2, got {t.cluster}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
-  S, D = x.shape
+  D = x.shape[1]
   E, I, Dw = w1.shape
   if w3 is None:
     I //= 2
@@ -239,4 +240,4 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
       cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(*items, sorted_rows(x, r, t.block_m), *ws)
+  return kernel(*items, x if rows_sorted else sorted_rows(x, r, t.block_m), *ws)
