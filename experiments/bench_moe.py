@@ -4,7 +4,7 @@
 
 Per (tokens, routing): our bf16 gate/up and whole MoE, our rocmfp2_mix gate/up and rocmfp3_mix down
 (quantized tiles dequantized in-kernel), `jax.lax.ragged_dot` gate/up (where memory allows),
-`torch._grouped_mm` gate/up (when torch with CUDA is importable), our sm_90 Mosaic GPU gate/up at two tilings (on
+`torch._grouped_mm` gate/up (when torch with CUDA is importable), our sm_90 Mosaic GPU gate/up at a few tilings (on
 a GPU; timed with the row gather it needs, the gather alone, and "presorted": the kernel alone on rows sorted
 before, as torch is timed), and a dense bf16 GEMM with the same FLOPs as the gate/up, measured in the same run.
 Every number is also given as a fraction of that dense GEMM. `--only=prefix,...` runs a subset of the contenders.
@@ -42,7 +42,9 @@ ABLATIONS = {"moe_adaptive_tile off": dict(adaptive_tile=False), "moe_compact_qu
 _T = gate_up_wgmma.Tiling
 WGMMA_TILINGS = {
     "w128_n64_s4": (_T(wg_rows=128, block_n=64), False),
-    "w64_n128_s4_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty_half=False, cluster=2), False),
+    "w128_n64_s4_i": (_T(wg_rows=128, block_n=64), True),
+    "w128_n64_s4_i_c2": (_T(wg_rows=128, block_n=64, cluster=2), True),
+    "w64_n128_s4_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty=False, cluster=2), False),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

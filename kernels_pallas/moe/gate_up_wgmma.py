@@ -12,7 +12,8 @@ TMA cannot gather rows, so the rows come pre-gathered in sorted-row order (`x_so
 before the kernel). A TMA copy into the swizzled shared-memory layout wgmma reads must start at a multiple of 8
 rows, so the work list is this kernel's own (`aligned_items`): an expert's first tile starts at its first row
 rounded down to 8, and the up to 7 rows of the previous expert that it holds are computed and not stored. A
-warpgroup whose half of the tile holds no row of the expert issues no wgmma, leaving the tensor cores to the other.
+warpgroup issues its wgmmas per 64-row block and skips a block that holds no row of the expert (at 8192 tokens an
+expert has ~192 rows: a 256-row tile then issues 3 of its 4 blocks).
 Each SM loops over (item, N tile) units. With `tile_order` "n" the SMs running together cover all N tiles of a few
 items: each x tile is read from HBM once, and an expert's items run together, so its weight tiles are too.
 The store of a variable number of rows is a few power-of-two TMA copies.
@@ -38,6 +39,7 @@ from kernels_pallas.moe.routing import Routing
 F32 = jnp.float32
 I32 = jnp.int32
 ROW_ALIGN = 8  # the shared-memory tiling's row tile
+WGMMA_M = 64  # rows of one warpgroup MMA: a warpgroup's rows are issued (or skipped) in blocks of this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +47,16 @@ class Tiling:
   """wg_rows: rows per compute warpgroup (a unit's row tile is twice that); block_n: output columns of W1 and of W3
   per unit; block_k: the reduction step; stages: shared-memory slots; mma_in_flight 1 frees a slot one step late,
   so a step's wgmmas run while the next step's are issued; tile_order: which index of (item, N tile) the SMs
-  running together share ("n": the item, "item": the N tile); skip_empty_half: a warpgroup whose rows hold none
-  of the expert's issues no wgmma."""
+  running together share ("n": the item, "item": the N tile); skip_empty: a warpgroup issues no wgmma for a
+  64-row block of its rows that holds none of the expert's; cluster 2: two SMs take neighbouring N tiles of one
+  item and each x tile is read from L2 once for both (a TMA multicast)."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
   stages: int = 4
   mma_in_flight: int = 0
   tile_order: str = "n"
-  skip_empty_half: bool = True
+  skip_empty: bool = True
   cluster: int = 1
   producer_registers: int = 40
 
@@ -155,39 +158,44 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
       def _():
         e, x_start = item_expert[i], pl.multiple_of(item_x_start[i], ROW_ALIGN)
         cols = pl.ds(j * t.block_n, t.block_n)
+        lo, end = item_lo[i], item_end[i]
+
+        def rows_in(first_row, n):  # (first stored row, count) of rows [first_row, first_row + n)
+          first = jnp.maximum(first_row, lo)
+          return first, jnp.clip(jnp.minimum(first_row + n, end) - first, 0, n)
+
         wg_first = x_start + wg * t.wg_rows  # this warpgroup's rows of the tile: [wg_first, wg_first + wg_rows)
-        first = jnp.maximum(wg_first, item_lo[i])
-        rows = jnp.clip(jnp.minimum(wg_first + t.wg_rows, item_end[i]) - first, 0, t.wg_rows)
-        mine = pl.ds(pl.multiple_of(wg * t.wg_rows, t.wg_rows), t.wg_rows)
+        first, rows = rows_in(wg_first, t.wg_rows)
+        blocks = range(t.wg_rows // WGMMA_M)
 
         def compute_context(run):
-          @functools.partial(pl.run_scoped, accs=[plgpu.ACC((t.wg_rows, w_rows), F32) for _ in w_gs])
+          @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((WGMMA_M, w_rows), F32) for _ in w_gs] for _ in blocks])
           def _acc(accs):
             run(accs)
-            if fused:
-              a = accs[0][...]
-              gate, up = a[:, :t.block_n], a[:, t.block_n:]
-            else:
-              gate, up = accs[0][...], accs[1][...]
-            h = clamped_swiglu(gate, up, limit).astype(h_g.dtype)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
-            out_smem[wg] = h
+            for b in blocks:
+              if fused:
+                a = accs[b][0][...]
+                gate, up = a[:, :t.block_n], a[:, t.block_n:]
+              else:
+                gate, up = accs[b][0][...], accs[b][1][...]
+              out_smem[wg, pl.ds(b * WGMMA_M, WGMMA_M)] = clamped_swiglu(gate, up, limit).astype(h_g.dtype)
             plgpu.commit_smem()
             _store_rows(out_smem, wg, first - wg_first, h_g, first, rows, cols, t.wg_rows)
 
         def mma(_, x_s, *args):
           *w_ss, accs = args
+          for b in blocks:
+            def issue(b=b):
+              xs = x_s.at[pl.ds(pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M), WGMMA_M)]
+              for acc, w_s in zip(accs[b], w_ss):
+                plgpu.wgmma(acc, xs, w_s.T)
 
-          def issue():
-            xs = x_s.at[mine]
-            for acc, w_s in zip(accs, w_ss):
-              plgpu.wgmma(acc, xs, w_s.T)
-            plgpu.wgmma_wait(len(w_ss) * t.mma_in_flight)
-
-          if t.skip_empty_half:
-            pl.when(rows > 0)(issue)
-          else:
-            issue()
+            if t.skip_empty:
+              pl.when(rows_in(wg_first + b * WGMMA_M, WGMMA_M)[1] > 0)(issue)
+            else:
+              issue()
+          plgpu.wgmma_wait(len(w_ss) * len(blocks) * t.mma_in_flight)
           return accs
 
         w_cols = pl.ds(j * w_rows, w_rows)
@@ -218,6 +226,8 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if any(w.dtype != x.dtype for w in ws):
     raise ValueError(f"w1/w3 dtypes {[str(w.dtype) for w in ws]} must equal x's {x.dtype} (decode MIX experts "
                      "first)")
+  if t.wg_rows % WGMMA_M:
+    raise ValueError(f"wg_rows={t.wg_rows} must be a multiple of {WGMMA_M}")
   if t.cluster not in (1, 2):
     raise ValueError(f"cluster must be 1 or 2, got {t.cluster}")
   if t.tile_order not in ("n", "item"):

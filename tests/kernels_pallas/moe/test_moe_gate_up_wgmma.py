@@ -61,12 +61,14 @@ def test_gate_up_wgmma_matches_reference(rng, stages, in_flight, order, interlea
 
 
 def test_gate_up_wgmma_several_items_per_expert(rng):
-  # 300 tokens × top-4 over 8 experts: ~150 rows per expert, row tile 128 → a full item (both warpgroups) and
-  # a second item that ends in the first warpgroup's half.
+  # 300 tokens × top-4 over 8 experts: ~150 rows per expert. Row tile 128 (64 per warpgroup), interleaved W1/W3,
+  # clusters of two: a full item and a second one that ends in the first warpgroup's half. Row tile 256 (two
+  # 64-row blocks per warpgroup): the second warpgroup skips its empty last block.
   x, w1, w3, ids = problem(rng, 300, 4)
-  r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=64, block_k=64, stages=2, skip_empty_half=False, cluster=2),
-            num_sms=6, interleaved=True)
-  assert int(r.num_items[0]) > E
+  for t, interleaved, items in ((Tiling(wg_rows=64, block_n=64, stages=2, skip_empty=False, cluster=2), True, 2 * E),
+                                (Tiling(wg_rows=128, block_n=128, stages=2), False, E)):
+    r = check(x, w1, w3, ids, t, num_sms=6, interleaved=interleaved)
+    assert int(aligned_items(r, t.block_m).count[0]) == items
 
 
 @pytest.mark.parametrize("block_m", [16, 128])
