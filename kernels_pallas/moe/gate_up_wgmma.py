@@ -4,7 +4,7 @@
 
 Why a second gate/up next to the Triton one (gate_up.py): Triton waits on every wgmma of a K step before it issues
 the next loads' consumers, and its grouped kernel reaches ~53% of the dense bf16 GEMM at 8192 tokens
-(docs/kernels.md, "Where the MMAs wait"). Here one warpgroup only issues TMA copies of the x, W1 and W3 tiles into a
+(BENCHMARKS.md, "Where the MMAs wait"). Here one warpgroup only issues TMA copies of the x, W1 and W3 tiles into a
 ring of `stages` shared-memory slots, and two compute warpgroups issue wgmmas on them, each on its own half of the
 row tile, so the tensor cores never wait for a load or for the other half's epilogue.
 
@@ -18,7 +18,9 @@ Each SM loops over (item, N tile) units. With `tile_order` "n" the SMs running t
 items: each x tile is read from HBM once, and an expert's items run together, so its weight tiles are too.
 The store of a variable number of rows is a few power-of-two TMA copies.
 
-sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation.
+sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
+its h is bit-identical to gate_up.py's on the H200. Experimental: no model switch uses it, because on the H200 it
+ties the Triton kernel once its row gather is counted (BENCHMARKS.md, "A Mosaic GPU gate/up").
 """
 
 from __future__ import annotations
