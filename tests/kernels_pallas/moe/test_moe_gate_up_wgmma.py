@@ -97,3 +97,22 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
   with pytest.raises(ValueError, match="decode MIX experts first"):
     gate_up_wgmma(x, w1.astype(jnp.float32), w3, r, swiglu_limit=LIMIT)
+
+
+@pytest.mark.parametrize("wg_rows,block_n,cluster,interleaved", [(128, 64, 1, False), (64, 128, 2, False),
+                                                                 (128, 64, 2, True)])
+def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, interleaved):
+  # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
+  S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
+  x = jax.ShapeDtypeStruct((S, D_), jnp.bfloat16)
+  ws = (jax.ShapeDtypeStruct((E_, 2 * I_, D_), jnp.bfloat16), None) if interleaved else \
+      (jax.ShapeDtypeStruct((E_, I_, D_), jnp.bfloat16),) * 2
+  r = jax.eval_shape(lambda i: routing.route(i, E_, 128), jax.ShapeDtypeStruct((S, K), jnp.int32))
+
+  def lower(t):
+    f = lambda x, a, b, r: gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
+    return jax.jit(f).trace(x, *ws, r).lower(lowering_platforms=("cuda",)).as_text()
+
+  assert "mosaic_gpu" in lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster))
+  with pytest.raises(ValueError, match="exceeds available shared memory"):
+    lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=5))
