@@ -2,11 +2,12 @@
 
     h[r] = silu(min(x_sorted[r] · W1_e^T, L)) * clip(x_sorted[r] · W3_e^T, −L, L)      e = expert of sorted row r
 
-Why a second gate/up next to the Triton one (gate_up.py): Triton waits on every wgmma of a K step before it issues
-the next loads' consumers, and its grouped kernel reaches ~53% of the dense bf16 GEMM at 8192 tokens
-(BENCHMARKS.md, "Where the MMAs wait"). Here one warpgroup only issues TMA copies of the x, W1 and W3 tiles into a
+Why a second gate/up next to the Triton one (gate_up.py): Triton keeps a wgmma in flight only when it loads both
+operands itself, so a tile decoded in registers (the MIX formats) makes every MMA wait (BENCHMARKS.md, "Where the
+MMAs wait"). Here the pipeline is explicit: one warpgroup only issues TMA copies of the x, W1 and W3 tiles into a
 ring of `stages` shared-memory slots, and two compute warpgroups issue wgmmas on them, each on its own half of the
-row tile, so the tensor cores never wait for a load or for the other half's epilogue.
+row tile. This bf16 version is the base a decoded-weight version would build on (decode work placed next to the
+MMAs, not in front of them); on bf16 weights it is measured against gate_up.py and torch._grouped_mm.
 
 TMA cannot gather rows, so the rows come pre-gathered in sorted-row order (`x_sorted`, an XLA gather of S·K rows
 before the kernel). A TMA copy into the swizzled shared-memory layout wgmma reads must start at a multiple of 8

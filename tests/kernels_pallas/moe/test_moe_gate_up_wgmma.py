@@ -1,9 +1,12 @@
 """The Mosaic GPU (sm_90) grouped gate/up against the exact reference: in Mosaic GPU's interpret mode on CPU (which
-simulates the warpgroups, the TMA copies and their barriers) and compiled on an H100/H200.
+simulates the warpgroups, the TMA copies and their barriers) and compiled on an H100/H200; and its lowering for
+sm_90 at V4-Flash shapes, offline.
 
 The routes cover what the work list can hold: experts with more rows than one row tile (several items each), tiles
-that start inside the previous expert's rows, tiles whose second warpgroup holds no row (it issues no wgmma), empty
-experts, masked routes (−1), and fewer SMs than units (each SM loops), in both unit orders. bf16 operands, bf16 h: the tolerance is bf16's rounding of h (NMSE ≤ 2e-5, measured ~3e-6).
+that start inside the previous expert's rows, 64-row blocks that hold no row of the expert (no wgmma is issued for
+them), empty experts, masked routes (−1), and fewer SMs than units (each SM loops); both unit orders, separate and
+interleaved W1/W3, clusters of one and two SMs. bf16 operands, bf16 h: the tolerance is bf16's rounding of h
+(NMSE ≤ 2e-5, measured ~3e-6).
 """
 
 import jax
