@@ -6,7 +6,7 @@ Per (tokens, routing): our bf16 gate/up and whole MoE, our rocmfp2_mix gate/up a
 (quantized tiles dequantized in-kernel), `jax.lax.ragged_dot` gate/up (where memory allows),
 `torch._grouped_mm` gate/up (when torch with CUDA is importable), our sm_90 Mosaic GPU gate/up at a few tilings (on
 a GPU; timed with the row gather it needs, the gather alone, and "presorted": the kernel alone on rows sorted
-before, as torch is timed), and a dense bf16 GEMM with the same FLOPs as the gate/up, measured in the same run.
+before, as torch is timed; and on rocmfp2_mix weights decoded in the kernel), and a dense bf16 GEMM with the same FLOPs as the gate/up, measured in the same run.
 Every number is also given as a fraction of that dense GEMM. `--only=prefix,...` runs a subset of the contenders.
 `--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
 Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.
@@ -45,6 +45,12 @@ WGMMA_TILINGS = {
     "w128_n64_s4_i": (_T(wg_rows=128, block_n=64), True),
     "w128_n64_s4_i_c2": (_T(wg_rows=128, block_n=64, cluster=2), True),
     "w64_n128_s4_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty=False, cluster=2), False),
+}
+# The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups (not yet run on a GPU when added).
+WGMMA_MIX_TILINGS = {
+    "w128_n64_s4": _T(wg_rows=128, block_n=64),
+    "w128_n64_s3_c2": _T(wg_rows=128, block_n=64, stages=3, cluster=2),
+    "w64_n128_s4": _T(wg_rows=64, block_n=128),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
@@ -160,6 +166,22 @@ def main(argv):
               xs, a, b, r, swiglu_limit=10.0, tiling=t, rows_sorted=True), xs, *ws, r)
           del ws, xs
         measure("wgmma sorted_rows", lambda x, r: gate_up_wgmma.sorted_rows(x, r, 128), x, r)
+        m1, m3 = (jax.jit(gate_up_wgmma.mix_stack)(q.storage) for q in (q1, q3))  # made once, as weights stationary
+        h_mix = jax.jit(gu)(x, q1, q3, r)
+        for tname, t in WGMMA_MIX_TILINGS.items():
+          name = f"ours_wgmma_rocmfp2_mix_gate_up {tname}"
+          if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
+            continue
+          gm = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
+          try:  # against our Triton fused MIX gate/up (same decoded bf16 weights, another K order)
+            rows = int(r.num_rows[0])
+            diff = float(nmse(jax.jit(gm)(x, m1, m3, r)[:rows].astype(jnp.float32),
+                              h_mix[:rows].astype(jnp.float32)))
+          except Exception as e:  # noqa: BLE001
+            save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+          measure(name, gm, x, m1, m3, r, nmse_vs_triton=diff)
+        del m1, m3, h_mix
 
       def full_moe(c=cfg, dequantize_first=False):
         def f(x, w, i, a, b, d):

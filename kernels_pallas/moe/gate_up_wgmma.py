@@ -19,8 +19,17 @@ Each SM loops over (item, N tile) units. With `tile_order` "n" the SMs running t
 items: each x tile is read from HBM once, and an expert's items run together, so its weight tiles are too.
 The store of a variable number of rows is a few power-of-two TMA copies.
 
+FP2-MIX weights (`MixStack`, made once by `mix_stack` from the storage arrays; gate/up's format in lucebox_mix): the
+TMA warpgroup copies each K step's code bytes and meta bytes (the meta repeated per code byte), and each compute
+warpgroup decodes the W1 and W3 tiles into bf16 planes in its own shared memory (`decode_planes`: the canonical
+decode's products, so the same bits) and issues one wgmma per plane. Plane q of a 64-weight K step holds weights
+4i + q (a K sub-slice of a 128-byte-swizzled tile does not lower), so x comes as planes too (`sorted_planes`) and
+the MMAs sum over K in another order than gate_up.py. Both warpgroups decode the whole tile: twice the ALU work,
+but one warpgroup's decode runs while the other's wgmmas do. This path passes in interpret mode and lowers for
+sm_90; it has not run on a GPU yet.
+
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
-its h is bit-identical to gate_up.py's on the H200. Experimental: no model switch uses it, because on the H200 it
+its h is bit-identical to gate_up.py's on the H200. Experimental: no model switch uses it; on the H200 the bf16 version
 ties the Triton kernel once its row gather is counted (BENCHMARKS.md, "A Mosaic GPU gate/up").
 """
 
@@ -36,11 +45,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ds4jax.quant import rocmfp2_mix, rocmfp_layout, rocmfp_mix, ue4m3
 from kernels_pallas.moe.gate_up import clamped_swiglu
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
 I32 = jnp.int32
+BF16 = jnp.bfloat16
+PLANES = 4  # FP2-MIX: four 2-bit codes per byte
 ROW_ALIGN = 8  # the shared-memory tiling's row tile
 WGMMA_M = 64  # rows of one warpgroup MMA: a warpgroup's rows are issued (or skipped) in blocks of this
 
@@ -101,6 +113,53 @@ def sorted_rows(x, r: Routing, block_m: int) -> jax.Array:
   return x[jnp.pad(r.token_of_row, (0, n - r.num_routes))]
 
 
+class MixStack(NamedTuple):
+  """An FP2-MIX expert stack [E, N, K] laid out for this kernel (`mix_stack`). codes [E, N, K/4] u8 as stored
+  (weight 4i + q at bits 2q of byte i); meta [E, N, K/4] u8: each half-block's meta byte repeated for its 4 code
+  bytes (a TMA copy needs ≥ 16 bytes a row, and a K step has 4 half-blocks); levels [E, 2, 4] f32: the two books'
+  entries, or for a mode-0 (uniform) expert the fixed levels c − 1 in both; zero_flagged [E] i32: 1 where a set
+  bit 7 zeroes the scale (mode 0) instead of selecting book 1."""
+  codes: jax.Array
+  meta: jax.Array
+  levels: jax.Array
+  zero_flagged: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    E, N, K4 = self.codes.shape
+    return E, N, K4 * PLANES
+
+
+def mix_stack(storage: dict) -> MixStack:
+  """From rocmfp2_mix storage arrays (codes, scales, books, mode). A copy of 1 byte per 4 weights (the meta)."""
+  uniform = jnp.asarray(storage["mode"]) == 0
+  fixed = rocmfp2_mix.fixed_level(jnp.arange(rocmfp2_mix.LEVELS)).astype(F32)
+  levels = jnp.where(uniform[:, None, None], fixed, jnp.asarray(storage["books"]).astype(F32))
+  meta = jnp.repeat(jnp.asarray(storage["scales"]), rocmfp_layout.HALF // PLANES, axis=-1)
+  return MixStack(jnp.asarray(storage["codes"]), meta, levels, uniform.astype(I32))
+
+
+def decode_planes(codes, meta, levels, zero_flagged) -> list[jax.Array]:
+  """Code bytes and meta bytes [n, m] → 4 bf16 planes [n, m], plane q holding weight 4i + q of byte i; `levels`
+  is [2][4] scalars. The canonical decode's products (book level × UE4M3 scale in f32, then bf16): the same bits.
+  Pure jnp: runs in the kernel and in tests."""
+  b, m = codes.astype(I32), meta.astype(I32)
+  flagged = (m & rocmfp_mix.SELECT_BIT) != 0
+  scale = jnp.where(flagged & (zero_flagged != 0), F32(0), ue4m3.decode(m & 0x7F))
+  values = [(jnp.where(flagged, levels[1][k], levels[0][k]) * scale).astype(BF16) for k in range(4)]
+  planes = []
+  for q in range(PLANES):
+    c = b >> (2 * q)
+    planes.append(rocmfp_mix.pick([(c & 1) != 0, (c & 2) != 0], values))
+  return planes
+
+
+def sorted_planes(x, r: Routing, block_m: int) -> jax.Array:
+  """sorted_rows as 4 planes [4, rows, D/4]: plane q, column i is x's column 4i + q (the MIX codes' order)."""
+  xs = sorted_rows(x, r, block_m)
+  return xs.reshape(xs.shape[0], -1, PLANES).transpose(2, 0, 1)
+
+
 def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: int):
   """Copies rows [src_row, src_row + count) of out_smem[slot] to h rows [first_row, first_row + count), columns
   `cols`: TMA copies need static shapes, so `count` is written as a sum of powers of two, largest first."""
@@ -116,35 +175,52 @@ def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: 
 
 
 def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
-            max_items: int, n_tiles: int, d: int):
+            max_items: int, n_tiles: int, d: int, mix: bool):
+  """x_g is x_sorted [rows, D] (bf16 weights) or its planes [4, rows, D/4] (FP2-MIX). refs: the weight arrays
+  (w1, w3 | w13 | codes, meta, levels, zero_flagged of W1 then of W3), then h."""
   *w_gs, h_g = refs
-  fused = len(w_gs) == 1  # one interleaved [E, 2I, D] stack: one wgmma of width 2 · block_n per step
-  w_rows = 2 * t.block_n if fused else t.block_n
-  dt = x_g.dtype
-  swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(dt).itemsize * 8)
-  tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(swizzle))
+  if mix:
+    stacks = [w_gs[:4], w_gs[4:]]
+    n_w, w_rows, fused, bk = 2, t.block_n, False, t.block_k // PLANES
+  else:
+    n_w = len(w_gs)
+    fused = n_w == 1  # one interleaved [E, 2I, D] stack: one wgmma of width 2 · block_n per step
+    w_rows, bk = (2 * t.block_n if fused else t.block_n), t.block_k
+  # wgmma reads swizzled tiles; their row offsets must be multiples of the 8-row tile
+  swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
+  tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
+  cluster = ("cluster",) if t.cluster > 1 else ()
+  delay = 0 if mix else t.mma_in_flight
+  x_block = (PLANES, t.block_m, bk) if mix else (t.block_m, bk)
+  x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles,
+                           memory_space=plgpu.SMEM, delay_release=delay, collective_axes=cluster)
+  if mix:  # code and meta bytes: read into registers by the decode, no swizzle needed
+    w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM)] * 4
+  else:
+    w_specs = [plgpu.BlockSpec((w_rows, bk), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM,
+                               delay_release=delay)] * n_w
 
   def pipeline(body, compute_context):
-    spec = lambda rows, shared=False: plgpu.BlockSpec(
-        (rows, t.block_k), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM,
-        delay_release=t.mma_in_flight, collective_axes=("cluster",) if shared and t.cluster > 1 else ())
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(d // t.block_k,), memory_registers=t.producer_registers,
-        in_specs=[spec(t.block_m, shared=True)] + [spec(w_rows)] * len(w_gs), wg_axis="wg", num_compute_wgs=2,
-        max_concurrent_steps=t.stages, compute_context=compute_context)
+        body, grid=(d // t.block_k,), memory_registers=t.producer_registers, in_specs=[x_spec] + w_specs,
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=compute_context)
+
+  def operands(e, j, x_start):  # the pipeline's arrays for one unit: x rows, then the weight tiles' rows
+    cols = pl.ds(j * w_rows, w_rows)
+    x = x_g.at[:, pl.ds(x_start, t.block_m)] if mix else x_g.at[pl.ds(x_start, t.block_m)]
+    ws = [a.at[e, cols] for c, m, _, _ in stacks for a in (c, m)] if mix else [w.at[e, cols] for w in w_gs]
+    return [x] + ws
 
   noop = lambda *_, **__: None
+  scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
+  if mix:  # each compute warpgroup's decoded W1/W3 planes
+    scratch["dec"] = plgpu.SMEM((2, n_w, PLANES, t.block_n, bk), BF16, transforms=tiles)
 
-  @functools.partial(
-      pl.run_scoped,
-      allocs=pipeline(noop, noop).get_allocations(x_g.at[pl.ds(0, t.block_m)],
-                                                  *(w.at[0, pl.ds(0, w_rows)] for w in w_gs)),
-      out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype),  # untiled: row slices of any size
-      collective_axes="wg")
-  def _scope(allocs, out_smem):
+  @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
+                     collective_axes="wg", **scratch)
+  def _scope(allocs, out_smem, dec=None):
     wg = lax.axis_index("wg")
     count = num_items[0]
-
     groups = n_tiles // t.cluster  # N tiles are taken `cluster` at a time, one per SM of the cluster
 
     @plgpu.nd_loop((max_items * groups,), collective_axes="sm")
@@ -170,9 +246,12 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         wg_first = x_start + wg * t.wg_rows  # this warpgroup's rows of the tile: [wg_first, wg_first + wg_rows)
         first, rows = rows_in(wg_first, t.wg_rows)
         blocks = range(t.wg_rows // WGMMA_M)
+        if mix:  # this expert's book levels and mode flag, as scalars
+          sides = [([[lv[e, s, k] for k in range(4)] for s in range(2)], zf[e]) for _, _, lv, zf in stacks]
 
         def compute_context(run):
-          @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((WGMMA_M, w_rows), F32) for _ in w_gs] for _ in blocks])
+          @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((WGMMA_M, w_rows), F32) for _ in range(n_w)]
+                                                  for _ in blocks])
           def _acc(accs):
             run(accs)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
@@ -188,22 +267,30 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
         def mma(_, x_s, *args):
           *w_ss, accs = args
+          if mix:  # decode this step's W1 and W3 tiles into this warpgroup's planes; wgmma reads them from there
+            for v, ((levels, flagged), c_s, m_s) in enumerate(zip(sides, w_ss[0::2], w_ss[1::2])):
+              for q, plane in enumerate(decode_planes(c_s[...], m_s[...], levels, flagged)):
+                dec[wg, v, q] = plane
+            plgpu.commit_smem()
+            parts = [(x_s.at[q], [dec.at[wg, v, q] for v in range(n_w)]) for q in range(PLANES)]
+          else:
+            parts = [(x_s, w_ss)]
           for b in blocks:
             def issue(b=b):
-              xs = x_s.at[pl.ds(pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M), WGMMA_M)]
-              for acc, w_s in zip(accs[b], w_ss):
-                plgpu.wgmma(acc, xs, w_s.T)
+              row0 = pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M)
+              for xp, wps in parts:
+                for acc, w_s in zip(accs[b], wps):
+                  plgpu.wgmma(acc, xp.at[pl.ds(row0, WGMMA_M)], w_s.T)
 
             if t.skip_empty:
               pl.when(rows_in(wg_first + b * WGMMA_M, WGMMA_M)[1] > 0)(issue)
             else:
               issue()
-          plgpu.wgmma_wait(len(w_ss) * len(blocks) * t.mma_in_flight)
+          # MIX: the planes are rewritten next step, so every wgmma of this one must be done
+          plgpu.wgmma_wait(0 if mix else n_w * len(blocks) * t.mma_in_flight)
           return accs
 
-        w_cols = pl.ds(j * w_rows, w_rows)
-        pipeline(mma, compute_context)(x_g.at[pl.ds(x_start, t.block_m)], *(w.at[e, w_cols] for w in w_gs),
-                                       allocations=allocs)
+        pipeline(mma, compute_context)(*operands(e, j, x_start), allocations=allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -218,17 +305,23 @@ def interleave(w1, w3, block_n: int) -> jax.Array:
 
 def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling = Tiling(), num_sms: int = 132,
                   rows_sorted: bool = False, interpret=None) -> jax.Array:
-  """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up; w1/w3 dense [E, I, D], or
-  w3=None and w1 = interleave(w1, w3, tiling.block_n). x [S, D], or with `rows_sorted` already
-  sorted_rows(x, r, tiling.block_m) (to time the kernel without the gather). The routing's own row tile and work
-  list are not used (see aligned_items)."""
+  """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up. w1/w3: dense [E, I, D]; or
+  w3=None and w1 = interleave(w1, w3, tiling.block_n); or two FP2-MIX `MixStack`s (decoded in the kernel, the
+  canonical decode's bits). x [S, D], or with `rows_sorted` already sorted_rows(x, r, tiling.block_m) (dense
+  weights; to time the kernel without the gather). The routing's own row tile and work list are not used (see
+  aligned_items)."""
   t = tiling
+  mix = isinstance(w1, MixStack)
   ws = (w1,) if w3 is None else (w1, w3)
   if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError(f"the wgmma gate/up takes bf16/f16 activations, got {x.dtype}")
-  if any(w.dtype != x.dtype for w in ws):
-    raise ValueError(f"w1/w3 dtypes {[str(w.dtype) for w in ws]} must equal x's {x.dtype} (decode MIX experts "
-                     "first)")
+  if mix != isinstance(w3, MixStack):
+    raise ValueError("w1 and w3 must both be MixStacks or both be dense")
+  if mix and (jnp.dtype(x.dtype) != jnp.dtype(BF16) or rows_sorted or t.block_k % (PLANES * 16)):
+    raise ValueError(f"FP2-MIX weights take bf16 x [S, D] (not presorted) and block_k a multiple of "
+                     f"{PLANES * 16}; got {x.dtype}, rows_sorted={rows_sorted}, block_k={t.block_k}")
+  if not mix and any(w.dtype != x.dtype for w in ws):
+    raise ValueError(f"w1/w3 dtypes {[str(w.dtype) for w in ws]} must equal x's {x.dtype} (or be MixStacks)")
   if t.wg_rows % WGMMA_M:
     raise ValueError(f"wg_rows={t.wg_rows} must be a multiple of {WGMMA_M}")
   if t.cluster not in (1, 2):
@@ -248,9 +341,11 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   items = aligned_items(r, t.block_m)
   kernel = plgpu.kernel(
       functools.partial(_kernel, t=t, limit=float(swiglu_limit), max_items=items.expert.shape[0],
-                        n_tiles=I // t.block_n, d=D),
+                        n_tiles=I // t.block_n, d=D, mix=mix),
       out_type=jax.ShapeDtypeStruct((r.num_routes, I), x.dtype), grid=(num_sms // t.cluster,), grid_names=("sm",),
       cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  if mix:
+    return kernel(*items, sorted_planes(x, r, t.block_m), *w1, *w3)
   return kernel(*items, x if rows_sorted else sorted_rows(x, r, t.block_m), *ws)

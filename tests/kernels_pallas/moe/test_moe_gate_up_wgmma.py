@@ -16,9 +16,10 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.metrics import nmse
-from kernels_pallas.moe import gate_up, routing
-from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, Tiling, aligned_items, gate_up_wgmma, interleave,
-                                              sorted_rows)
+from ds4jax.quant import rocmfp2_mix
+from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
+from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, Tiling, aligned_items, decode_planes, gate_up_wgmma,
+                                              interleave, mix_stack, sorted_planes, sorted_rows)
 
 ON_GPU = jax.default_backend() == "gpu"
 LIMIT = 3.0
@@ -29,9 +30,9 @@ def interpret():
   return None if ON_GPU else plgpu.InterpretGPUParams()
 
 
-def problem(rng, S, K, *, mask_every=0, empty=()):
+def problem(rng, S, K, *, mask_every=0, empty=(), inter=I):
   x = jnp.asarray(rng.standard_normal((S, D)), jnp.bfloat16)
-  w1, w3 = (jnp.asarray(2.0 / np.sqrt(D) * rng.standard_normal((E, I, D)), jnp.bfloat16) for _ in range(2))
+  w1, w3 = (jnp.asarray(2.0 / np.sqrt(D) * rng.standard_normal((E, inter, D)), jnp.bfloat16) for _ in range(2))
   experts = np.setdiff1d(np.arange(E), empty)
   ids = np.stack([rng.permutation(experts)[:K] for _ in range(S)]).astype(np.int32)
   if mask_every:
@@ -52,25 +53,25 @@ def check(x, w1, w3, ids, t: Tiling, num_sms: int, interleaved=False):
   return r
 
 
-@pytest.mark.parametrize("stages,in_flight,order,interleaved", [(2, 0, "n", False), (3, 1, "item", True)])
-def test_gate_up_wgmma_matches_reference(rng, stages, in_flight, order, interleaved):
+@pytest.mark.parametrize("stages,in_flight,order,interleaved,cluster", [(2, 0, "n", False, 1),
+                                                                        (3, 1, "item", True, 2)])
+def test_gate_up_wgmma_matches_reference(rng, stages, in_flight, order, interleaved, cluster):
   # 80 tokens × top-3 over 7 experts (expert 5 empty, every 7th route masked): ~30 rows per expert, under one
   # warpgroup's 64, so the second warpgroup of every item stores nothing.
   x, w1, w3, ids = problem(rng, 80, 3, mask_every=7, empty=(5,))
   r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=128, block_k=64, stages=stages, mma_in_flight=in_flight,
-                                           tile_order=order),
-            num_sms=3, interleaved=interleaved)
+                                   tile_order=order, cluster=cluster), num_sms=4, interleaved=interleaved)
   assert int(r.group_sizes[5]) == 0 and int(r.num_rows[0]) < 80 * 3
 
 
 def test_gate_up_wgmma_several_items_per_expert(rng):
-  # 300 tokens × top-4 over 8 experts: ~150 rows per expert. Row tile 128 (64 per warpgroup), interleaved W1/W3,
-  # clusters of two: a full item and a second one that ends in the first warpgroup's half. Row tile 256 (two
-  # 64-row blocks per warpgroup): the second warpgroup skips its empty last block.
-  x, w1, w3, ids = problem(rng, 300, 4)
-  for t, interleaved, items in ((Tiling(wg_rows=64, block_n=64, stages=2, skip_empty=False, cluster=2), True, 2 * E),
-                                (Tiling(wg_rows=128, block_n=128, stages=2), False, E)):
-    r = check(x, w1, w3, ids, t, num_sms=6, interleaved=interleaved)
+  # 300 tokens × top-4 over 8 experts: ~150 rows per expert. Row tile 128 (64 per warpgroup): a full item and a
+  # second one that ends in the first warpgroup's half. Row tile 256 (two 64-row blocks per warpgroup): the second
+  # warpgroup skips its empty last block.
+  x, w1, w3, ids = problem(rng, 300, 4, inter=64)
+  for t, items in ((Tiling(wg_rows=64, block_n=64, stages=2, skip_empty=False), 2 * E),
+                   (Tiling(wg_rows=128, block_n=64, stages=2), E)):
+    r = check(x, w1, w3, ids, t, num_sms=6)
     assert int(aligned_items(r, t.block_m).count[0]) == items
 
 
@@ -98,7 +99,7 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(tile_order="m"))
   with pytest.raises(ValueError, match="bf16/f16"):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
-  with pytest.raises(ValueError, match="decode MIX experts first"):
+  with pytest.raises(ValueError, match="or be MixStacks"):
     gate_up_wgmma(x, w1.astype(jnp.float32), w3, r, swiglu_limit=LIMIT)
 
 
@@ -119,3 +120,58 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
   assert "mosaic_gpu" in lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster))
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=5))
+
+
+def mix_storage(rng, shape, *, flagged_uniform=False):
+  """Random rocmfp2_mix storage [E, N, K]: random code bytes, meta bytes (UE4M3 0..0x7E, half of them selecting
+  book 1) and strictly increasing bf16 books; expert 0 in mode 0 (uniform), whose meta bytes are plain UE4M3 (valid
+  storage), or with `flagged_uniform` keep bit 7 too: invalid storage that the decode still defines (±0)."""
+  E_, N, K_ = shape
+  books = np.sort(rng.standard_normal((E_, 2, 4)), axis=-1) + np.arange(4) * 1e-2  # distinct in bf16
+  st = dict(codes=rng.integers(0, 256, (E_, N, K_ // 4), dtype=np.uint8),
+            scales=(rng.integers(0, 0x7F, (E_, N, K_ // 16)) | (rng.integers(0, 2, (E_, N, K_ // 16)) << 7)
+                    ).astype(np.uint8),
+            books=np.asarray(jnp.asarray(books, jnp.bfloat16)), mode=np.ones(E_, np.uint8))
+  st["mode"][0] = 0
+  if not flagged_uniform:
+    st["scales"][0] &= 0x7F
+    rocmfp2_mix.check(*(jnp.asarray(st[k]) for k in ("codes", "scales", "books", "mode")))
+  return st
+
+
+def test_decode_planes_is_the_canonical_decode(rng):
+  st = mix_storage(rng, (3, 16, D), flagged_uniform=True)
+  ms = mix_stack(st)
+  dense = np.asarray(jnp.asarray(rocmfp2_mix.dequantize(*(st[k] for k in ("codes", "scales", "books", "mode"))))
+                     .astype(jnp.bfloat16)).view(np.uint16)  # [E, N, K] bits
+  for e in range(3):
+    planes = decode_planes(ms.codes[e], ms.meta[e], ms.levels[e], ms.zero_flagged[e])
+    got = np.stack([np.asarray(p).view(np.uint16) for p in planes], axis=-1).reshape(16, D)  # weight 4i + q
+    np.testing.assert_array_equal(got, dense[e])
+  assert np.any(dense[0] == 0x8000) and np.any(dense[0] == 0)  # the flagged uniform half-blocks: −0 and +0
+
+
+def test_sorted_planes_match_sorted_rows(rng):
+  x, _, _, ids = problem(rng, 24, 2)
+  r = routing.route(ids, E, 32)
+  xs, xp = np.asarray(sorted_rows(x, r, 128)), np.asarray(sorted_planes(x, r, 128))
+  for q in range(4):
+    np.testing.assert_array_equal(xp[q], xs[:, q::4])
+
+
+def test_gate_up_wgmma_decodes_fp2_mix(rng):
+  # ~80 rows per expert, a 128-row tile: the second warpgroup's block is partial. W1/W3 in FP2-MIX (expert 0
+  # uniform), decoded in the kernel: compared with the reference on the canonically
+  # decoded weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding of h.
+  x, w1, w3, ids = problem(rng, 160, 4, inter=64)
+  st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
+  q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 64, D)) for st in (st1, st3))
+  r = routing.route(ids, E, 32)
+  t = Tiling(wg_rows=64, block_n=64, stages=2)
+  h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
+                    interpret=interpret())
+  ref = gate_up.gate_up_reference(x, dequantize_to_dense(q1).w, dequantize_to_dense(q3).w, r, swiglu_limit=LIMIT)
+  n = int(r.num_rows[0])
+  assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1
+  err = nmse(h[:n].astype(jnp.float32), ref[:n])
+  assert err <= 2e-5, err
