@@ -18,8 +18,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ds4jax.metrics import nmse
 from ds4jax.quant import rocmfp2_mix
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
-from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, Tiling, aligned_items, decode_planes, gate_up_wgmma,
-                                              interleave, mix_stack, sorted_planes, sorted_rows)
+from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
+                                              gate_up_wgmma, interleave, mix_stack, sorted_planes, sorted_rows)
 
 ON_GPU = jax.default_backend() == "gpu"
 LIMIT = 3.0
@@ -103,14 +103,20 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     gate_up_wgmma(x, w1.astype(jnp.float32), w3, r, swiglu_limit=LIMIT)
 
 
-@pytest.mark.parametrize("wg_rows,block_n,cluster,interleaved", [(128, 64, 1, False), (64, 128, 2, False),
-                                                                 (128, 64, 2, True)])
-def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, interleaved):
+@pytest.mark.parametrize("wg_rows,block_n,cluster,weights", [(128, 64, 1, "dense"), (64, 128, 2, "dense"),
+                                                             (128, 64, 2, "interleaved"), (128, 64, 1, "mix")])
+def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
   x = jax.ShapeDtypeStruct((S, D_), jnp.bfloat16)
-  ws = (jax.ShapeDtypeStruct((E_, 2 * I_, D_), jnp.bfloat16), None) if interleaved else \
-      (jax.ShapeDtypeStruct((E_, I_, D_), jnp.bfloat16),) * 2
+  if weights == "mix":
+    u8 = jax.ShapeDtypeStruct((E_, I_, D_ // 4), jnp.uint8)
+    stack = MixStack(u8, u8, jax.ShapeDtypeStruct((E_, 2, 4), jnp.float32), jax.ShapeDtypeStruct((E_,), jnp.int32))
+    ws = (stack, stack)
+  elif weights == "interleaved":
+    ws = (jax.ShapeDtypeStruct((E_, 2 * I_, D_), jnp.bfloat16), None)
+  else:
+    ws = (jax.ShapeDtypeStruct((E_, I_, D_), jnp.bfloat16),) * 2
   r = jax.eval_shape(lambda i: routing.route(i, E_, 128), jax.ShapeDtypeStruct((S, K), jnp.int32))
 
   def lower(t):
@@ -119,7 +125,7 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
 
   assert "mosaic_gpu" in lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster))
   with pytest.raises(ValueError, match="exceeds available shared memory"):
-    lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=5))
+    lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=6))
 
 
 def mix_storage(rng, shape, *, flagged_uniform=False):
