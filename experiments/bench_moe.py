@@ -46,11 +46,13 @@ WGMMA_TILINGS = {
     "w128_n64_s4_i_c2": (_T(wg_rows=128, block_n=64, cluster=2), True),
     "w64_n128_s4_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty=False, cluster=2), False),
 }
-# The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups (not yet run on a GPU when added).
+# The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, each the whole tile or half of it
+# ("shared"); not yet run on a GPU when added.
 WGMMA_MIX_TILINGS = {
     "w128_n64_s4": _T(wg_rows=128, block_n=64),
-    "w128_n64_s3_c2": _T(wg_rows=128, block_n=64, stages=3, cluster=2),
     "w64_n128_s4": _T(wg_rows=64, block_n=128),
+    "w64_n128_s4_shared": _T(wg_rows=64, block_n=128, shared_decode=True),
+    "w64_n128_s3_c2_shared": _T(wg_rows=64, block_n=128, stages=3, cluster=2, shared_decode=True),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

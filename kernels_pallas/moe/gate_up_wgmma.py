@@ -24,9 +24,10 @@ TMA warpgroup copies each K step's code bytes and meta bytes (the meta repeated 
 warpgroup decodes the W1 and W3 tiles into bf16 planes in its own shared memory (`decode_planes`: the canonical
 decode's products, so the same bits) and issues one wgmma per plane. Plane q of a 64-weight K step holds weights
 4i + q (a K sub-slice of a 128-byte-swizzled tile does not lower), so x comes as planes too (`sorted_planes`) and
-the MMAs sum over K in another order than gate_up.py. Both warpgroups decode the whole tile: twice the ALU work,
-but one warpgroup's decode runs while the other's wgmmas do. This path passes in interpret mode and lowers for
-sm_90; it has not run on a GPU yet.
+the MMAs sum over K in another order than gate_up.py. By default both warpgroups decode the whole tile (twice the
+ALU work; one warpgroup's decode runs while the other's wgmmas do); with `shared_decode` each decodes half of the
+rows into double-buffered planes that both read, with a barrier per step. This path passes in interpret mode (race
+detector on) and lowers for sm_90; it has not run on a GPU yet.
 
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
 its h is bit-identical to gate_up.py's on the H200. Experimental: no model switch uses it; on the H200 the bf16 version
@@ -64,7 +65,8 @@ class Tiling:
   so a step's wgmmas run while the next step's are issued; tile_order: which index of (item, N tile) the SMs
   running together share ("n": the item, "item": the N tile); skip_empty: a warpgroup issues no wgmma for a
   64-row block of its rows that holds none of the expert's; cluster 2: two SMs take neighbouring N tiles of one
-  item and each x tile is read from L2 once for both (a TMA multicast)."""
+  item and each x tile is read from L2 once for both (a TMA multicast); shared_decode (FP2-MIX): each warpgroup
+  decodes half of the tile's rows into planes both read (double-buffered, a barrier per step), not all of them."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -73,6 +75,7 @@ class Tiling:
   tile_order: str = "n"
   skip_empty: bool = True
   cluster: int = 1
+  shared_decode: bool = False
   producer_registers: int = 40
 
   @property
@@ -213,12 +216,14 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
   noop = lambda *_, **__: None
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
-  if mix:  # each compute warpgroup's decoded W1/W3 planes
+  if mix:  # decoded W1/W3 planes: one set per compute warpgroup, or with shared_decode one per step parity
     scratch["dec"] = plgpu.SMEM((2, n_w, PLANES, t.block_n, bk), BF16, transforms=tiles)
+    if t.shared_decode:  # both warpgroups have written their halves of a step's planes
+      scratch["decoded"] = plgpu.Barrier(num_arrivals=2, num_barriers=2)
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
                      collective_axes="wg", **scratch)
-  def _scope(allocs, out_smem, dec=None):
+  def _scope(allocs, out_smem, dec=None, decoded=None):
     wg = lax.axis_index("wg")
     count = num_items[0]
     groups = n_tiles // t.cluster  # N tiles are taken `cluster` at a time, one per SM of the cluster
@@ -265,14 +270,23 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
             plgpu.commit_smem()
             _store_rows(out_smem, wg, first - wg_first, h_g, first, rows, cols, t.wg_rows)
 
-        def mma(_, x_s, *args):
+        def mma(idx, x_s, *args):
           *w_ss, accs = args
-          if mix:  # decode this step's W1 and W3 tiles into this warpgroup's planes; wgmma reads them from there
+          if mix:  # decode this step's W1 and W3 tiles into planes in shared memory; wgmma reads them from there
+            if t.shared_decode:  # this warpgroup's half of the rows, into the planes of this step's parity
+              buf, mine = idx[0] % 2, pl.ds(pl.multiple_of(wg * (t.block_n // 2), ROW_ALIGN), t.block_n // 2)
+            else:
+              buf, mine = wg, slice(None)
             for v, ((levels, flagged), c_s, m_s) in enumerate(zip(sides, w_ss[0::2], w_ss[1::2])):
-              for q, plane in enumerate(decode_planes(c_s[...], m_s[...], levels, flagged)):
-                dec[wg, v, q] = plane
+              for q, plane in enumerate(decode_planes(c_s[mine], m_s[mine], levels, flagged)):
+                dec[buf, v, q, mine] = plane
             plgpu.commit_smem()
-            parts = [(x_s.at[q], [dec.at[wg, v, q] for v in range(n_w)]) for q in range(PLANES)]
+            if t.shared_decode:
+              # The other warpgroup wrote its half. Its wgmmas of two steps ago (the last to read these planes)
+              # are done: it waited for them before it arrived here one step ago.
+              plgpu.barrier_arrive(decoded.at[buf])
+              plgpu.barrier_wait(decoded.at[buf])
+            parts = [(x_s.at[q], [dec.at[buf, v, q] for v in range(n_w)]) for q in range(PLANES)]
           else:
             parts = [(x_s, w_ss)]
           for b in blocks:
@@ -326,6 +340,9 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
     raise ValueError(f"wg_rows={t.wg_rows} must be a multiple of {WGMMA_M}")
   if t.cluster not in (1, 2):
     raise ValueError(f"cluster must be 1 or 2, got {t.cluster}")
+  if t.shared_decode and (not mix or t.block_n % (2 * WGMMA_M)):
+    # Halves of 32 rows lower in interpret mode but not for sm_90 (no register layout is found)
+    raise ValueError(f"shared_decode needs FP2-MIX weights and block_n a multiple of {2 * WGMMA_M}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   D = x.shape[1]

@@ -5,7 +5,9 @@ sm_90 at V4-Flash shapes, offline.
 The routes cover what the work list can hold: experts with more rows than one row tile (several items each), tiles
 that start inside the previous expert's rows, 64-row blocks that hold no row of the expert (no wgmma is issued for
 them), empty experts, masked routes (−1), and fewer SMs than units (each SM loops); both unit orders, separate and
-interleaved W1/W3, clusters of one and two SMs. bf16 operands, bf16 h: the tolerance is bf16's rounding of h
+interleaved W1/W3, clusters of one and two SMs; FP2-MIX W1/W3 decoded per warpgroup or shared between the two.
+The interpreter's race detector is on: a missing wait between the warpgroups shows up as a race or a barrier
+error. bf16 operands, bf16 h: the tolerance is bf16's rounding of h
 (NMSE ≤ 2e-5, measured ~3e-6).
 """
 
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # the race detector's state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.metrics import nmse
@@ -27,7 +30,13 @@ E, D, I = 8, 128, 256
 
 
 def interpret():
-  return None if ON_GPU else plgpu.InterpretGPUParams()
+  """None on a GPU (compiled); on CPU the interpreter with its happens-before race detector on."""
+  return None if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)
+
+
+def assert_no_races():
+  if not ON_GPU:
+    assert not interpret_pallas_call.get_races().races_found
 
 
 def problem(rng, S, K, *, mask_every=0, empty=(), inter=I):
@@ -44,6 +53,7 @@ def check(x, w1, w3, ids, t: Tiling, num_sms: int, interleaved=False):
   r = routing.route(ids, E, 32)  # the kernel builds its own work list; the routing's row tile does not matter
   ws = (interleave(w1, w3, t.block_n), None) if interleaved else (w1, w3)
   h = gate_up_wgmma(x, *ws, r, swiglu_limit=LIMIT, tiling=t, num_sms=num_sms, interpret=interpret())
+  assert_no_races()
   ref = gate_up.gate_up_reference(x, w1, w3, r, swiglu_limit=LIMIT)
   n = int(r.num_rows[0])
   assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1  # real values, both clamps reached below
@@ -99,17 +109,21 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(tile_order="m"))
   with pytest.raises(ValueError, match="bf16/f16"):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
+  with pytest.raises(ValueError, match="shared_decode needs FP2-MIX"):
+    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(shared_decode=True))
   with pytest.raises(ValueError, match="or be MixStacks"):
     gate_up_wgmma(x, w1.astype(jnp.float32), w3, r, swiglu_limit=LIMIT)
 
 
 @pytest.mark.parametrize("wg_rows,block_n,cluster,weights", [(128, 64, 1, "dense"), (64, 128, 2, "dense"),
-                                                             (128, 64, 2, "interleaved"), (128, 64, 1, "mix")])
+                                                             (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
+                                                             (64, 128, 2, "mix shared")])
 def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
   x = jax.ShapeDtypeStruct((S, D_), jnp.bfloat16)
-  if weights == "mix":
+  shared = weights == "mix shared"
+  if weights.startswith("mix"):
     u8 = jax.ShapeDtypeStruct((E_, I_, D_ // 4), jnp.uint8)
     stack = MixStack(u8, u8, jax.ShapeDtypeStruct((E_, 2, 4), jnp.float32), jax.ShapeDtypeStruct((E_,), jnp.int32))
     ws = (stack, stack)
@@ -123,9 +137,9 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
     f = lambda x, a, b, r: gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
     return jax.jit(f).trace(x, *ws, r).lower(lowering_platforms=("cuda",)).as_text()
 
-  assert "mosaic_gpu" in lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster))
+  assert "mosaic_gpu" in lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, shared_decode=shared))
   with pytest.raises(ValueError, match="exceeds available shared memory"):
-    lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=6))
+    lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, shared_decode=shared, stages=6))
 
 
 def mix_storage(rng, shape, *, flagged_uniform=False):
@@ -165,17 +179,19 @@ def test_sorted_planes_match_sorted_rows(rng):
     np.testing.assert_array_equal(xp[q], xs[:, q::4])
 
 
-def test_gate_up_wgmma_decodes_fp2_mix(rng):
+@pytest.mark.parametrize("shared_decode", [False, True])
+def test_gate_up_wgmma_decodes_fp2_mix(rng, shared_decode):
   # ~80 rows per expert, a 128-row tile: the second warpgroup's block is partial. W1/W3 in FP2-MIX (expert 0
   # uniform), decoded in the kernel: compared with the reference on the canonically
   # decoded weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding of h.
-  x, w1, w3, ids = problem(rng, 160, 4, inter=64)
+  x, w1, w3, ids = problem(rng, 160, 4, inter=128)
   st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
-  q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 64, D)) for st in (st1, st3))
+  q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
-  t = Tiling(wg_rows=64, block_n=64, stages=2)
+  t = Tiling(wg_rows=64, block_n=128, stages=2, shared_decode=shared_decode)
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
+  assert_no_races()
   ref = gate_up.gate_up_reference(x, dequantize_to_dense(q1).w, dequantize_to_dense(q3).w, r, swiglu_limit=LIMIT)
   n = int(r.num_rows[0])
   assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1
