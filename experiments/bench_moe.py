@@ -53,6 +53,10 @@ WGMMA_MIX_TILINGS = {
     "w64_n128_s4": _T(wg_rows=64, block_n=128),
     "w64_n128_s4_shared": _T(wg_rows=64, block_n=128, shared_decode=True),
     "w64_n128_s3_c2_shared": _T(wg_rows=64, block_n=128, stages=3, cluster=2, shared_decode=True),
+    # one projection per warpgroup, the decoded tile as the wgmma's register operand
+    "lhs_w128_s3": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True),
+    "lhs_w128_s3_c2": _T(wg_rows=128, block_n=64, stages=3, cluster=2, weights_lhs=True),
+    "lhs_w64_s4": _T(wg_rows=64, block_n=64, stages=4, weights_lhs=True),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

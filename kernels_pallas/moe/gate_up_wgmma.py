@@ -66,7 +66,10 @@ class Tiling:
   running together share ("n": the item, "item": the N tile); skip_empty: a warpgroup issues no wgmma for a
   64-row block of its rows that holds none of the expert's; cluster 2: two SMs take neighbouring N tiles of one
   item and each x tile is read from L2 once for both (a TMA multicast); shared_decode (FP2-MIX): each warpgroup
-  decodes half of the tile's rows into planes both read (double-buffered, a barrier per step), not all of them."""
+  decodes half of the tile's rows into planes both read (double-buffered, a barrier per step), not all of them;
+  weights_lhs (FP2-MIX): warpgroup 0 computes W1's block_n rows and warpgroup 1 W3's, each for all block_m rows,
+  with its decoded tile as the wgmma's register operand (no shared-memory planes; the decode of step k runs while
+  the wgmmas of step k − 1 do); gate meets up in the epilogue through shared memory."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -76,6 +79,7 @@ class Tiling:
   skip_empty: bool = True
   cluster: int = 1
   shared_decode: bool = False
+  weights_lhs: bool = False
   producer_registers: int = 40
 
   @property
@@ -178,7 +182,7 @@ def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: 
 
 
 def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
-            max_items: int, n_tiles: int, d: int, mix: bool):
+            max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool):
   """x_g is x_sorted [rows, D] (bf16 weights) or its planes [4, rows, D/4] (FP2-MIX). refs: the weight arrays
   (w1, w3 | w13 | codes, meta, levels, zero_flagged of W1 then of W3), then h."""
   *w_gs, h_g = refs
@@ -193,12 +197,14 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   cluster = ("cluster",) if t.cluster > 1 else ()
-  delay = 0 if mix else t.mma_in_flight
+  lhs = mix and t.weights_lhs
+  delay = 1 if lhs else 0 if mix else t.mma_in_flight  # lhs: step k's wgmmas read x until step k + 1 waits
   x_block = (PLANES, t.block_m, bk) if mix else (t.block_m, bk)
   x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles,
                            memory_space=plgpu.SMEM, delay_release=delay, collective_axes=cluster)
   if mix:  # code and meta bytes: read into registers by the decode, no swizzle needed
-    w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM)] * 4
+    w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM,
+                               delay_release=delay)] * 4
   else:
     w_specs = [plgpu.BlockSpec((w_rows, bk), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM,
                                delay_release=delay)] * n_w
@@ -216,15 +222,23 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
   noop = lambda *_, **__: None
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
-  if mix:  # decoded W1/W3 planes: one set per compute warpgroup, or with shared_decode one per step parity
+  if lhs:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per block, handed to warpgroup 0 for the SwiGLU
+    scratch = dict(out_smem=plgpu.SMEM((1, t.block_m, t.block_n), h_g.dtype),
+                   up=plgpu.SMEM((t.block_m // WGMMA_M, t.block_n, WGMMA_M), F32),
+                   up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
+    if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
+      scratch["dec"] = plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles)
+  elif mix:  # decoded W1/W3 planes: one set per compute warpgroup, or with shared_decode one per step parity
     scratch["dec"] = plgpu.SMEM((2, n_w, PLANES, t.block_n, bk), BF16, transforms=tiles)
     if t.shared_decode:  # both warpgroups have written their halves of a step's planes
       scratch["decoded"] = plgpu.Barrier(num_arrivals=2, num_barriers=2)
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
                      collective_axes="wg", **scratch)
-  def _scope(allocs, out_smem, dec=None, decoded=None):
+  def _scope(allocs, out_smem, dec=None, decoded=None, up=None, up_ready=None, up_free=None):
     wg = lax.axis_index("wg")
+    if lhs:  # the first unit's up buffer is free
+      pl.when(wg == 0)(lambda: plgpu.barrier_arrive(up_free))
     count = num_items[0]
     groups = n_tiles // t.cluster  # N tiles are taken `cluster` at a time, one per SM of the cluster
 
@@ -251,8 +265,60 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         wg_first = x_start + wg * t.wg_rows  # this warpgroup's rows of the tile: [wg_first, wg_first + wg_rows)
         first, rows = rows_in(wg_first, t.wg_rows)
         blocks = range(t.wg_rows // WGMMA_M)
+        if lhs:  # both warpgroups cover the whole row tile, one projection each
+          first, rows = rows_in(x_start, t.block_m)
+          blocks = range(t.block_m // WGMMA_M)
         if mix:  # this expert's book levels and mode flag, as scalars
           sides = [([[lv[e, s, k] for k in range(4)] for s in range(2)], zf[e]) for _, _, lv, zf in stacks]
+
+        def lhs_context(run):
+          @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((WGMMA_M, WGMMA_M), F32)] for _ in blocks])
+          def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b]
+            run(accs)
+
+            @pl.when(wg == 1)
+            def _():
+              plgpu.barrier_wait(up_free)  # warpgroup 0 has read the previous unit's
+              for b in blocks:
+                up[b] = accs[b][0][...]
+              plgpu.commit_smem()
+              plgpu.barrier_arrive(up_ready)
+
+            @pl.when(wg == 0)
+            def _():
+              plgpu.barrier_wait(up_ready)
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
+              for b in blocks:
+                h = clamped_swiglu(accs[b][0][...], up[b], limit).astype(h_g.dtype)
+                out_smem.at[0, pl.ds(b * WGMMA_M, WGMMA_M)].T[...] = h
+              plgpu.barrier_arrive(up_free)
+              plgpu.commit_smem()
+              _store_rows(out_smem, 0, first - x_start, h_g, first, rows, cols, t.block_m)
+
+        def lhs_mma(idx, x_s, *args):
+          *w_ss, accs = args
+          for v in range(2):
+            @pl.when(wg == v)
+            def _(v=v):
+              levels, flagged = sides[v]
+              planes = decode_planes(w_ss[2 * v][...], w_ss[2 * v + 1][...], levels, flagged)
+              if lhs_in_smem:
+                buf = idx[0] % 2
+                for q, plane in enumerate(planes):
+                  dec[buf, v, q] = plane
+                plgpu.commit_smem()
+                planes = [dec.at[buf, v, q] for q in range(PLANES)]
+              plgpu.wgmma_wait(0)  # step k − 1's wgmmas are done: its x slot and plane registers are free
+              for b in blocks:
+                def issue(b=b):
+                  for q in range(PLANES):
+                    plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, pl.ds(b * WGMMA_M, WGMMA_M)].T)
+
+                if t.skip_empty:
+                  pl.when(rows_in(x_start + b * WGMMA_M, WGMMA_M)[1] > 0)(issue)
+                else:
+                  issue()
+          return accs
 
         def compute_context(run):
           @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((WGMMA_M, w_rows), F32) for _ in range(n_w)]
@@ -304,7 +370,11 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
           plgpu.wgmma_wait(0 if mix else n_w * len(blocks) * t.mma_in_flight)
           return accs
 
-        pipeline(mma, compute_context)(*operands(e, j, x_start), allocations=allocs)
+        body, context = (lhs_mma, lhs_context) if lhs else (mma, compute_context)
+        pipeline(body, context)(*operands(e, j, x_start), allocations=allocs)
+
+    if lhs:  # observe warpgroup 0's last arrival (the barrier's phases must all be seen before it is freed)
+      pl.when(wg == 1)(lambda: plgpu.barrier_wait(up_free))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -343,6 +413,9 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if t.shared_decode and (not mix or t.block_n % (2 * WGMMA_M)):
     # Halves of 32 rows lower in interpret mode but not for sm_90 (no register layout is found)
     raise ValueError(f"shared_decode needs FP2-MIX weights and block_n a multiple of {2 * WGMMA_M}")
+  if t.weights_lhs and (not mix or t.shared_decode or t.block_n != WGMMA_M):
+    raise ValueError(f"weights_lhs needs FP2-MIX weights, no shared_decode and block_n={WGMMA_M}; got "
+                     f"block_n={t.block_n}, shared_decode={t.shared_decode}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   D = x.shape[1]
@@ -358,7 +431,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   items = aligned_items(r, t.block_m)
   kernel = plgpu.kernel(
       functools.partial(_kernel, t=t, limit=float(swiglu_limit), max_items=items.expert.shape[0],
-                        n_tiles=I // t.block_n, d=D, mix=mix),
+                        n_tiles=I // t.block_n, d=D, mix=mix, lhs_in_smem=interpret not in (None, False)),
       out_type=jax.ShapeDtypeStruct((r.num_routes, I), x.dtype), grid=(num_sms // t.cluster,), grid_names=("sm",),
       cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret,

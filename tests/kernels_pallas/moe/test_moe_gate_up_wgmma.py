@@ -11,6 +11,8 @@ error. bf16 operands, bf16 h: the tolerance is bf16's rounding of h
 (NMSE ≤ 2e-5, measured ~3e-6).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,13 +113,15 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
   with pytest.raises(ValueError, match="shared_decode needs FP2-MIX"):
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(shared_decode=True))
+  with pytest.raises(ValueError, match="weights_lhs needs FP2-MIX"):
+    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(block_n=64, weights_lhs=True))
   with pytest.raises(ValueError, match="or be MixStacks"):
     gate_up_wgmma(x, w1.astype(jnp.float32), w3, r, swiglu_limit=LIMIT)
 
 
 @pytest.mark.parametrize("wg_rows,block_n,cluster,weights", [(128, 64, 1, "dense"), (64, 128, 2, "dense"),
                                                              (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
-                                                             (64, 128, 2, "mix shared")])
+                                                             (64, 128, 2, "mix shared"), (128, 64, 1, "mix lhs")])
 def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
@@ -137,9 +141,12 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
     f = lambda x, a, b, r: gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
     return jax.jit(f).trace(x, *ws, r).lower(lowering_platforms=("cuda",)).as_text()
 
-  assert "mosaic_gpu" in lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, shared_decode=shared))
+  lhs = weights == "mix lhs"
+  t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, shared_decode=shared, weights_lhs=lhs,
+             stages=3 if lhs else 4)
+  assert "mosaic_gpu" in lower(t)
   with pytest.raises(ValueError, match="exceeds available shared memory"):
-    lower(Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, shared_decode=shared, stages=6))
+    lower(dataclasses.replace(t, stages=t.stages + 1 if lhs else 6))
 
 
 def mix_storage(rng, shape, *, flagged_uniform=False):
@@ -179,16 +186,18 @@ def test_sorted_planes_match_sorted_rows(rng):
     np.testing.assert_array_equal(xp[q], xs[:, q::4])
 
 
-@pytest.mark.parametrize("shared_decode", [False, True])
-def test_gate_up_wgmma_decodes_fp2_mix(rng, shared_decode):
-  # ~80 rows per expert, a 128-row tile: the second warpgroup's block is partial. W1/W3 in FP2-MIX (expert 0
+@pytest.mark.parametrize("decode", ["per warpgroup", "shared", "weights_lhs"])
+def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
+  # ~80 rows per expert, a 128-row tile: its second 64-row block is partial. W1/W3 in FP2-MIX (expert 0
   # uniform), decoded in the kernel: compared with the reference on the canonically
   # decoded weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding of h.
   x, w1, w3, ids = problem(rng, 160, 4, inter=128)
   st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
   q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
-  t = Tiling(wg_rows=64, block_n=128, stages=2, shared_decode=shared_decode)
+  t = Tiling(wg_rows=64, block_n=128, stages=2, shared_decode=decode == "shared")
+  if decode == "weights_lhs":  # one projection per warpgroup, on all 128 rows; two N tiles
+    t = Tiling(wg_rows=64, block_n=64, stages=2, weights_lhs=True)
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races()
