@@ -27,7 +27,14 @@ decode's products, so the same bits) and issues one wgmma per plane. Plane q of 
 the MMAs sum over K in another order than gate_up.py. By default both warpgroups decode the whole tile (twice the
 ALU work; one warpgroup's decode runs while the other's wgmmas do); with `shared_decode` each decodes half of the
 rows into double-buffered planes that both read, with a barrier per step. This path passes in interpret mode (race
-detector on) and lowers for sm_90; it has not run on a GPU yet.
+detector on), lowers for sm_90 and passes compiled on the H200.
+With `weights_lhs`, warpgroup 0 computes W1's tile and warpgroup 1 W3's, each for the whole row tile: the decoded
+planes stay in registers as the wgmmas' A operand (h^T = W · x^T per tile), so no shared-memory planes and only one
+decode per weight per tile; the decode of step k runs while the wgmmas of step k − 1 do. Warpgroup 1 hands its
+accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows. Mosaic
+GPU's interpreter takes wgmma operands from refs only, so in interpret mode the planes go through shared memory.
+ptxas reports these wgmmas as serialized ("insufficient register resources for the wgmma pipeline", C7511) at
+every tiling tried, including ones with no decode at all; BENCHMARKS.md has the figures.
 
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
 its h is bit-identical to gate_up.py's on the H200. Experimental: no model switch uses it; on the H200 the bf16 version
@@ -69,7 +76,8 @@ class Tiling:
   decodes half of the tile's rows into planes both read (double-buffered, a barrier per step), not all of them;
   weights_lhs (FP2-MIX): warpgroup 0 computes W1's block_n rows and warpgroup 1 W3's, each for all block_m rows,
   with its decoded tile as the wgmma's register operand (no shared-memory planes; the decode of step k runs while
-  the wgmmas of step k − 1 do); gate meets up in the epilogue through shared memory."""
+  the wgmmas of step k − 1 do), mma_rows rows of x per wgmma; gate meets up in the epilogue through shared
+  memory."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -80,6 +88,7 @@ class Tiling:
   cluster: int = 1
   shared_decode: bool = False
   weights_lhs: bool = False
+  mma_rows: int = 64
   producer_registers: int = 40
 
   @property
@@ -151,14 +160,16 @@ def decode_planes(codes, meta, levels, zero_flagged) -> list[jax.Array]:
   is [2][4] scalars. The canonical decode's products (book level × UE4M3 scale in f32, then bf16): the same bits.
   Pure jnp: runs in the kernel and in tests."""
   b, m = codes.astype(I32), meta.astype(I32)
-  flagged = (m & rocmfp_mix.SELECT_BIT) != 0
-  scale = jnp.where(flagged & (zero_flagged != 0), F32(0), ue4m3.decode(m & 0x7F))
+  flagged = m >= rocmfp_mix.SELECT_BIT
+  m7 = m & 0x7F
+  # ue4m3.decode in fewer integer ops (the decode is this kernel's ALU bound): 2^(e − 8)·(1 + mant/8) as float32
+  # bits with the exponent rebiased; e = 0 (2^-7·mant/8) is 2c − 2^-7 of that. Every step is exact.
+  c = lax.bitcast_convert_type((m7 << 20) + ((127 - 8) << 23), F32)
+  scale = jnp.where(m7 < 8, 2 * c - F32(2.0**-7), c)
+  scale = jnp.where((m7 > ue4m3.MAX_BYTE) | (flagged & (zero_flagged != 0)), F32(0), scale)
   values = [(jnp.where(flagged, levels[1][k], levels[0][k]) * scale).astype(BF16) for k in range(4)]
-  planes = []
-  for q in range(PLANES):
-    c = b >> (2 * q)
-    planes.append(rocmfp_mix.pick([(c & 1) != 0, (c & 2) != 0], values))
-  return planes
+  # code bit j of weight 4i + q tested as the sign of the byte shifted left (one shift and a compare per bit)
+  return [rocmfp_mix.pick([(b << (31 - 2 * q)) < 0, (b << (30 - 2 * q)) < 0], values) for q in range(PLANES)]
 
 
 def sorted_planes(x, r: Routing, block_m: int) -> jax.Array:
@@ -193,11 +204,11 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
     n_w = len(w_gs)
     fused = n_w == 1  # one interleaved [E, 2I, D] stack: one wgmma of width 2 · block_n per step
     w_rows, bk = (2 * t.block_n if fused else t.block_n), t.block_k
+  lhs = mix and t.weights_lhs
   # wgmma reads swizzled tiles; their row offsets must be multiples of the 8-row tile
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   cluster = ("cluster",) if t.cluster > 1 else ()
-  lhs = mix and t.weights_lhs
   delay = 1 if lhs else 0 if mix else t.mma_in_flight  # lhs: step k's wgmmas read x until step k + 1 waits
   x_block = (PLANES, t.block_m, bk) if mix else (t.block_m, bk)
   x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles,
@@ -224,7 +235,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
   if lhs:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per block, handed to warpgroup 0 for the SwiGLU
     scratch = dict(out_smem=plgpu.SMEM((1, t.block_m, t.block_n), h_g.dtype),
-                   up=plgpu.SMEM((t.block_m // WGMMA_M, t.block_n, WGMMA_M), F32),
+                   up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows), F32),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
     if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
       scratch["dec"] = plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles)
@@ -267,12 +278,12 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         blocks = range(t.wg_rows // WGMMA_M)
         if lhs:  # both warpgroups cover the whole row tile, one projection each
           first, rows = rows_in(x_start, t.block_m)
-          blocks = range(t.block_m // WGMMA_M)
+          blocks = range(t.block_m // t.mma_rows)
         if mix:  # this expert's book levels and mode flag, as scalars
           sides = [([[lv[e, s, k] for k in range(4)] for s in range(2)], zf[e]) for _, _, lv, zf in stacks]
 
         def lhs_context(run):
-          @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((WGMMA_M, WGMMA_M), F32)] for _ in blocks])
+          @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, t.mma_rows), F32)] for _ in blocks])
           def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b]
             run(accs)
 
@@ -290,7 +301,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
               for b in blocks:
                 h = clamped_swiglu(accs[b][0][...], up[b], limit).astype(h_g.dtype)
-                out_smem.at[0, pl.ds(b * WGMMA_M, WGMMA_M)].T[...] = h
+                out_smem.at[0, pl.ds(b * t.mma_rows, t.mma_rows)].T[...] = h
               plgpu.barrier_arrive(up_free)
               plgpu.commit_smem()
               _store_rows(out_smem, 0, first - x_start, h_g, first, rows, cols, t.block_m)
@@ -311,11 +322,12 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
               plgpu.wgmma_wait(0)  # step k − 1's wgmmas are done: its x slot and plane registers are free
               for b in blocks:
                 def issue(b=b):
+                  rows = pl.ds(b * t.mma_rows, t.mma_rows)
                   for q in range(PLANES):
-                    plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, pl.ds(b * WGMMA_M, WGMMA_M)].T)
+                    plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
 
                 if t.skip_empty:
-                  pl.when(rows_in(x_start + b * WGMMA_M, WGMMA_M)[1] > 0)(issue)
+                  pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
                 else:
                   issue()
           return accs
@@ -413,9 +425,11 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if t.shared_decode and (not mix or t.block_n % (2 * WGMMA_M)):
     # Halves of 32 rows lower in interpret mode but not for sm_90 (no register layout is found)
     raise ValueError(f"shared_decode needs FP2-MIX weights and block_n a multiple of {2 * WGMMA_M}")
-  if t.weights_lhs and (not mix or t.shared_decode or t.block_n != WGMMA_M):
-    raise ValueError(f"weights_lhs needs FP2-MIX weights, no shared_decode and block_n={WGMMA_M}; got "
-                     f"block_n={t.block_n}, shared_decode={t.shared_decode}")
+  if t.weights_lhs and (not mix or t.shared_decode or t.block_n != WGMMA_M or t.block_m % t.mma_rows
+                        or t.mma_rows % ROW_ALIGN or t.mma_rows > 256):
+    raise ValueError(f"weights_lhs needs FP2-MIX weights, no shared_decode, block_n={WGMMA_M} and mma_rows a "
+                     f"multiple of 8 up to 256 dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, "
+                     f"block_m={t.block_m}, shared_decode={t.shared_decode}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   D = x.shape[1]

@@ -21,7 +21,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # the ra
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.metrics import nmse
-from ds4jax.quant import rocmfp2_mix
+from ds4jax.quant import rocmfp2_mix, ue4m3
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
 from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
                                               gate_up_wgmma, interleave, mix_stack, sorted_planes, sorted_rows)
@@ -143,7 +143,7 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
 
   lhs = weights == "mix lhs"
   t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, shared_decode=shared, weights_lhs=lhs,
-             stages=3 if lhs else 4)
+             stages=3 if lhs else 4, mma_rows=256 if lhs else 64)
   assert "mosaic_gpu" in lower(t)
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     lower(dataclasses.replace(t, stages=t.stages + 1 if lhs else 6))
@@ -178,6 +178,22 @@ def test_decode_planes_is_the_canonical_decode(rng):
   assert np.any(dense[0] == 0x8000) and np.any(dense[0] == 0)  # the flagged uniform half-blocks: −0 and +0
 
 
+@pytest.mark.parametrize("zero_flagged", [0, 1])
+def test_decode_planes_every_byte_pair(zero_flagged):
+  # every meta byte (0x7F and 0xFF included, which decode to 0) with every code byte, against ue4m3.decode and the
+  # books picked the canonical way
+  meta, codes = (jnp.asarray(a, jnp.uint8) for a in np.meshgrid(np.arange(256), np.arange(256), indexing="ij"))
+  levels = np.array([[-1.5, -0.25, 0.375, 2.0], [-3.0, -0.5, 0.0, 1.25]], np.float32)
+  planes = decode_planes(codes, meta, [[jnp.float32(v) for v in row] for row in levels], jnp.int32(zero_flagged))
+  m = np.asarray(meta).astype(np.int32)
+  scale = np.asarray(ue4m3.decode(jnp.asarray(m & 0x7F))) * ~((m >= 0x80) & bool(zero_flagged))
+  for q, plane in enumerate(planes):
+    code = (np.asarray(codes).astype(np.int32) >> (2 * q)) & 3
+    want = (np.where(m >= 0x80, levels[1][code], levels[0][code]) * scale).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(plane).view(np.uint16), want.view(np.uint16))
+  assert np.any(np.asarray(planes[0]).view(np.uint16) == 0x8000)  # −0 from a negative level times a zero scale
+
+
 def test_sorted_planes_match_sorted_rows(rng):
   x, _, _, ids = problem(rng, 24, 2)
   r = routing.route(ids, E, 32)
@@ -186,7 +202,7 @@ def test_sorted_planes_match_sorted_rows(rng):
     np.testing.assert_array_equal(xp[q], xs[:, q::4])
 
 
-@pytest.mark.parametrize("decode", ["per warpgroup", "shared", "weights_lhs"])
+@pytest.mark.parametrize("decode", ["per warpgroup", "shared", "weights_lhs", "weights_lhs 128-row wgmmas"])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   # ~80 rows per expert, a 128-row tile: its second 64-row block is partial. W1/W3 in FP2-MIX (expert 0
   # uniform), decoded in the kernel: compared with the reference on the canonically
@@ -196,8 +212,8 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
   t = Tiling(wg_rows=64, block_n=128, stages=2, shared_decode=decode == "shared")
-  if decode == "weights_lhs":  # one projection per warpgroup, on all 128 rows; two N tiles
-    t = Tiling(wg_rows=64, block_n=64, stages=2, weights_lhs=True)
+  if decode.startswith("weights_lhs"):  # one projection per warpgroup, on all 128 rows; two N tiles
+    t = Tiling(wg_rows=64, block_n=64, stages=2, weights_lhs=True, mma_rows=128 if "128" in decode else 64)
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races()
