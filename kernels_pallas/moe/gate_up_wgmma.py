@@ -235,7 +235,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
   if lhs:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per block, handed to warpgroup 0 for the SwiGLU
     scratch = dict(out_smem=plgpu.SMEM((1, t.block_m, t.block_n), h_g.dtype),
-                   up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows), F32),
+                   up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows), F32, transforms=(
+                       plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
     if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
       scratch["dec"] = plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles)
@@ -286,12 +287,17 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
           @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, t.mma_rows), F32)] for _ in blocks])
           def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b]
             run(accs)
+            # In 64-row chunks: a whole [64, 256] f32 copy next to the accumulators is more registers than the
+            # compute warpgroups have, and ptxas then serializes every wgmma of the kernel (C7511).
+            chunks = range(0, t.mma_rows, WGMMA_M)
 
             @pl.when(wg == 1)
             def _():
               plgpu.barrier_wait(up_free)  # warpgroup 0 has read the previous unit's
               for b in blocks:
-                up[b] = accs[b][0][...]
+                a = accs[b][0][...]
+                for c in chunks:
+                  up[b, :, pl.ds(c, WGMMA_M)] = a[:, c:c + WGMMA_M]
               plgpu.commit_smem()
               plgpu.barrier_arrive(up_ready)
 
@@ -300,8 +306,10 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
               plgpu.barrier_wait(up_ready)
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
               for b in blocks:
-                h = clamped_swiglu(accs[b][0][...], up[b], limit).astype(h_g.dtype)
-                out_smem.at[0, pl.ds(b * t.mma_rows, t.mma_rows)].T[...] = h
+                gate = accs[b][0][...]
+                for c in chunks:
+                  h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
+                  out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
               plgpu.barrier_arrive(up_free)
               plgpu.commit_smem()
               _store_rows(out_smem, 0, first - x_start, h_g, first, rows, cols, t.block_m)
@@ -426,9 +434,9 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
     # Halves of 32 rows lower in interpret mode but not for sm_90 (no register layout is found)
     raise ValueError(f"shared_decode needs FP2-MIX weights and block_n a multiple of {2 * WGMMA_M}")
   if t.weights_lhs and (not mix or t.shared_decode or t.block_n != WGMMA_M or t.block_m % t.mma_rows
-                        or t.mma_rows % ROW_ALIGN or t.mma_rows > 256):
+                        or t.mma_rows % WGMMA_M or t.mma_rows > 256):
     raise ValueError(f"weights_lhs needs FP2-MIX weights, no shared_decode, block_n={WGMMA_M} and mma_rows a "
-                     f"multiple of 8 up to 256 dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, "
+                     f"multiple of {WGMMA_M} up to 256 dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, "
                      f"block_m={t.block_m}, shared_decode={t.shared_decode}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
