@@ -54,9 +54,11 @@ WGMMA_MIX_TILINGS = {
     "w64_n128_s4_shared": _T(wg_rows=64, block_n=128, shared_decode=True),
     "w64_n128_s3_c2_shared": _T(wg_rows=64, block_n=128, stages=3, cluster=2, shared_decode=True),
     # one projection per warpgroup, the decoded tile as the wgmma's register operand
-    "lhs_w128_s3": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True),
+    # (mma_in_flight 1: the first version, measured at c5781a0 and 4ee7ffa; ptxas serializes its wgmmas)
+    "lhs_w128_s3_r256_in_flight": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256,
+                                     mma_in_flight=1),
     "lhs_w128_s3_r256": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256),
-    "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, cluster=2, weights_lhs=True, mma_rows=256),
+    "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

@@ -33,8 +33,9 @@ planes stay in registers as the wgmmas' A operand (h^T = W · x^T per tile), so 
 decode per weight per tile; the decode of step k runs while the wgmmas of step k − 1 do. Warpgroup 1 hands its
 accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows. Mosaic
 GPU's interpreter takes wgmma operands from refs only, so in interpret mode the planes go through shared memory.
-ptxas reports these wgmmas as serialized ("insufficient register resources for the wgmma pipeline", C7511) at
-every tiling tried, including ones with no decode at all; BENCHMARKS.md has the figures.
+With wgmmas left in flight across steps (`mma_in_flight=1`, the first version), ptxas serializes every wgmma of
+the kernel ("insufficient register resources for the wgmma pipeline", C7511) at every tiling, even with no decode;
+waiting at the end of each step (the default) compiles without it (docs/lowering.md; BENCHMARKS.md has the figures).
 
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
 its h is bit-identical to gate_up.py's on the H200. Experimental: no model switch uses it; on the H200 the bf16 version
@@ -75,9 +76,10 @@ class Tiling:
   item and each x tile is read from L2 once for both (a TMA multicast); shared_decode (FP2-MIX): each warpgroup
   decodes half of the tile's rows into planes both read (double-buffered, a barrier per step), not all of them;
   weights_lhs (FP2-MIX): warpgroup 0 computes W1's block_n rows and warpgroup 1 W3's, each for all block_m rows,
-  with its decoded tile as the wgmma's register operand (no shared-memory planes; the decode of step k runs while
-  the wgmmas of step k − 1 do), mma_rows rows of x per wgmma; gate meets up in the epilogue through shared
-  memory."""
+  with its decoded tile as the wgmma's register operand (no shared-memory planes), mma_rows rows of x per wgmma;
+  gate meets up in the epilogue through shared memory. There mma_in_flight 1 leaves a step's wgmmas running into
+  the next step (whose decode may then overlap them), which makes ptxas serialize every wgmma (C7511); 0 waits at
+  the end of each step, and the two warpgroups overlap each other's decode and wgmmas."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -209,7 +211,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   cluster = ("cluster",) if t.cluster > 1 else ()
-  delay = 1 if lhs else 0 if mix else t.mma_in_flight  # lhs: step k's wgmmas read x until step k + 1 waits
+  delay = t.mma_in_flight if lhs or not mix else 0  # in flight: step k's wgmmas read x until step k + 1 waits
   x_block = (PLANES, t.block_m, bk) if mix else (t.block_m, bk)
   x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles,
                            memory_space=plgpu.SMEM, delay_release=delay, collective_axes=cluster)
@@ -327,7 +329,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                   dec[buf, v, q] = plane
                 plgpu.commit_smem()
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
-              plgpu.wgmma_wait(0)  # step k − 1's wgmmas are done: its x slot and plane registers are free
+              if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
+                plgpu.wgmma_wait(0)
               for b in blocks:
                 def issue(b=b):
                   rows = pl.ds(b * t.mma_rows, t.mma_rows)
@@ -338,6 +341,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                   pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
                 else:
                   issue()
+              if not t.mma_in_flight:
+                plgpu.wgmma_wait(0)
           return accs
 
         def compute_context(run):
