@@ -289,8 +289,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
           @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, t.mma_rows), F32)] for _ in blocks])
           def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b]
             run(accs)
-            # In 64-row chunks: a whole [64, 256] f32 copy next to the accumulators is more registers than the
-            # compute warpgroups have, and ptxas then serializes every wgmma of the kernel (C7511).
+            # In 64-row chunks, through a swizzled buffer: fewer live registers than a whole [64, 256] f32 copy
             chunks = range(0, t.mma_rows, WGMMA_M)
 
             @pl.when(wg == 1)
