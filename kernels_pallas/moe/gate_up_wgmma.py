@@ -30,7 +30,7 @@ rows into double-buffered planes that both read, with a barrier per step. This p
 detector on), lowers for sm_90 and passes compiled on the H200.
 With `weights_lhs`, warpgroup 0 computes W1's tile and warpgroup 1 W3's, each for the whole row tile: the decoded
 planes stay in registers as the wgmmas' A operand (h^T = W · x^T per tile), so no shared-memory planes and only one
-decode per weight per tile; the decode of step k runs while the wgmmas of step k − 1 do. Warpgroup 1 hands its
+decode per weight per tile; one warpgroup's decode runs while the other's wgmmas do. Warpgroup 1 hands its
 accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows. Mosaic
 GPU's interpreter takes wgmma operands from refs only, so in interpret mode the planes go through shared memory.
 With wgmmas left in flight across steps (`mma_in_flight=1`, the first version), ptxas serializes every wgmma of
@@ -440,8 +440,8 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if t.weights_lhs and (not mix or t.shared_decode or t.block_n != WGMMA_M or t.block_m % t.mma_rows
                         or t.mma_rows % WGMMA_M or t.mma_rows > 256):
     raise ValueError(f"weights_lhs needs FP2-MIX weights, no shared_decode, block_n={WGMMA_M} and mma_rows a "
-                     f"multiple of {WGMMA_M} up to 256 dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, "
-                     f"block_m={t.block_m}, shared_decode={t.shared_decode}")
+                     f"multiple of {WGMMA_M} up to 256 dividing block_m; got block_n={t.block_n}, "
+                     f"mma_rows={t.mma_rows}, block_m={t.block_m}, shared_decode={t.shared_decode}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   D = x.shape[1]
