@@ -283,6 +283,48 @@ def compile_cuda(ttir: str, capability: int = 90, num_warps: int = 4, num_stages
   return stats
 
 
+def sass_cuda(ttir: str, capability: int = 90, num_warps: int = 4, num_stages: int = 3) -> str:
+  """The kernel's SASS for sm_<cap>a, annotated with TTIR line numbers (`//## File "kernel.ttir", line N`): the PTX
+  of `compile_cuda` through Triton's own ptxas (`-lineinfo`) and the wheel's nvdisasm."""
+  _triton()
+  from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability  # pylint: disable=import-outside-toplevel
+
+  ptxas = get_ptxas(capability).path
+  ptx = compile_cuda(ttir, capability, num_warps, num_stages, keep_asm=True)["ptx"]
+  with tempfile.TemporaryDirectory() as tmp:
+    src, obj = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+    with open(src, "w") as f:
+      f.write(ptx)
+    subprocess.run([ptxas, "-lineinfo", f"--gpu-name={sm_arch_from_capability(capability)}", src, "-o", obj],
+                   capture_output=True, text=True, check=True)
+    res = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", "-g", obj],
+                         capture_output=True, text=True, check=True)
+  return res.stdout
+
+
+# SASS opcodes that say where a loop's time can go: tensor-core MMAs, waits on them, CTA barriers and memory fences,
+# spills (local memory), exponentials, shared-memory traffic
+SASS_OPS = ("HGMMA", "WARPGROUP.DEPBAR", "BAR.SYNC", "MEMBAR", "LDL", "STL", "MUFU.EX2", "LDS", "STS")
+
+
+def sass_loops(sass: str) -> list[dict]:
+  """Each loop of a SASS listing (a label and a branch back to it): its instruction count and the count of each
+  SASS_OPS opcode (a prefix match, e.g. `LDS` counts LDS.128 and not LDSM), largest loop first."""
+  lines = sass.splitlines()
+  label_at = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"(\.L_x_\d+):", l))}
+  loops = []
+  for i, line in enumerate(lines):
+    m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+    if not m or label_at.get(m.group(1), i) >= i:
+      continue
+    ops = [re.sub(r"^(@!?U?P\w+\s+)", "", x.split("*/", 1)[1].strip()) for x in lines[label_at[m.group(1)]:i + 1]
+           if re.match(r"\s*/\*[0-9a-f]+\*/", x)]
+    counts = {op: sum(1 for o in ops if re.match(rf"{re.escape(op)}(\.|\s|;)", o)) for op in SASS_OPS}
+    if len(ops) > 1:  # not the branch-to-self that ends a kernel
+      loops.append(dict(label=m.group(1), instructions=len(ops), **counts))
+  return sorted(loops, key=lambda d: -d["instructions"])
+
+
 # ---- step 6: limits ---------------------------------------------------------------------------------------------
 
 def check(stats: dict, lds_limit: int = LDS_LIMIT, smem_limit: int = SMEM_LIMIT_SM90) -> list[str]:

@@ -9,6 +9,7 @@ impl "stream" (stream.py: online softmax while each key stage is resident; `f32_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -110,12 +111,13 @@ def kernel_name(impl: str = "stream", f32_stage: bool = True, fast_exp: bool = F
   return grouped_mod.NAME if impl == "grouped" else stream_mod.kernel_name(f32_stage, fast_exp)
 
 
-def lowering_cases(platform: str) -> list[tuple[str, object, tuple]]:
+def lowering_cases(platform: str, precision: str | None = None) -> list[tuple[str, object, tuple]]:
   """(label, fn, args) at V4-Flash shapes (H 64, D 512, window 128, rope 64) with the configs
   `Config.default(..., platform=platform)` ships: the last 8192-query chunk of a 128K prefill (q_start 114688
   traced, raw rows from q_start − 127) on a CSA layer (ratio 4, top-512, R 30720) — streaming with f32 stage +
   fast exp, with f32 stage only, streaming without staging, and the grouped baseline, bf16 q/KV; the streaming
-  kernel with f32 q/KV (3-pass split dots); and an HCA layer (ratio 128, R 960) and a window layer, streaming, bf16."""
+  kernel with f32 q/KV (3-pass split dots); and an HCA layer (ratio 128, R 960) and a window layer, streaming, bf16.
+  `precision` replaces the configs' precision (e.g. "bf16", the model's under bf16_matmul)."""
   s = V4_FLASH_MLA
   H, D, W, k, r = s["num_heads"], s["head_dim"], s["window"], s["k"], s["rope_dim"]
   T, q_start = 8192, 122880 - 8192
@@ -127,6 +129,8 @@ def lowering_cases(platform: str) -> list[tuple[str, object, tuple]]:
   def case(label, kind, ratio, dtype, impl="stream", f32_stage=True, fast_exp=False):
     R = (q_start + T) // ratio if kind != "window" else 0
     cfg = Config.default(H, D, kind, platform=platform, dtype=dtype, f32_stage=f32_stage)
+    if precision is not None:
+      cfg = dataclasses.replace(cfg, precision=precision)
 
     def fn(q, raw_kv, comp_kv, sink, indices, qs):
       return sparse_mla(q, raw_kv, comp_kv, sink, q_start=qs, raw_start=qs - (W - 1), kind=kind, ratio=ratio,

@@ -273,6 +273,38 @@ def test_cuda_stats():
   assert st["registers"] > 0 and st["smem_bytes"] > 0 and st["mma"] > 0 and lowering.check(st) == []
 
 
+def test_cuda_sass_loops():
+  """A matmul's SASS (sm_90a, TTIR line info): its K loop (16 steps; 4 would be unrolled) issues the wgmmas (HGMMA)
+  and waits on them."""
+  args = (jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048, 256), jnp.bfloat16))
+  (kern,) = lowering.lower_kernels(functools.partial(_matmul, num_warps=4, num_stages=3), args, "cuda")
+  sass = lowering.sass_cuda(kern.ttir, 90, num_warps=4, num_stages=3)
+  assert '//## File "' in sass  # line info
+  loops = lowering.sass_loops(sass)
+  assert len(loops) == 1 and loops[0]["HGMMA"] > 0 and loops[0]["WARPGROUP.DEPBAR"] > 0
+  assert loops[0]["instructions"] > 20
+
+
+def test_sass_loops_counts():
+  """The loop reader on a listing: a label and a branch back to it make a loop; opcodes match by prefix up to a
+  dot (LDS.64 counts as LDS, LDSM does not); predicated instructions count; a forward branch is no loop."""
+  sass = "\n".join([
+      "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+      "        /*0010*/               @P0 BRA `(.L_x_1) ;",
+      ".L_x_0:",
+      "        /*0020*/                   LDS.64 R2, [R0] ;",
+      "        /*0030*/                   LDSM.16.M88.4 R4, [R0] ;",
+      "        /*0040*/              @!P1 BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+      "        /*0050*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;",
+      "        /*0060*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+      "        /*0070*/               @P2 BRA `(.L_x_0) ;",
+      ".L_x_1:",
+      "        /*0080*/                   EXIT ;"])
+  (loop,) = lowering.sass_loops(sass)
+  assert loop["label"] == ".L_x_0" and loop["instructions"] == 6
+  assert (loop["LDS"], loop["BAR.SYNC"], loop["HGMMA"], loop["WARPGROUP.DEPBAR"], loop["STS"]) == (1, 1, 1, 1, 0)
+
+
 def test_missing_triton_message(monkeypatch):
   monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
   with pytest.raises(ImportError, match=r"pip install -e '\.\[lowering\]'"):
