@@ -23,7 +23,8 @@ The recipe (docs/lowering.md §3):
 
 Also here: `code_object_kernels` reads a code object's per-kernel resources (for XLA's output too,
 experiments/compile_gfx1151.py, docs/lowering.md §5), and `contractions` / `unsafe_contractions` / `fma_instructions`
-check that FMA fusion cannot change the in-kernel decode (`decode_case`; docs/lowering.md §6).
+check that FMA fusion cannot change the in-kernel decode (`decode_case`; docs/lowering.md §6); `sass_cuda` /
+`sass_loops` read what each loop of a kernel issues on sm_90 (experiments/sass_loops.py).
 
 ds4jax's shipped kernels: `moe_case` (grouped MoE at V4-Flash shapes, any weight format) and `package_cases`
 (the indexer and sparse MLA kernels, from each package's `lowering_cases(platform)`: (label, fn, args) with the
