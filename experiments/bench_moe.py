@@ -60,6 +60,9 @@ WGMMA_MIX_TILINGS = {
                                      mma_in_flight=1),
     "lhs_w128_s3_r256": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256),
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True),
+    "lhs_w128_s4_r256": _T(wg_rows=128, block_n=64, stages=4, weights_lhs=True, mma_rows=256),
+    "lhs_w128_s2_r256": _T(wg_rows=128, block_n=64, stages=2, weights_lhs=True, mma_rows=256),
+    "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, weights_lhs=True, mma_rows=128),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

@@ -85,10 +85,9 @@ def _contiguous_csa_stage(pr, s, idx_ref):
   return keyset.Stage(st.index, rows, st.valid, st.mask)
 
 
-def _no_value_dot(p_parts, tile, transposed):
-  t = tile[0]
-  return jnp.zeros((p_parts[0].shape[0], t.shape[0] if transposed else t.shape[1]), jnp.float32) + \
-      jnp.sum(p_parts[0].astype(jnp.float32), axis=1, keepdims=True)
+def _no_value_dot(acc, p_parts, tile, transposed):
+  del tile, transposed
+  return acc + jnp.sum(p_parts[0].astype(jnp.float32), axis=1, keepdims=True)
 
 
 def _no_score_dot(g, pr, q_refs, q_held, k_tiles, stage):
@@ -99,7 +98,7 @@ def _no_score_dot(g, pr, q_refs, q_held, k_tiles, stage):
 _CSA_STAGE = keyset.csa_stage
 ABLATIONS = {
     "ablate_contiguous_rows": ("csa_stage", _contiguous_csa_stage),
-    "ablate_no_value_dot": ("values", _no_value_dot),
+    "ablate_no_value_dot": ("add_values", _no_value_dot),
     "ablate_no_score_dot": ("scores", _no_score_dot),
 }
 

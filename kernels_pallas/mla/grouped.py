@@ -55,7 +55,7 @@ def _kernel(off_ref, *refs, g: Geometry, barrier: bool):
     p = jnp.exp(s - m[:, None])
     v_tiles = keyset.row_tiles(g, refs, st.rows, st.valid, transposed=False)   # the rows again
     p_parts = keyset.parts(p, split_p)
-    return l + jnp.sum(p, axis=1), tuple(a + keyset.values(p_parts, v, False) for a, v in zip(acc, v_tiles))
+    return l + jnp.sum(p, axis=1), tuple(keyset.add_values(a, p_parts, v, False) for a, v in zip(acc, v_tiles))
 
   window = lambda s: keyset.window_stage(pr, s)
   comp = lambda s: keyset.comp_stage(pr, s, idx_ref)

@@ -191,9 +191,20 @@ def row_tiles(g: Geometry, refs, rows, valid, transposed: bool = True):
   return tuple(tuple(load_rows(r, rows, valid, c, g.dk, transposed) for r in refs) for c in range(g.n_chunks))
 
 
-def values(p_parts, tile, transposed: bool):
-  """p [M, kb] · V [kb, dk] → [M, dk], V given as [dk, kb] (transposed) or [kb, dk]."""
-  return dot(p_parts, tile, trans_b=transposed)
+def add_values(acc, p_parts, tile, transposed: bool):
+  """acc + p [M, kb] · V [kb, dk] → [M, dk], V given as [dk, kb] (transposed) or [kb, dk].
+
+  The first pass takes acc as its accumulator; every further pass (split precision) is subtracted as a dot of −p
+  part. Triton folds `x + dot(a, b)` into dot(a, b, x), and a dot whose result feeds another dot gets all its warps
+  along the rows; on sm_90 each accumulator tile then crosses between two MMA layouts through shared memory every
+  stage (docs/lowering.md). Negating a bf16 part is exact: only the f32 rounding order differs."""
+  dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+  terms = [(a, b) for i, a in enumerate(p_parts) for j, b in enumerate(tile) if i + j <= 1]
+  (a0, b0), rest = terms[0], terms[1:]
+  out = acc + jax.lax.dot_general(a0, b0, dims, preferred_element_type=F32)
+  for a, b in rest:
+    out = out - jax.lax.dot_general(-a, b, dims, preferred_element_type=F32)
+  return out
 
 
 def scores(g: Geometry, pr: Program, q_refs, q_held, k_tiles, stage):

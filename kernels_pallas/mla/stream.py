@@ -70,7 +70,7 @@ def _kernel(off_ref, *refs, g: Geometry, f32_stage: bool, fast_exp: bool):
     if not f32_stage:  # unstaged: the value pass loads the rows again
       k_tiles = keyset.row_tiles(g, refs, st.rows, st.valid, transposed=False)
     p_parts = keyset.parts(p, split_p)
-    acc = tuple(a * alpha[:, None] + keyset.values(p_parts, kt, f32_stage) for a, kt in zip(acc, k_tiles))
+    acc = tuple(keyset.add_values(a * alpha[:, None], p_parts, kt, f32_stage) for a, kt in zip(acc, k_tiles))
     return m_new, l, acc
 
   acc0 = tuple(jnp.zeros((g.M, g.dk), F32) for _ in range(g.n_chunks))

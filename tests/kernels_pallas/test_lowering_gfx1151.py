@@ -419,3 +419,16 @@ def test_cuda_mla_unstaged_tiles_fit_sm90_shared_memory():
     stats = lowering.compile_kernel(kernel, "sm_90")
     assert "error" not in stats, stats.get("error")
     assert stats["smem_bytes"] <= lowering.SMEM_LIMIT_SM90, (case.label, stats["smem_bytes"])
+
+
+def test_cuda_mla_split_value_passes_share_one_mma_layout():
+  """The streaming MLA kernel at precision "split" (the Config default), V4-Flash CSA shapes, sm_90 SASS: its stage
+  loop has at most 16 CTA barriers. When the p_lo·V pass took p_hi·V's result as its accumulator, p_hi·V got all
+  8 warps along its rows and each of the 4 accumulator tiles crossed between two MMA layouts through shared memory
+  every stage: 73 barriers, 112 wgmmas, 1.6 KB of spills (keyset.add_values)."""
+  from kernels_pallas import mla  # pylint: disable=import-outside-toplevel
+  label, fn, args = mla.lowering_cases("cuda", precision="split")[0]
+  assert label.startswith("mla csa stream f32stage fastexp bf16"), label
+  (kern,) = lowering.lower_case(lowering.KernelCase("mla", label, "cuda", fn, tuple(args)))
+  loop = lowering.sass_loops(lowering.sass_cuda(kern.ttir, 90, kern.num_warps, kern.num_stages))[0]
+  assert loop["BAR.SYNC"] <= 16 and loop["HGMMA"] <= 96, loop
