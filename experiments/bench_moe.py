@@ -55,14 +55,17 @@ WGMMA_MIX_TILINGS = {
     "w64_n128_s4_shared": _T(wg_rows=64, block_n=128, shared_decode=True),
     "w64_n128_s3_c2_shared": _T(wg_rows=64, block_n=128, stages=3, cluster=2, shared_decode=True),
     # one projection per warpgroup, the decoded tile as the wgmma's register operand
-    # (mma_in_flight 1: the first version, measured at c5781a0 and 4ee7ffa; ptxas serializes its wgmmas)
-    "lhs_w128_s3_r256_in_flight": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256,
-                                     mma_in_flight=1),
+    # (mma_in_flight 1, the first version, measured at c5781a0, 4ee7ffa and 58607b1: ptxas serializes its wgmmas)
     "lhs_w128_s3_r256": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256),
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True),
-    "lhs_w128_s4_r256": _T(wg_rows=128, block_n=64, stages=4, weights_lhs=True, mma_rows=256),
-    "lhs_w128_s2_r256": _T(wg_rows=128, block_n=64, stages=2, weights_lhs=True, mma_rows=256),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, weights_lhs=True, mma_rows=128),
+    # two K blocks per step: a warpgroup decodes the second while the first's wgmmas run (h stored in 2 parts to
+    # fit shared memory; 4 stages of 1 block did not fit, 2 stages of 1 block were slower than 3)
+    "lhs_w128_s2_r256_k2_p2": _T(wg_rows=128, block_n=64, stages=2, weights_lhs=True, mma_rows=256, sub_steps=2,
+                                 store_parts=2),
+    "lhs_w128_s2_r64_k2_p2": _T(wg_rows=128, block_n=64, stages=2, weights_lhs=True, sub_steps=2, store_parts=2),
+    "lhs_w64_s3_r128_k2": _T(wg_rows=64, block_n=64, stages=3, weights_lhs=True, mma_rows=128, sub_steps=2),
+    "lhs_w64_s2_r128_k4": _T(wg_rows=64, block_n=64, stages=2, weights_lhs=True, mma_rows=128, sub_steps=4),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
