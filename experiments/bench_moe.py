@@ -59,13 +59,8 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r256": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256),
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, weights_lhs=True, mma_rows=128),
-    # two K blocks per step: a warpgroup decodes the second while the first's wgmmas run (h stored in 2 parts to
-    # fit shared memory; 4 stages of 1 block did not fit, 2 stages of 1 block were slower than 3)
-    "lhs_w128_s2_r256_k2_p2": _T(wg_rows=128, block_n=64, stages=2, weights_lhs=True, mma_rows=256, sub_steps=2,
-                                 store_parts=2),
-    "lhs_w128_s2_r64_k2_p2": _T(wg_rows=128, block_n=64, stages=2, weights_lhs=True, sub_steps=2, store_parts=2),
-    "lhs_w64_s3_r128_k2": _T(wg_rows=64, block_n=64, stages=3, weights_lhs=True, mma_rows=128, sub_steps=2),
-    "lhs_w64_s2_r128_k4": _T(wg_rows=64, block_n=64, stages=2, weights_lhs=True, mma_rows=128, sub_steps=4),
+    # Two or four K blocks per pipeline step (the next decoded while the last one's wgmmas ran) were no faster at
+    # 3cb3484 and were removed (BENCHMARKS.md).
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

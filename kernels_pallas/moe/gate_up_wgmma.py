@@ -79,11 +79,7 @@ class Tiling:
   with its decoded tile as the wgmma's register operand (no shared-memory planes), mma_rows rows of x per wgmma;
   gate meets up in the epilogue through shared memory. There mma_in_flight 1 leaves a step's wgmmas running into
   the next step (whose decode may then overlap them), which makes ptxas serialize every wgmma (C7511); 0 waits at
-  the end of each step, and the two warpgroups overlap each other's decode and wgmmas. sub_steps (weights_lhs): K
-  blocks of block_k per pipeline step, each its own TMA copies; a warpgroup decodes block s + 1 while block s's
-  wgmmas run, and waits for all of them at the step's end (its own decode and MMAs overlap without leaving wgmmas
-  in flight across steps). store_parts (weights_lhs): h leaves through a buffer of block_m / store_parts rows, one
-  part after the other (less shared memory, for sub_steps)."""
+  the end of each step, and the two warpgroups overlap each other's decode and wgmmas."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -95,8 +91,6 @@ class Tiling:
   shared_decode: bool = False
   weights_lhs: bool = False
   mma_rows: int = 64
-  sub_steps: int = 1
-  store_parts: int = 1
   producer_registers: int = 40
 
   @property
@@ -219,37 +213,35 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   cluster = ("cluster",) if t.cluster > 1 else ()
   delay = t.mma_in_flight if lhs or not mix else 0  # in flight: step k's wgmmas read x until step k + 1 waits
   x_block = (PLANES, t.block_m, bk) if mix else (t.block_m, bk)
-  S = t.sub_steps  # K blocks per pipeline step: block s of step k is K block S·k + s
-  x_specs = [plgpu.BlockSpec(x_block, lambda k, s=s: (0,) * (len(x_block) - 1) + (S * k + s,), transforms=tiles,
-                             memory_space=plgpu.SMEM, delay_release=delay, collective_axes=cluster)
-             for s in range(S)]
+  x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles,
+                           memory_space=plgpu.SMEM, delay_release=delay, collective_axes=cluster)
   if mix:  # code and meta bytes: read into registers by the decode, no swizzle needed
-    w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k, s=s: (0, S * k + s), memory_space=plgpu.SMEM,
-                               delay_release=delay) for s in range(S) for _ in range(4)]
+    w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM,
+                               delay_release=delay)] * 4
   else:
     w_specs = [plgpu.BlockSpec((w_rows, bk), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM,
                                delay_release=delay)] * n_w
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(d // (t.block_k * S),), memory_registers=t.producer_registers, in_specs=x_specs + w_specs,
+        body, grid=(d // t.block_k,), memory_registers=t.producer_registers, in_specs=[x_spec] + w_specs,
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=compute_context)
 
   def operands(e, j, x_start):  # the pipeline's arrays for one unit: x rows, then the weight tiles' rows
     cols = pl.ds(j * w_rows, w_rows)
     x = x_g.at[:, pl.ds(x_start, t.block_m)] if mix else x_g.at[pl.ds(x_start, t.block_m)]
     ws = [a.at[e, cols] for c, m, _, _ in stacks for a in (c, m)] if mix else [w.at[e, cols] for w in w_gs]
-    return [x] * S + ws * S
+    return [x] + ws
 
   noop = lambda *_, **__: None
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
   if lhs:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per block, handed to warpgroup 0 for the SwiGLU
-    scratch = dict(out_smem=plgpu.SMEM((1, t.block_m // t.store_parts, t.block_n), h_g.dtype),
+    scratch = dict(out_smem=plgpu.SMEM((1, t.block_m, t.block_n), h_g.dtype),
                    up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows), F32, transforms=(
                        plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
     if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
-      scratch["dec"] = plgpu.SMEM((2, 2 * S, PLANES, t.block_n, bk), BF16, transforms=tiles)
+      scratch["dec"] = plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles)
   elif mix:  # decoded W1/W3 planes: one set per compute warpgroup, or with shared_decode one per step parity
     scratch["dec"] = plgpu.SMEM((2, n_w, PLANES, t.block_n, bk), BF16, transforms=tiles)
     if t.shared_decode:  # both warpgroups have written their halves of a step's planes
@@ -313,49 +305,41 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
             @pl.when(wg == 0)
             def _():
               plgpu.barrier_wait(up_ready)
-              part = t.block_m // t.store_parts
-              for p in range(t.store_parts):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has left out_smem
-                for b in blocks:
-                  gate = accs[b][0][...]
-                  for c in chunks:
-                    row = b * t.mma_rows + c - p * part
-                    if 0 <= row < part:
-                      h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit)
-                      out_smem.at[0, pl.ds(row, WGMMA_M)].T[...] = h.astype(h_g.dtype)
-                if p == t.store_parts - 1:
-                  plgpu.barrier_arrive(up_free)
-                plgpu.commit_smem()
-                p_first, p_rows = rows_in(x_start + p * part, part)
-                _store_rows(out_smem, 0, p_first - x_start - p * part, h_g, p_first, p_rows, cols, part)
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
+              for b in blocks:
+                gate = accs[b][0][...]
+                for c in chunks:
+                  h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
+                  out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
+              plgpu.barrier_arrive(up_free)
+              plgpu.commit_smem()
+              _store_rows(out_smem, 0, first - x_start, h_g, first, rows, cols, t.block_m)
 
-        def lhs_mma(idx, *args):
-          x_ss, w_ss, accs = args[:S], args[S:-1], args[-1]
+        def lhs_mma(idx, x_s, *args):
+          *w_ss, accs = args
           for v in range(2):
             @pl.when(wg == v)
             def _(v=v):
               levels, flagged = sides[v]
-              for s, x_s in enumerate(x_ss):  # block s + 1's decode runs while block s's wgmmas do
-                c_s, m_s = w_ss[4 * s + 2 * v], w_ss[4 * s + 2 * v + 1]
-                planes = decode_planes(c_s[...], m_s[...], levels, flagged)
-                if lhs_in_smem:
-                  buf = idx[0] % 2
-                  for q, plane in enumerate(planes):
-                    dec[buf, 2 * s + v, q] = plane
-                  plgpu.commit_smem()
-                  planes = [dec.at[buf, 2 * s + v, q] for q in range(PLANES)]
-                if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
-                  plgpu.wgmma_wait(0)
-                for b in blocks:
-                  def issue(b=b, planes=planes, x_s=x_s):
-                    rows = pl.ds(b * t.mma_rows, t.mma_rows)
-                    for q in range(PLANES):
-                      plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
+              planes = decode_planes(w_ss[2 * v][...], w_ss[2 * v + 1][...], levels, flagged)
+              if lhs_in_smem:
+                buf = idx[0] % 2
+                for q, plane in enumerate(planes):
+                  dec[buf, v, q] = plane
+                plgpu.commit_smem()
+                planes = [dec.at[buf, v, q] for q in range(PLANES)]
+              if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
+                plgpu.wgmma_wait(0)
+              for b in blocks:
+                def issue(b=b):
+                  rows = pl.ds(b * t.mma_rows, t.mma_rows)
+                  for q in range(PLANES):
+                    plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
 
-                  if t.skip_empty:
-                    pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
-                  else:
-                    issue()
+                if t.skip_empty:
+                  pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
+                else:
+                  issue()
               if not t.mma_in_flight:
                 plgpu.wgmma_wait(0)
           return accs
@@ -458,12 +442,6 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
     raise ValueError(f"weights_lhs needs FP2-MIX weights, no shared_decode, block_n={WGMMA_M} and mma_rows a "
                      f"multiple of {WGMMA_M} up to 256 dividing block_m; got block_n={t.block_n}, "
                      f"mma_rows={t.mma_rows}, block_m={t.block_m}, shared_decode={t.shared_decode}")
-  if (t.sub_steps != 1 or t.store_parts != 1) and not (
-      t.weights_lhs and t.sub_steps >= 1 and not (t.sub_steps > 1 and t.mma_in_flight)
-      and t.store_parts >= 1 and t.block_m % (t.store_parts * WGMMA_M) == 0):
-    raise ValueError(f"sub_steps / store_parts need weights_lhs (sub_steps > 1 with mma_in_flight 0) and block_m a "
-                     f"multiple of store_parts × {WGMMA_M}; got sub_steps={t.sub_steps}, store_parts="
-                     f"{t.store_parts}, mma_in_flight={t.mma_in_flight}, block_m={t.block_m}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   D = x.shape[1]
@@ -473,9 +451,9 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if Dw != D or (w3 is not None and tuple(w3.shape) != tuple(w1.shape)):
     raise ValueError(f"w1 {tuple(w1.shape)} / w3 {None if w3 is None else tuple(w3.shape)} must be [E, I, D] "
                      f"(or w1 an interleaved [E, 2I, D] and w3 None) with D = {D}")
-  if D % (t.block_k * t.sub_steps) or I % (t.block_n * t.cluster):
-    raise ValueError(f"D={D} / I={I} must be multiples of block_k × sub_steps={t.block_k * t.sub_steps} / "
-                     f"block_n × cluster={t.block_n * t.cluster}")
+  if D % t.block_k or I % (t.block_n * t.cluster):
+    raise ValueError(f"D={D} / I={I} must be multiples of block_k={t.block_k} / block_n × cluster="
+                     f"{t.block_n * t.cluster}")
   items = aligned_items(r, t.block_m)
   kernel = plgpu.kernel(
       functools.partial(_kernel, t=t, limit=float(swiglu_limit), max_items=items.expert.shape[0],

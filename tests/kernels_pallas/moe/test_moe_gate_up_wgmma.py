@@ -115,16 +115,13 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(shared_decode=True))
   with pytest.raises(ValueError, match="weights_lhs needs FP2-MIX"):
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(block_n=64, weights_lhs=True))
-  with pytest.raises(ValueError, match="sub_steps / store_parts need weights_lhs"):
-    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(sub_steps=2))
   with pytest.raises(ValueError, match="or be MixStacks"):
     gate_up_wgmma(x, w1.astype(jnp.float32), w3, r, swiglu_limit=LIMIT)
 
 
 @pytest.mark.parametrize("wg_rows,block_n,cluster,weights", [(128, 64, 1, "dense"), (64, 128, 2, "dense"),
                                                              (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
-                                                             (64, 128, 2, "mix shared"), (128, 64, 1, "mix lhs"),
-                                                             (128, 64, 1, "mix lhs k2")])
+                                                             (64, 128, 2, "mix shared"), (128, 64, 1, "mix lhs")])
 def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
@@ -144,10 +141,9 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
     f = lambda x, a, b, r: gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
     return jax.jit(f).trace(x, *ws, r).lower(lowering_platforms=("cuda",)).as_text()
 
-  lhs, k2 = weights.startswith("mix lhs"), weights.endswith("k2")
+  lhs = weights == "mix lhs"
   t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, shared_decode=shared, weights_lhs=lhs,
-             stages=(2 if k2 else 3) if lhs else 4, mma_rows=256 if lhs else 64, sub_steps=2 if k2 else 1,
-             store_parts=2 if k2 else 1)
+             stages=3 if lhs else 4, mma_rows=256 if lhs else 64)
   assert "mosaic_gpu" in lower(t)
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     lower(dataclasses.replace(t, stages=t.stages + 1 if lhs else 6))
@@ -206,8 +202,7 @@ def test_sorted_planes_match_sorted_rows(rng):
     np.testing.assert_array_equal(xp[q], xs[:, q::4])
 
 
-@pytest.mark.parametrize("decode", ["per warpgroup", "shared", "weights_lhs", "weights_lhs 128-row wgmmas in flight",
-                                    "weights_lhs 2 K blocks a step, stored in 2 parts"])
+@pytest.mark.parametrize("decode", ["per warpgroup", "shared", "weights_lhs", "weights_lhs 128-row wgmmas in flight"])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   # ~80 rows per expert, a 128-row tile: its second 64-row block is partial. W1/W3 in FP2-MIX (expert 0
   # uniform), decoded in the kernel: compared with the reference on the canonically
@@ -219,8 +214,7 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   t = Tiling(wg_rows=64, block_n=128, stages=2, shared_decode=decode == "shared")
   if decode.startswith("weights_lhs"):  # one projection per warpgroup, on all 128 rows; two N tiles
     t = Tiling(wg_rows=64, block_n=64, stages=2, weights_lhs=True, mma_rows=128 if "128" in decode else 64,
-               mma_in_flight=int("in flight" in decode), sub_steps=2 if "2 K" in decode else 1,
-               store_parts=2 if "2 parts" in decode else 1)
+               mma_in_flight=int("in flight" in decode))
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races()
