@@ -86,7 +86,7 @@ class Config:
     (32 without f32 staging: its value dot's second copy of the rows asks for 332 KiB of shared memory at 64 keys,
     64 heads and D 512 on sm_90; 16 when f32 rows arrive split into bf16 hi + lo: twice the staged bytes, at 32
     keys 260 KiB), 2 stages (1 for the unstaged kernel on split f32 rows: 266 KiB at 2), q resident, head-dim
-    chunks of 128.
+    chunks of 128 (64 for the staged kernel at precision "split" on bf16 rows).
     ROCm: 16 heads per program as upstream (M = 16, one mma row block), with as many queries per program as it
     takes to reach M = 16 when the model has fewer heads; 16 keys per stage, head-dim chunks of 128. The f32
     accumulator [16, 512] is 32 KiB: 8 warps keep it at 32 registers per lane. Offline compiles at V4-Flash
@@ -123,6 +123,10 @@ class Config:
         keys = 16 if split_rows else 64 if f32_stage else 32
         # Unstaged with split f32 rows, two pipeline stages ask for 266 KiB of shared memory at D 512 (sm_90).
         stages = 1 if split_rows and not f32_stage else 2
+        # Precision "split" on bf16 rows, staged: head-dim chunks of 64 (the p_lo·V pass's f32 partial is then half
+        # the registers): 6.0 ms against 8.1 at chunks of 128 (BENCHMARKS.md, b9ba229). "bf16": 3.75 vs 3.90, noise.
+        split_dk64 = f32_stage and not split_rows and overrides.get("precision", "split") == "split" and big
         cfg = cls(heads_per_program=hp, tokens_per_program=max(1, MIN_DOT // hp), keys_per_stage=keys,
-                  q_resident=True, num_warps=8 if big else 4, num_stages=stages)
+                  head_dim_chunk=64 if split_dk64 else 128, q_resident=True, num_warps=8 if big else 4,
+                  num_stages=stages)
     return dataclasses.replace(cfg, **overrides)
