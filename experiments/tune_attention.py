@@ -68,6 +68,7 @@ VARIANTS = {
     "split_w16": dict(precision="split", num_warps=16),
     "split_w16_kb16": dict(precision="split", num_warps=16, keys_per_stage=16),
     "split_dk64": dict(precision="split", head_dim_chunk=64),
+    "split_dk128": dict(precision="split", head_dim_chunk=128),  # the split default before f1d2d94
     "kb64_dk256": dict(keys_per_stage=64, head_dim_chunk=256),
     "kb64_dk512": dict(keys_per_stage=64, head_dim_chunk=512),
     "kb64_qreload": dict(keys_per_stage=64, q_resident=False),
