@@ -105,17 +105,20 @@ def parts(x, split: bool):
   return hi.astype(BF16), (xf - hi).astype(BF16)
 
 
-def dot(a_parts, b_parts, *, trans_b: bool):
-  """Σ a_i · b_j over i + j <= 1 (hi·hi + hi·lo + lo·hi), 2-D bf16 dots with f32 accumulation.
-  trans_b: a [M, K] · b [N, K]^T → [M, N]; else a [M, K] · b [K, N]."""
+def _passes(a_parts, b_parts, trans_b: bool):
+  """The split passes (a_i, b_j) with i + j <= 1 (hi·hi, hi·lo, lo·hi) and the dot_general dimension numbers."""
   dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
+  return [(a, b) for i, a in enumerate(a_parts) for j, b in enumerate(b_parts) if i + j <= 1], dims
+
+
+def dot(a_parts, b_parts, *, trans_b: bool):
+  """Σ a_i · b_j over the split passes, 2-D bf16 dots with f32 accumulation.
+  trans_b: a [M, K] · b [N, K]^T → [M, N]; else a [M, K] · b [K, N]."""
+  passes, dims = _passes(a_parts, b_parts, trans_b)
   out = None
-  for i, a in enumerate(a_parts):
-    for j, b in enumerate(b_parts):
-      if i + j > 1:
-        continue
-      d = jax.lax.dot_general(a, b, dims, preferred_element_type=F32)
-      out = d if out is None else out + d
+  for a, b in passes:
+    d = jax.lax.dot_general(a, b, dims, preferred_element_type=F32)
+    out = d if out is None else out + d
   return out
 
 
@@ -198,9 +201,8 @@ def add_values(acc, p_parts, tile, transposed: bool):
   part. Triton folds `x + dot(a, b)` into dot(a, b, x), and a dot whose result feeds another dot gets all its warps
   along the rows; on sm_90 each accumulator tile then crosses between two MMA layouts through shared memory every
   stage (docs/lowering.md). Negating a bf16 part is exact: only the f32 rounding order differs."""
-  dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
-  terms = [(a, b) for i, a in enumerate(p_parts) for j, b in enumerate(tile) if i + j <= 1]
-  (a0, b0), rest = terms[0], terms[1:]
+  passes, dims = _passes(p_parts, tile, transposed)
+  (a0, b0), rest = passes[0], passes[1:]
   out = acc + jax.lax.dot_general(a0, b0, dims, preferred_element_type=F32)
   for a, b in rest:
     out = out - jax.lax.dot_general(-a, b, dims, preferred_element_type=F32)
