@@ -75,6 +75,15 @@ VARIANTS = {
     # Offline sm_90 compiles at precision bf16: 64 keys spill 184 B at chunks of 128, 52 B at 256, 8 B at 64.
     "kb64_dk64": dict(keys_per_stage=64, head_dim_chunk=64),
     "split_kb64": dict(precision="split", keys_per_stage=64),
+    # the grouped baseline (two passes, scores through HBM, no fast exp) at its own tilings: issue #19 compares the
+    # streaming kernel with it "each at its best config"
+    "grouped": dict(impl="grouped"),
+    "grouped_kb32": dict(impl="grouped", keys_per_stage=32),
+    "grouped_kb16": dict(impl="grouped", keys_per_stage=16),
+    "grouped_dk64": dict(impl="grouped", head_dim_chunk=64),
+    "grouped_dk256": dict(impl="grouped", head_dim_chunk=256),
+    "grouped_s3": dict(impl="grouped", num_stages=3),
+    "grouped_h32_w4": dict(impl="grouped", heads_per_program=32, num_warps=4),
 }
 
 
@@ -142,10 +151,12 @@ def main(argv):
 
     def run(name, over, patch=None):
       try:
+        over = dict(over)
+        impl = over.pop("impl", "stream")
         cfg = mla.Config.default(H, D, "csa", platform=platform, **(dict(precision="bf16") | over))
         f = jax.jit(lambda a, b, c, d, e, s: mla.sparse_mla(
             a, b, c, d, q_start=s, raw_start=jnp.maximum(s - (W - 1), 0), kind="csa", ratio=ratio, window=W,
-            inv_freq=freqs, indices=e, impl="stream", f32_stage=True, fast_exp=True, config=cfg,
+            inv_freq=freqs, indices=e, impl=impl, f32_stage=True, fast_exp=impl == "stream", config=cfg,
             interpret=interpret))
         args = (q, raw_kv, comp_kv, sink, indices, jnp.int32(q_start))
         jax.clear_caches()  # a patched kernel must not reuse (or leave behind) a compiled one
@@ -154,7 +165,7 @@ def main(argv):
           out = jax.block_until_ready(f(*args))
           compile_s = time.perf_counter() - t0
           ms = timing.timeit(f, *args, n=n)
-        save(base | dict(variant=name, config=dataclasses.asdict(cfg), ms=ms, tflops=flops / ms / 1e9,
+        save(base | dict(variant=name, impl=impl, config=dataclasses.asdict(cfg), ms=ms, tflops=flops / ms / 1e9,
                          compile_s=compile_s, nmse_vs_reference=None if patch else nmse(out[sl], want)))
       except Exception as e:  # noqa: BLE001 -- one failing variant must not stop the sweep
         save(base | dict(variant=name, config=over, error=f"{type(e).__name__}: {str(e)[:300]}"))
