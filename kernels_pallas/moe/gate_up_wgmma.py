@@ -50,8 +50,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.quant import rocmfp2_mix, rocmfp_layout, rocmfp_mix, ue4m3
@@ -81,7 +85,8 @@ class Tiling:
   the next step (whose decode may then overlap them), which makes ptxas serialize every wgmma (C7511); 0 waits at
   the end of each step. ping_pong (weights_lhs): the warpgroups issue their wgmmas in turn (a barrier pair), so
   that one decodes while the other's wgmmas run; without it both leave the same TMA barrier together and decode in
-  lockstep."""
+  lockstep. prmt_decode (weights_lhs, compiled): the planes by decode_planes_prmt (a table per half-block pair and
+  one byte permute per two weights), not decode_planes; the interpreter runs decode_planes either way."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -94,6 +99,7 @@ class Tiling:
   weights_lhs: bool = False
   mma_rows: int = 64
   ping_pong: bool = False
+  prmt_decode: bool = False
   producer_registers: int = 40
 
   @property
@@ -175,6 +181,60 @@ def decode_planes(codes, meta, levels, zero_flagged) -> list[jax.Array]:
   values = [(jnp.where(flagged, levels[1][k], levels[0][k]) * scale).astype(BF16) for k in range(4)]
   # code bit j of weight 4i + q tested as the sign of the byte shifted left (one shift and a compare per bit)
   return [rocmfp_mix.pick([(b << (31 - 2 * q)) < 0, (b << (30 - 2 * q)) < 0], values) for q in range(PLANES)]
+
+
+SELECTOR = (0x0303, 0x22, 0x1010)  # prmt_selectors' mask, multiplier and offset (also in decode_planes_prmt)
+
+
+def prmt_selectors(code_pairs, q: int):
+  """The byte selectors that pick plane q's two bf16 values out of a byte pair's table (prmt on sm_90): code_pairs
+  holds two code bytes (byte 2c in bits 0–7, byte 2c + 1 in bits 8–15) of one half-block, whose 4 values sit in
+  table bytes 2v, 2v + 1 (value v). Selector nibbles 2c_a, 2c_a + 1, 2c_b, 2c_b + 1. Pure jnp: tested on CPU."""
+  mask, mul, offset = SELECTOR
+  return ((code_pairs >> (2 * q)) & mask) * mul + offset
+
+
+def decode_planes_prmt(codes, meta, levels, zero_flagged) -> list[jax.Array]:
+  """decode_planes in wgmma's register layout, compiled (sm_90): in that layout a thread's bytes come in pairs
+  (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair makes its 4 values once (the same
+  f32 products, rounded to bf16 as in decode_planes), packs them in two registers, and each plane's two weights
+  are one `prmt` of them by `prmt_selectors`: ~4 instructions per 2 weights, where decode_planes spends ~12 per
+  weight. Not in interpret mode (inline Mosaic GPU code has no interpreter); its planes are decode_planes' bits."""
+  wg = plgpu.Layout.WGMMA
+  scalars = [levels[s][k] for s in range(2) for k in range(4)] + [zero_flagged]
+
+  @plgpu.inline_mgpu(arg_types=(wg, wg) + (wg,) * len(scalars),
+                     return_type=[plgpu.ShapeDtypeStruct(codes.shape, BF16, layout=wg)] * PLANES)
+  def planes(_, code_bytes, meta_bytes, *args):
+    i16, i32, f32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.F32Type.get()
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    const = lambda v, t=i32: arith.constant(t, v)
+    args = [a.registers.item() for a in args]  # scalars come as splat arrays
+    lv, zf = [args[0:4], args[4:8]], args[8]
+    zero_flagged_set = arith.cmpi(arith.CmpIPredicate.ne, zf, const(0))
+    out = [np.empty(code_bytes.registers.shape, object) for _ in range(PLANES)]
+    for idx, reg in np.ndenumerate(code_bytes.registers):
+      w = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
+      m = arith.extui(i32, vector.extract(meta_bytes.registers[idx], dynamic_position=[],
+                                          static_position=ir.DenseI64ArrayAttr.get([0])))
+      flagged = arith.cmpi(arith.CmpIPredicate.uge, m, const(rocmfp_mix.SELECT_BIT))
+      m7 = arith.andi(m, const(0x7F))
+      c = arith.bitcast(f32, arith.addi(arith.shli(m7, const(20)), const((127 - 8) << 23)))
+      low = arith.subf(arith.mulf(c, const(2.0, f32)), const(2.0**-7, f32))
+      scale = arith.select(arith.cmpi(arith.CmpIPredicate.ult, m7, const(8)), low, c)
+      zero = arith.ori(arith.cmpi(arith.CmpIPredicate.ugt, m7, const(ue4m3.MAX_BYTE)),
+                       arith.andi(flagged, zero_flagged_set))
+      scale = arith.select(zero, const(0.0, f32), scale)
+      vals = [arith.truncf(ir.BF16Type.get(), arith.mulf(arith.select(flagged, lv[1][k], lv[0][k]), scale))
+              for k in range(4)]
+      table = [mgpu.utils.bitcast(vector.from_elements(pair, vals[2 * h:2 * h + 2]), i32) for h in range(2)]
+      for q in range(PLANES):
+        mask, mul, offset = SELECTOR
+        sel = arith.addi(arith.muli(arith.andi(arith.shrui(w, const(2 * q)), const(mask)), const(mul)), const(offset))
+        out[q][idx] = mgpu.utils.bitcast(mgpu.utils.prmt(table[0], table[1], sel), pair)
+    return [mgpu.FragmentedArray(_registers=o, _layout=code_bytes.layout, _is_signed=None) for o in out]
+
+  return planes(codes, meta, *scalars)
 
 
 def sorted_planes(x, r: Routing, block_m: int) -> jax.Array:
@@ -328,7 +388,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
             @pl.when(wg == v)
             def _(v=v):
               levels, flagged = sides[v]
-              planes = decode_planes(w_ss[2 * v][...], w_ss[2 * v + 1][...], levels, flagged)
+              decode = decode_planes_prmt if t.prmt_decode and not lhs_in_smem else decode_planes
+              planes = decode(w_ss[2 * v][...], w_ss[2 * v + 1][...], levels, flagged)
               if lhs_in_smem:
                 buf = idx[0] % 2
                 for q, plane in enumerate(planes):
@@ -450,8 +511,8 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if t.shared_decode and (not mix or t.block_n % (2 * WGMMA_M)):
     # Halves of 32 rows lower in interpret mode but not for sm_90 (no register layout is found)
     raise ValueError(f"shared_decode needs FP2-MIX weights and block_n a multiple of {2 * WGMMA_M}")
-  if t.ping_pong and not t.weights_lhs:
-    raise ValueError("ping_pong needs weights_lhs (the two warpgroups' wgmmas taking turns)")
+  if (t.ping_pong or t.prmt_decode) and not t.weights_lhs:
+    raise ValueError("ping_pong and prmt_decode need weights_lhs")
   if t.weights_lhs and (not mix or t.shared_decode or t.block_n != WGMMA_M or t.block_m % t.mma_rows
                         or t.mma_rows % WGMMA_M or t.mma_rows > 256):
     raise ValueError(f"weights_lhs needs FP2-MIX weights, no shared_decode, block_n={WGMMA_M} and mma_rows a "

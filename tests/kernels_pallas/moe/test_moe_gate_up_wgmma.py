@@ -24,7 +24,8 @@ from ds4jax.metrics import nmse
 from ds4jax.quant import rocmfp2_mix, ue4m3
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
 from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
-                                              gate_up_wgmma, interleave, mix_stack, sorted_planes, sorted_rows)
+                                              gate_up_wgmma, interleave, mix_stack, prmt_selectors, sorted_planes,
+                                              sorted_rows)
 
 ON_GPU = jax.default_backend() == "gpu"
 LIMIT = 3.0
@@ -194,6 +195,19 @@ def test_decode_planes_every_byte_pair(zero_flagged):
   assert np.any(np.asarray(planes[0]).view(np.uint16) == 0x8000)  # −0 from a negative level times a zero scale
 
 
+def test_prmt_selectors_pick_each_plane_of_a_byte_pair():
+  # prmt on sm_90, emulated: result byte i is byte (selector nibble i) of the 8-byte table, value v in bytes 2v, 2v+1
+  values = np.array([0x3F80, 0xBE01, 0x0000, 0x7F7F], np.uint16)  # distinct bytes: a swapped half would show
+  table = values.view(np.uint8)
+  pairs = np.arange(1 << 16, dtype=np.int32)  # byte 2c in bits 0-7, byte 2c + 1 in bits 8-15
+  for q in range(4):
+    sel = np.asarray(prmt_selectors(jnp.asarray(pairs), q))
+    picked = np.stack([table[(sel >> (4 * i)) & 7] for i in range(4)], axis=-1).astype(np.uint16)
+    np.testing.assert_array_equal(picked[:, 0] | picked[:, 1] << 8, values[(pairs >> (2 * q)) & 3])
+    np.testing.assert_array_equal(picked[:, 2] | picked[:, 3] << 8, values[(pairs >> (8 + 2 * q)) & 3])
+    assert np.all((sel >> 16) == 0) and np.all(((sel >> np.arange(0, 16, 4)[:, None]) & 8) == 0)  # no sign mode
+
+
 def test_sorted_planes_match_sorted_rows(rng):
   x, _, _, ids = problem(rng, 24, 2)
   r = routing.route(ids, E, 32)
@@ -203,7 +217,7 @@ def test_sorted_planes_match_sorted_rows(rng):
 
 
 @pytest.mark.parametrize("decode", ["per warpgroup", "shared", "weights_lhs", "weights_lhs 128-row wgmmas in flight",
-                                    "weights_lhs ping_pong"])
+                                    "weights_lhs ping_pong prmt"])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   # ~80 rows per expert, a 128-row tile: its second 64-row block is partial. W1/W3 in FP2-MIX (expert 0
   # uniform), decoded in the kernel: compared with the reference on the canonically
@@ -215,7 +229,8 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   t = Tiling(wg_rows=64, block_n=128, stages=2, shared_decode=decode == "shared")
   if decode.startswith("weights_lhs"):  # one projection per warpgroup, on all 128 rows; two N tiles
     t = Tiling(wg_rows=64, block_n=64, stages=2, weights_lhs=True, mma_rows=128 if "128" in decode else 64,
-               mma_in_flight=int("in flight" in decode), ping_pong="ping_pong" in decode)
+               mma_in_flight=int("in flight" in decode), ping_pong="ping_pong" in decode,
+               prmt_decode="prmt" in decode)  # prmt: compiled only; the interpreter runs decode_planes
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races()
