@@ -33,6 +33,8 @@ from kernels_pallas.moe import decode, quantized_weights
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per variant (median).")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Small shapes (checks the script on a CPU).")
+_ONLY = flags.DEFINE_list("only", [], "Time only the variants whose names start with one of these (all if empty; "
+                          "the canonical decode always runs, as the bits to match).")
 
 # name -> (format module, unpack codes, weight shape at V4-Flash, smoke shape)
 WEIGHTS = {
@@ -69,6 +71,8 @@ def same_bits(a, b) -> bool:
 TILES = (64, 256, 8)  # (bn, bk, warps) of dequantize_tiles
 KERNEL_TILINGS = ((64, 256, 8), (32, 256, 4), (32, 512, 8), (16, 256, 2), (16, 512, 4), (16, 1024, 8), (8, 512, 2),
                   (8, 256, 1), (16, 512, 2), (32, 512, 4), (32, 1024, 8))  # (bn, bk, warps)
+# The byte-permute pick (decode.Tiling.select="prmt"; inline PTX, so CUDA only, not in --smoke)
+PRMT_TILINGS = ((8, 512, 2), (16, 512, 2), (16, 512, 4), (32, 512, 8), (8, 1024, 4), (8, 256, 1))
 
 
 def variants(fmt_name, fmt, unpack, shape, smoke: bool):
@@ -86,6 +90,9 @@ def variants(fmt_name, fmt, unpack, shape, smoke: bool):
     tiling = decode.Tiling(bn, bk, warps)
     out[f"kernel_{bn}x{bk}_w{warps}"] = lambda s, t=tiling: decode.decode_stack(as_weights(s), bf16, tiling=t,
                                                                                  interpret=smoke)
+  for bn, bk, warps in () if smoke or jax.default_backend() != "gpu" else PRMT_TILINGS:
+    tiling = decode.Tiling(bn, bk, warps, select="prmt")
+    out[f"kernel_prmt_{bn}x{bk}_w{warps}"] = lambda s, t=tiling: decode.decode_stack(as_weights(s), bf16, tiling=t)
   out["write"] = jax.jit(lambda s: unpack(s).astype(bf16))
   return out
 
@@ -102,6 +109,8 @@ def main(argv):
     fns = variants(fmt_name, fmt, unpack, shape, _SMOKE.value)
     want = fns["canonical"](storage)
     for vname, f in fns.items():
+      if _ONLY.value and vname != "canonical" and not any(vname.startswith(o) for o in _ONLY.value):
+        continue
       try:
         if vname != "write":
           rec["bit_identical"][vname] = same_bits(f(storage), want)

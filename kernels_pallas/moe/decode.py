@@ -22,18 +22,24 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ds4jax.quant import bitplanes, rocmfp2_mix, rocmfp3, rocmfp_mix
 from ds4jax.quant.rocmfp_layout import HALF
 from kernels_pallas.moe.quantized_weights import (HALF_BLOCK_FORMATS, QuantizedExpertWeights, dequantize_tiles,
                                                   half_views)
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
+  """select "tree": each weight picks its half-block's value by a select tree over its code bits (the format's
+  dequantize_halves); "prmt" (CUDA, compiled; MIX formats to bf16): the half-block's bf16 values packed 2 per 32-bit
+  word and picked by a byte permute per weight (`prmt_codes`), ~3× fewer instructions per weight."""
   block_n: int = 64
   block_k: int = 256
   num_warps: int = 8
+  select: str = "tree"
 
 
 # Measured on the H200 at V4-Flash's stacks (bench_decode, BENCHMARKS.md): about 64 weights per thread did best, and
@@ -56,7 +62,56 @@ def default_tiling(fmt_name: str, shape) -> Tiling:
   return Tiling(bn, bk, max(1, min(best.num_warps, bn * bk // WEIGHTS_PER_WARP)))
 
 
-def _mix_kernel(*refs, fmt_name: str, block_n: int, block_k: int, dtype):
+def value_words(values) -> list[jax.Array]:
+  """A half-block's K bf16 values → K/2 int32 words, value 2j in bits 0–15 of word j and 2j + 1 in bits 16–31 (the
+  byte table a `prmt` indexes: value v in table bytes 2v, 2v + 1, counting from word 0)."""
+  bits = [lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32) for v in values]
+  return [lax.bitcast_convert_type(lo | (hi << 16), jnp.int32) for lo, hi in zip(bits[0::2], bits[1::2])]
+
+
+def prmt_selector(code):
+  """prmt's selector that copies table bytes 2c, 2c + 1 (value c < 4 of two words) to result bytes 0, 1."""
+  return (code & 3) * 0x22 + 0x10
+
+
+# One weight: its value from two table words ($2, $3) by its selector ($1), the low half of the permute.
+_PICK4 = "{ .reg .b32 p; .reg .b16 h; prmt.b32 p, $2, $3, $1; mov.b32 {$0, h}, p; }"
+# ROCmFP3: values 0–3 from words $2, $3 and 4–7 from $4, $5; $6 is the code's high bit.
+_PICK8 = ("{ .reg .b32 p, q; .reg .pred s; .reg .b16 h; prmt.b32 p, $2, $3, $1; prmt.b32 q, $4, $5, $1; "
+          "setp.ne.u32 s, $6, 0; selp.b32 p, q, p, s; mov.b32 {$0, h}, p; }")
+
+
+def prmt_inputs(fmt_name: str, planes, scales, books, mode) -> tuple[str, list[jax.Array]]:
+  """The inline PTX and its per-weight operands that make dequantize_halves(..., bf16) of a MIX format by byte
+  permutes: the selector, the value words (the same values, made once per half-block as dequantize_halves makes
+  them), and for ROCmFP3 the code's high bit. Pure jnp; `prmt_codes` runs it (CUDA), tests emulate it."""
+  levels = rocmfp2_mix.fixed_level if fmt_name == "rocmfp2_mix" else rocmfp3.levels  # as dequantize_halves
+  words = value_words(rocmfp_mix.half_block_values(scales, books, mode, levels, jnp.bfloat16))
+  if fmt_name == "rocmfp2_mix":
+    (codes,) = planes
+    lo = codes.astype(jnp.int32)[..., None] >> (2 * bitplanes.iota_last(4, codes.ndim + 1))
+    asm, extra = _PICK4, []
+  else:
+    codes_lo, codes_hi = planes
+    n = codes_lo.ndim + 1
+    lo = codes_lo.astype(jnp.int32)[..., None] >> (2 * bitplanes.iota_last(4, n))
+    hi_shift = 4 * bitplanes.iota_last(2, n - 1)[..., None] + bitplanes.iota_last(4, n)
+    asm, extra = _PICK8, [(codes_hi.astype(jnp.int32)[..., None, None] >> hi_shift) & 1]
+  sel = prmt_selector(lo)
+  shape = sel.shape
+  table = [jnp.broadcast_to(w.reshape(*w.shape, *(1,) * (len(shape) - w.ndim)), shape) for w in words]
+  return asm, [sel, *table, *(jnp.broadcast_to(a, shape) for a in extra)]
+
+
+def prmt_codes(fmt_name: str, planes, scales, books, mode) -> jax.Array:
+  """dequantize_halves(..., bf16) by byte permutes (inline PTX: compiled CUDA kernels only)."""
+  asm, ins = prmt_inputs(fmt_name, planes, scales, books, mode)
+  (out,) = plt.elementwise_inline_asm(asm, args=ins, constraints="=h" + ",r" * len(ins), pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(ins[0].shape, jnp.bfloat16)])
+  return out
+
+
+def _mix_kernel(*refs, fmt_name: str, block_n: int, block_k: int, dtype, select: str):
   fmt = HALF_BLOCK_FORMATS[fmt_name]
   *plane_refs, scales_ref, books_ref, mode_ref, out_ref = refs
   e, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -67,7 +122,11 @@ def _mix_kernel(*refs, fmt_name: str, block_n: int, block_k: int, dtype):
   planes = [plt.load(r.at[e, rows, halves]) for r in plane_refs]
   scales = plt.load(scales_ref.at[e, rows, halves])
   books = plt.load(books_ref.at[e, pl.ds(0, books_ref.shape[1]), pl.ds(0, books_ref.shape[2])])
-  plt.store(out_ref.at[e, rows, halves], fmt.dequantize_halves(*planes, scales, books, mode_ref[e], dtype))
+  if select == "prmt":
+    w = prmt_codes(fmt_name, planes, scales, books, mode_ref[e])
+  else:
+    w = fmt.dequantize_halves(*planes, scales, books, mode_ref[e], dtype)
+  plt.store(out_ref.at[e, rows, halves], w)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "tiling", "interpret"))
@@ -76,6 +135,12 @@ def decode_stack(w: QuantizedExpertWeights, dtype=jnp.bfloat16, *, tiling: Tilin
   """[E, N, K] of `dtype`, equal bit for bit to the canonical decode of `w` cast to `dtype`."""
   tiling = tiling or default_tiling(w.fmt_name, w.shape)
   bn, bk = tiling.block_n, tiling.block_k
+  if tiling.select not in ("tree", "prmt"):
+    raise ValueError(f"decode_stack: select must be 'tree' or 'prmt', got {tiling.select!r}")
+  if tiling.select == "prmt" and (w.fmt_name not in HALF_BLOCK_FORMATS or jnp.dtype(dtype) != jnp.bfloat16
+                                  or interpret):
+    raise ValueError(f"decode_stack: select='prmt' runs inline PTX (compiled CUDA kernels) on the MIX formats to "
+                     f"bfloat16; got {w.fmt_name} to {jnp.dtype(dtype).name}, interpret={interpret}")
   w.check_blocks(bn, bk, "decode_stack")
   dtype = jnp.dtype(dtype)
   if w.fmt_name not in HALF_BLOCK_FORMATS:
@@ -84,7 +149,8 @@ def decode_stack(w: QuantizedExpertWeights, dtype=jnp.bfloat16, *, tiling: Tilin
   fmt = HALF_BLOCK_FORMATS[w.fmt_name]
   s = half_views(w.fmt_name, w.storage)
   out = pl.pallas_call(
-      functools.partial(_mix_kernel, fmt_name=w.fmt_name, block_n=bn, block_k=bk, dtype=dtype),
+      functools.partial(_mix_kernel, fmt_name=w.fmt_name, block_n=bn, block_k=bk, dtype=dtype,
+                        select=tiling.select),
       out_shape=jax.ShapeDtypeStruct((E, N, K // HALF, *fmt.HALF_WEIGHTS), dtype), grid=(E, N // bn, K // bk),
       interpret=interpret, name=f"moe_decode_{w.fmt_name}",
       compiler_params=plt.CompilerParams(num_warps=tiling.num_warps, num_stages=1),
