@@ -71,7 +71,7 @@ def same_bits(a, b) -> bool:
 TILES = (64, 256, 8)  # (bn, bk, warps) of dequantize_tiles
 KERNEL_TILINGS = ((64, 256, 8), (32, 256, 4), (32, 512, 8), (16, 256, 2), (16, 512, 4), (16, 1024, 8), (8, 512, 2),
                   (8, 256, 1), (16, 512, 2), (32, 512, 4), (32, 1024, 8))  # (bn, bk, warps)
-# The byte-permute pick (decode.Tiling.select="prmt"; inline PTX, so CUDA only, not in --smoke)
+# The byte-permute picks (decode.Tiling.select "prmt" and "prmt4"; inline PTX, so CUDA only, not in --smoke)
 PRMT_TILINGS = ((8, 512, 2), (16, 512, 2), (16, 512, 4), (32, 512, 8), (8, 1024, 4), (8, 256, 1))
 
 
@@ -90,9 +90,11 @@ def variants(fmt_name, fmt, unpack, shape, smoke: bool):
     tiling = decode.Tiling(bn, bk, warps)
     out[f"kernel_{bn}x{bk}_w{warps}"] = lambda s, t=tiling: decode.decode_stack(as_weights(s), bf16, tiling=t,
                                                                                  interpret=smoke)
-  for bn, bk, warps in () if smoke or jax.default_backend() != "gpu" else PRMT_TILINGS:
-    tiling = decode.Tiling(bn, bk, warps, select="prmt")
-    out[f"kernel_prmt_{bn}x{bk}_w{warps}"] = lambda s, t=tiling: decode.decode_stack(as_weights(s), bf16, tiling=t)
+  for select in ("prmt", "prmt4"):
+    for bn, bk, warps in () if smoke or jax.default_backend() != "gpu" else PRMT_TILINGS:
+      tiling = decode.Tiling(bn, bk, warps, select=select)
+      out[f"kernel_{select}_{bn}x{bk}_w{warps}"] = lambda s, t=tiling: decode.decode_stack(as_weights(s), bf16,
+                                                                                          tiling=t)
   out["write"] = jax.jit(lambda s: unpack(s).astype(bf16))
   return out
 

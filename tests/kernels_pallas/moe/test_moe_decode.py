@@ -39,37 +39,66 @@ def test_decode_is_bit_identical_to_the_canonical_decode(rng, fmt, dtype):
 
 @pytest.mark.skipif(INTERPRET, reason="select='prmt' is inline PTX: compiled CUDA kernels only")
 @pytest.mark.parametrize("fmt", ["rocmfp2_mix", "rocmfp3_mix"])
-def test_prmt_decode_is_bit_identical_to_the_canonical_decode(rng, fmt):
+@pytest.mark.parametrize("select", ["prmt", "prmt4"])
+def test_prmt_decode_is_bit_identical_to_the_canonical_decode(rng, fmt, select):
   st = adversarial_storage(fmt, SHAPE, rng)
   w = QuantizedExpertWeights.from_storage(fmt, st, SHAPE)
   want = formats.get(fmt).dequantize(**st).astype(jnp.bfloat16)
-  got = decode.decode_stack(w, jnp.bfloat16, tiling=decode.Tiling(32, 128, 4, select="prmt"))
+  got = decode.decode_stack(w, jnp.bfloat16, tiling=decode.Tiling(32, 128, 4, select=select))
   np.testing.assert_array_equal(bits(got), bits(want))
 
 
 def prmt(a, b, sel) -> np.ndarray:
   """PTX prmt.b32 (default mode), emulated: result byte i is byte (nibble i of sel) of the 8 bytes b:a."""
   table = np.stack([a, b], axis=-1).astype(np.uint32).view(np.uint8).reshape(*np.shape(a), 8)
-  nib = (sel.astype(np.uint32)[..., None] >> (4 * np.arange(4, dtype=np.uint32))) & 7
+  nib = (np.asarray(sel, np.uint32)[..., None] >> (4 * np.arange(4, dtype=np.uint32))) & 7
   return np.take_along_axis(table, nib.astype(np.int64), axis=-1).view(np.uint32)[..., 0]
 
 
+def run_ptx(asm: str, ins: list[np.ndarray], pack: int) -> np.ndarray:
+  """The inline asm of select='prmt'/'prmt4', run on numpy uint32 operands (the few opcodes it uses): operand $k
+  is output register k, then element e of input i is $(outputs + i·pack + e), groups of `pack` along the last axis.
+  Returns the bf16 bits, [..., n]."""
+  u32 = lambda v: np.asarray(v).astype(np.uint32)
+  ins = [u32(a).reshape(*a.shape[:-1], -1, pack) for a in ins]
+  n_out = 1 if pack == 1 else pack // 2
+  reg = {f"${n_out + i * pack + e}": a[..., e] for i, a in enumerate(ins) for e in range(pack)}
+  val = lambda t: reg[t] if t in reg else np.uint32(int(t))
+  for stmt in asm.strip()[1:-1].split(";"):
+    op, _, rest = stmt.strip().partition(" ")
+    if not op or op == ".reg":
+      continue
+    if op == "mov.b32" and rest.startswith("{"):  # {lo, hi} = 32 bits: keep the low half
+      lo, src = rest[1:].split("}")[0].split(",")[0].strip(), rest.split("}, ")[1].strip()
+      reg[lo] = val(src) & 0xFFFF
+      continue
+    d, *x = [t.strip() for t in rest.split(",")]
+    f = {"and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "shl.b32": lambda a, b: a << b,
+         "shr.b32": lambda a, b: a >> b, "mov.b32": lambda a: a, "add.u32": lambda a, b: a + b,
+         "mul.lo.u32": lambda a, b: a * b, "mad.lo.u32": lambda a, b, c: a * b + c,
+         "bfe.u32": lambda a, b, c: (a >> b) & ((1 << c) - 1), "prmt.b32": prmt,
+         "setp.ne.u32": lambda a, b: a != b, "selp.b32": lambda a, b, p: np.where(p, a, b)}[op]
+    reg[d] = u32(f(*(val(t) for t in x))) if op != "setp.ne.u32" else f(*(val(t) for t in x))
+  if pack == 1:
+    return reg["$0"].astype(np.uint16)
+  halves = [(reg[f"${k}"] >> s) & 0xFFFF for k in range(n_out) for s in (0, 16)]
+  return np.stack(halves, axis=-1).reshape(*ins[0].shape[:-2], -1).astype(np.uint16)
+
+
 @pytest.mark.parametrize("fmt", ["rocmfp2_mix", "rocmfp3_mix"])
-def test_prmt_inputs_pick_the_half_block_values(rng, fmt):
-  # What the inline PTX of select='prmt' computes, emulated on its jnp operands, against dequantize_halves' bits
+@pytest.mark.parametrize("per_byte", [False, True])
+def test_prmt_asm_picks_the_half_block_values(rng, fmt, per_byte):
+  # The inline PTX of select='prmt' / 'prmt4', run by a small emulator on its jnp operands, against
+  # dequantize_halves' bits (the asm text itself is what runs; the GPU test above checks Triton's grouping)
   st = adversarial_storage(fmt, SHAPE, rng)
   s = half_views(fmt, st)
   module = HALF_BLOCK_FORMATS[fmt]
   planes = [s[n] for n in module.HALF_VIEWS]
-  want = bits(module.dequantize_halves(*planes, s["scales"], s["books"], s["mode"],
-                                       jnp.bfloat16))
-  asm, ins = decode.prmt_inputs(fmt, planes, s["scales"], s["books"], s["mode"])
-  sel, *rest = (np.asarray(a).astype(np.int64).astype(np.uint32) for a in ins)
-  got = prmt(rest[0], rest[1], sel)
-  if fmt == "rocmfp3_mix":
-    got = np.where(rest[4] != 0, prmt(rest[2], rest[3], sel), got)
-  assert "prmt.b32" in asm and want.shape == sel.shape
-  np.testing.assert_array_equal((got & 0xFFFF).astype(np.uint16), want)
+  want = bits(module.dequantize_halves(*planes, s["scales"], s["books"], s["mode"], jnp.bfloat16))
+  asm, ins = decode.prmt_inputs(fmt, planes, s["scales"], s["books"], s["mode"], per_byte)
+  got = run_ptx(asm, [np.asarray(a) for a in ins], 4 if per_byte else 1)
+  assert want.shape == ins[0].shape
+  np.testing.assert_array_equal(got.reshape(want.shape), want)
   assert len(np.unique(want)) > 64  # many distinct values: a wrong byte order would show
 
 
