@@ -72,7 +72,7 @@ TILES = (64, 256, 8)  # (bn, bk, warps) of dequantize_tiles
 KERNEL_TILINGS = ((64, 256, 8), (32, 256, 4), (32, 512, 8), (16, 256, 2), (16, 512, 4), (16, 1024, 8), (8, 512, 2),
                   (8, 256, 1), (16, 512, 2), (32, 512, 4), (32, 1024, 8))  # (bn, bk, warps)
 # The byte-permute picks (decode.Tiling.select "prmt" and "prmt4"; inline PTX, so CUDA only, not in --smoke)
-PRMT_TILINGS = ((8, 512, 2), (16, 512, 2), (16, 512, 4), (32, 512, 8), (8, 1024, 4), (8, 256, 1))
+PRMT_TILINGS = ((8, 512, 2), (16, 512, 2), (16, 512, 4), (8, 1024, 4))
 
 
 def variants(fmt_name, fmt, unpack, shape, smoke: bool):
