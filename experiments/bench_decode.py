@@ -2,6 +2,7 @@
 (once per band, or once per prompt with `prefill_weights_stationary`).
 
     python -m experiments.bench_decode --out=experiments/results/decode_h200.json [--smoke]
+    python -m experiments.bench_decode --sass [--out=F.json]     # offline, no GPU: SASS instructions per weight
 
 Times the decode of one V4-Flash layer's routed experts (gate and up: rocmfp2_mix [256, 2048, 4096]; down:
 rocmfp3_mix [256, 4096, 2048]):
@@ -15,11 +16,18 @@ rocmfp3_mix [256, 4096, 2048]):
               reshape-free view, at a few tilings and warp counts
   write       the unpacked codes cast to bf16: the same output write with almost no arithmetic
 
+`--sass` times nothing: it compiles the decode kernel of each format for sm_90 at the default tiling with each
+`Tiling.select` ("tree", "prmt", "prmt4") through Triton's ptxas (`kernels_pallas.lowering.sass_cuda`, the
+`lowering` extra) and counts the SASS instructions a thread issues per weight, the most frequent opcodes with them.
+A static count: where the decode is issue-bound it predicts the ratio of times, not the times.
+
 (The 2026-12-01 file also has `per_half` and `lookup`, XLA experiments replaced by `halves`.)
 Every variant's bf16 output is checked bit for bit against the canonical one. `--smoke` runs small shapes on any
 device (the CPU check of the script; the Pallas variant then runs in interpret mode). Results are rewritten after
 every weight.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +41,7 @@ from kernels_pallas.moe import decode, quantized_weights
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per variant (median).")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Small shapes (checks the script on a CPU).")
+_SASS = flags.DEFINE_boolean("sass", False, "Offline: count each select's SASS instructions per weight (no GPU).")
 _ONLY = flags.DEFINE_list("only", [], "Time only the variants whose names start with one of these (all if empty; "
                           "the canonical decode always runs, as the bits to match).")
 
@@ -99,8 +108,40 @@ def variants(fmt_name, fmt, unpack, shape, smoke: bool):
   return out
 
 
+def sass_counts() -> list[dict]:
+  """Per format and select: the default tiling's decode kernel compiled for sm_90, SASS instructions per weight."""
+  import collections  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+
+  from kernels_pallas import lowering  # pylint: disable=import-outside-toplevel
+  records = []
+  for name, (fmt, _, shape, _) in WEIGHTS.items():
+    fmt_name = fmt.__name__.rsplit(".", 1)[-1]
+    storage = {n: jax.ShapeDtypeStruct(s, jnp.uint8 if n != "books" else jnp.bfloat16)
+               for n, s in fmt.storage_shapes(shape).items()}
+    for select in ("tree", "prmt", "prmt4"):
+      t = dataclasses.replace(decode.default_tiling(fmt_name, shape), select=select)
+      f = lambda s, t=t, fmt_name=fmt_name: decode.decode_stack(
+          quantized_weights.QuantizedExpertWeights.from_storage(fmt_name, s, shape), jnp.bfloat16, tiling=t)
+      (k,) = lowering.lower_kernels(f, (storage,), "cuda")
+      sass = lowering.sass_cuda(k.ttir, 90, k.num_warps, k.num_stages)
+      ops = [re.sub(r"^(@!?U?P\w+\s+)", "", x.split("*/", 1)[1].strip()).split(" ")[0].split(".")[0].rstrip(";")
+             for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]+\*/", x)]
+      per_thread = t.block_n * t.block_k / (32 * t.num_warps)
+      records.append(dict(weight=name, select=select, tiling=dataclasses.asdict(t), instructions=len(ops),
+                          per_weight=round(len(ops) / per_thread, 2),
+                          top_opcodes=dict(collections.Counter(ops).most_common(8))))
+      print(f"{name} {select}: {len(ops)} instructions, {records[-1]['per_weight']} a weight", flush=True)
+  return records
+
+
 def main(argv):
   del argv
+  if _SASS.value:
+    out = dict(kind="sass_decode", env=run_record.environment(), records=sass_counts())
+    if _OUT.value:
+      run_record.write_json(_OUT.value, out)
+    return
   out = dict(env=run_record.environment(), smoke=_SMOKE.value, repeats=_REPEATS.value, weights={})
   for i, (name, (fmt, unpack, shape, smoke_shape)) in enumerate(WEIGHTS.items()):
     fmt_name = fmt.__name__.rsplit(".", 1)[-1]  # the registry name is the module's
