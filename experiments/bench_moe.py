@@ -59,21 +59,9 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r256": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256),
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, weights_lhs=True, mma_rows=128),
-    # the warpgroups' wgmmas taking turns (one decodes while the other's wgmmas run); x multicast to two SMs
-    "lhs_w128_s3_r256_pp": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256, ping_pong=True),
-    "lhs_w128_s3_r64_pp": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, ping_pong=True),
-    "lhs_w64_s3_r128_pp": _T(wg_rows=64, block_n=64, stages=3, weights_lhs=True, mma_rows=128, ping_pong=True),
+    # x multicast to two SMs. Compiled, weights_lhs decodes by byte permutes (at e1e8cbf: 6.31 → 5.22 ms at 8192
+    # tokens); issuing the warpgroups' wgmmas in turn was slower (8.42 ms) and was removed.
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256, cluster=2),
-    "lhs_w128_s3_r256_pp_c2": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256, ping_pong=True,
-                                 cluster=2),
-    # the planes by a table per half-block pair and a byte permute per two weights (decode_planes_prmt)
-    "lhs_w128_s3_r256_prmt": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256, prmt_decode=True),
-    "lhs_w128_s3_r256_pp_prmt": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256, ping_pong=True,
-                                   prmt_decode=True),
-    "lhs_w128_s3_r64_pp_prmt": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, ping_pong=True,
-                                  prmt_decode=True),
-    "lhs_w64_s3_r128_pp_prmt": _T(wg_rows=64, block_n=64, stages=3, weights_lhs=True, mma_rows=128, ping_pong=True,
-                                  prmt_decode=True),
     # Two or four K blocks per pipeline step (the next decoded while the last one's wgmmas ran) were no faster at
     # 3cb3484 and were removed (BENCHMARKS.md).
 }

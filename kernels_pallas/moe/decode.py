@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plt
 
 from ds4jax.quant import bitplanes, rocmfp2_mix, rocmfp3, rocmfp_mix
 from ds4jax.quant.rocmfp_layout import HALF
+from kernels_pallas.tiling import default_platform
 from kernels_pallas.moe.quantized_weights import (HALF_BLOCK_FORMATS, QuantizedExpertWeights, dequantize_tiles,
                                                   half_views)
 
@@ -46,6 +47,9 @@ class Tiling:
 # Measured on the H200 at V4-Flash's stacks (bench_decode, BENCHMARKS.md): about 64 weights per thread did best, and
 # of those tiles the narrowest (8 rows of 512) for both formats.
 BEST = {"rocmfp2_mix": Tiling(8, 512, 2), "rocmfp3_mix": Tiling(8, 512, 2)}
+# The byte-permute pick (CUDA), measured on the H200 at e1e8cbf: 8 × 1024 tiles, 4 warps, for both formats
+# (gate/up 1.66 vs 1.83 ms a stack with the tree at its best tiles; down 2.05 vs 2.68).
+BEST_PRMT4 = Tiling(8, 1024, 4, select="prmt4")
 WEIGHTS_PER_WARP = 2048
 
 
@@ -54,13 +58,21 @@ def _pow2_divisor(n: int, cap: int) -> int:
   return min(n & -n, cap)
 
 
-def default_tiling(fmt_name: str, shape) -> Tiling:
+def default_tiling(fmt_name: str, shape, select: str = "tree") -> Tiling:
   """The measured tiles (`BEST`; the tile loader's 64 × 256, 8 warps for other formats), cut to what divides a
   small stack, with a warp per 2048 weights of a smaller tile."""
   _, N, K = shape
-  best = BEST.get(fmt_name, Tiling())
+  best = BEST_PRMT4 if select == "prmt4" else BEST.get(fmt_name, Tiling())
   bn, bk = _pow2_divisor(N, best.block_n), _pow2_divisor(K, best.block_k)
-  return Tiling(bn, bk, max(1, min(best.num_warps, bn * bk // WEIGHTS_PER_WARP)))
+  return Tiling(bn, bk, max(1, min(best.num_warps, bn * bk // WEIGHTS_PER_WARP)), select=select)
+
+
+def default_select(fmt_name: str, dtype, interpret: bool) -> str:
+  """"prmt4" where it runs (a MIX format to bf16, a compiled CUDA kernel; measured faster on the H200,
+  BENCHMARKS.md), else "tree"."""
+  fast = (fmt_name in HALF_BLOCK_FORMATS and jnp.dtype(dtype) == jnp.bfloat16 and not interpret
+          and default_platform() == "cuda")
+  return "prmt4" if fast else "tree"
 
 
 def value_words(values) -> list[jax.Array]:
@@ -167,7 +179,7 @@ def _mix_kernel(*refs, fmt_name: str, block_n: int, block_k: int, dtype, select:
 def decode_stack(w: QuantizedExpertWeights, dtype=jnp.bfloat16, *, tiling: Tiling | None = None,
                  interpret: bool = False) -> jax.Array:
   """[E, N, K] of `dtype`, equal bit for bit to the canonical decode of `w` cast to `dtype`."""
-  tiling = tiling or default_tiling(w.fmt_name, w.shape)
+  tiling = tiling or default_tiling(w.fmt_name, w.shape, default_select(w.fmt_name, dtype, interpret))
   bn, bk = tiling.block_n, tiling.block_k
   if tiling.select not in ("tree", "prmt", "prmt4"):
     raise ValueError(f"decode_stack: select must be 'tree', 'prmt' or 'prmt4', got {tiling.select!r}")

@@ -31,8 +31,11 @@ detector on), lowers for sm_90 and passes compiled on the H200.
 With `weights_lhs`, warpgroup 0 computes W1's tile and warpgroup 1 W3's, each for the whole row tile: the decoded
 planes stay in registers as the wgmmas' A operand (h^T = W · x^T per tile), so no shared-memory planes and only one
 decode per weight per tile; one warpgroup's decode runs while the other's wgmmas do. Warpgroup 1 hands its
-accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows. Mosaic
-GPU's interpreter takes wgmma operands from refs only, so in interpret mode the planes go through shared memory.
+accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows. Compiled,
+its planes come from `decode_planes_prmt` (a byte permute per two weights; 5.2 vs 6.3 ms at 8192 tokens on the
+H200, the same bits). Mosaic GPU's interpreter runs neither inline code nor wgmmas on register operands, so in
+interpret mode the planes are decode_planes' and go through shared memory. Issuing the two warpgroups' wgmmas in
+turn (a barrier pair, so that one decodes while the other's wgmmas run) was slower (8.4 ms) and was removed.
 With wgmmas left in flight across steps (`mma_in_flight=1`, the first version), ptxas serializes every wgmma of
 the kernel ("insufficient register resources for the wgmma pipeline", C7511) at every tiling, even with no decode;
 waiting at the end of each step (the default) compiles without it (docs/lowering.md; BENCHMARKS.md has the figures).
@@ -83,10 +86,7 @@ class Tiling:
   with its decoded tile as the wgmma's register operand (no shared-memory planes), mma_rows rows of x per wgmma;
   gate meets up in the epilogue through shared memory. There mma_in_flight 1 leaves a step's wgmmas running into
   the next step (whose decode may then overlap them), which makes ptxas serialize every wgmma (C7511); 0 waits at
-  the end of each step. ping_pong (weights_lhs): the warpgroups issue their wgmmas in turn (a barrier pair), so
-  that one decodes while the other's wgmmas run; without it both leave the same TMA barrier together and decode in
-  lockstep. prmt_decode (weights_lhs, compiled): the planes by decode_planes_prmt (a table per half-block pair and
-  one byte permute per two weights), not decode_planes; the interpreter runs decode_planes either way."""
+  the end of each step. Compiled, weights_lhs decodes by decode_planes_prmt (the interpreter by decode_planes)."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -98,8 +98,6 @@ class Tiling:
   shared_decode: bool = False
   weights_lhs: bool = False
   mma_rows: int = 64
-  ping_pong: bool = False
-  prmt_decode: bool = False
   producer_registers: int = 40
 
   @property
@@ -303,8 +301,6 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                    up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows), F32, transforms=(
                        plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
-    if t.ping_pong:  # turn[v]: warpgroup v may issue its next step's wgmmas
-      scratch["turn"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)
     if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
       scratch["dec"] = plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles)
   elif mix:  # decoded W1/W3 planes: one set per compute warpgroup, or with shared_decode one per step parity
@@ -314,12 +310,10 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
                      collective_axes="wg", **scratch)
-  def _scope(allocs, out_smem, dec=None, decoded=None, up=None, up_ready=None, up_free=None, turn=None):
+  def _scope(allocs, out_smem, dec=None, decoded=None, up=None, up_ready=None, up_free=None):
     wg = lax.axis_index("wg")
     if lhs:  # the first unit's up buffer is free
       pl.when(wg == 0)(lambda: plgpu.barrier_arrive(up_free))
-    if turn is not None:  # warpgroup 0 issues first
-      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
     count = num_items[0]
     groups = n_tiles // t.cluster  # N tiles are taken `cluster` at a time, one per SM of the cluster
 
@@ -388,7 +382,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
             @pl.when(wg == v)
             def _(v=v):
               levels, flagged = sides[v]
-              decode = decode_planes_prmt if t.prmt_decode and not lhs_in_smem else decode_planes
+              decode = decode_planes if lhs_in_smem else decode_planes_prmt
               planes = decode(w_ss[2 * v][...], w_ss[2 * v + 1][...], levels, flagged)
               if lhs_in_smem:
                 buf = idx[0] % 2
@@ -398,8 +392,6 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
               if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
                 plgpu.wgmma_wait(0)
-              if turn is not None:  # the other warpgroup has issued its previous step's wgmmas
-                plgpu.barrier_wait(turn.at[v])
               for b in blocks:
                 def issue(b=b):
                   rows = pl.ds(b * t.mma_rows, t.mma_rows)
@@ -410,8 +402,6 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                   pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
                 else:
                   issue()
-              if turn is not None:  # its next wgmmas queue behind these; its decode runs while they do
-                plgpu.barrier_arrive(turn.at[1 - v])
               if not t.mma_in_flight:
                 plgpu.wgmma_wait(0)
           return accs
@@ -471,8 +461,6 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
     if lhs:  # observe warpgroup 0's last arrival (the barrier's phases must all be seen before it is freed)
       pl.when(wg == 1)(lambda: plgpu.barrier_wait(up_free))
-    if turn is not None:  # and warpgroup 1's last arrival on turn[0]
-      pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -511,8 +499,6 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if t.shared_decode and (not mix or t.block_n % (2 * WGMMA_M)):
     # Halves of 32 rows lower in interpret mode but not for sm_90 (no register layout is found)
     raise ValueError(f"shared_decode needs FP2-MIX weights and block_n a multiple of {2 * WGMMA_M}")
-  if (t.ping_pong or t.prmt_decode) and not t.weights_lhs:
-    raise ValueError("ping_pong and prmt_decode need weights_lhs")
   if t.weights_lhs and (not mix or t.shared_decode or t.block_n != WGMMA_M or t.block_m % t.mma_rows
                         or t.mma_rows % WGMMA_M or t.mma_rows > 256):
     raise ValueError(f"weights_lhs needs FP2-MIX weights, no shared_decode, block_n={WGMMA_M} and mma_rows a "

@@ -114,6 +114,18 @@ def test_mix_formats_run_the_half_block_kernel(rng, fmt, out_view):
   assert call.outvars[0].aval.shape == ((3, 64, 16, *out_view) if out_view else SHAPE)
 
 
+def test_default_select_is_prmt4_on_cuda_only(monkeypatch):
+  assert decode.default_select("rocmfp2_mix", jnp.bfloat16, interpret=True) == "tree"
+  monkeypatch.setattr(decode, "default_platform", lambda: "cuda")
+  assert decode.default_select("rocmfp3_mix", jnp.bfloat16, interpret=False) == "prmt4"
+  assert decode.default_tiling("rocmfp3_mix", (256, 4096, 2048), "prmt4") == decode.BEST_PRMT4
+  for fmt, dtype, interpret in (("rocmfp2_mix", jnp.float32, False), ("fp4_e2m1", jnp.bfloat16, False),
+                                ("rocmfp2_mix", jnp.bfloat16, True)):
+    assert decode.default_select(fmt, dtype, interpret) == "tree"
+  monkeypatch.setattr(decode, "default_platform", lambda: "rocm")
+  assert decode.default_select("rocmfp2_mix", jnp.bfloat16, interpret=False) == "tree"
+
+
 def test_decode_rejects_tiles_that_do_not_divide_the_stack(rng):
   st = adversarial_storage("rocmfp2_mix", SHAPE, rng)
   w = QuantizedExpertWeights.from_storage("rocmfp2_mix", st, SHAPE)

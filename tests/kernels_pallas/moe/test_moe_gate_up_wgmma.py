@@ -216,8 +216,8 @@ def test_sorted_planes_match_sorted_rows(rng):
     np.testing.assert_array_equal(xp[q], xs[:, q::4])
 
 
-@pytest.mark.parametrize("decode", ["per warpgroup", "shared", "weights_lhs", "weights_lhs 128-row wgmmas in flight",
-                                    "weights_lhs ping_pong prmt"])
+# weights_lhs: compiled, the planes come from decode_planes_prmt; the interpreter runs decode_planes
+@pytest.mark.parametrize("decode", ["per warpgroup", "shared", "weights_lhs", "weights_lhs 128-row wgmmas in flight"])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   # ~80 rows per expert, a 128-row tile: its second 64-row block is partial. W1/W3 in FP2-MIX (expert 0
   # uniform), decoded in the kernel: compared with the reference on the canonically
@@ -229,8 +229,7 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   t = Tiling(wg_rows=64, block_n=128, stages=2, shared_decode=decode == "shared")
   if decode.startswith("weights_lhs"):  # one projection per warpgroup, on all 128 rows; two N tiles
     t = Tiling(wg_rows=64, block_n=64, stages=2, weights_lhs=True, mma_rows=128 if "128" in decode else 64,
-               mma_in_flight=int("in flight" in decode), ping_pong="ping_pong" in decode,
-               prmt_decode="prmt" in decode)  # prmt: compiled only; the interpreter runs decode_planes
+               mma_in_flight=int("in flight" in decode))
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races()
