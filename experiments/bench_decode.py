@@ -27,7 +27,9 @@ device (the CPU check of the script; the Pallas variant then runs in interpret m
 every weight.
 """
 
+import collections
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ from absl import app, flags
 
 from ds4jax.quant import bitplanes, rocmfp2_mix, rocmfp3, rocmfp3_mix
 from experiments import run_record, timing
+from kernels_pallas import lowering
 from kernels_pallas.moe import decode, quantized_weights
 
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
@@ -110,10 +113,6 @@ def variants(fmt_name, fmt, unpack, shape, smoke: bool):
 
 def sass_counts() -> list[dict]:
   """Per format and select: the default tiling's decode kernel compiled for sm_90, SASS instructions per weight."""
-  import collections  # pylint: disable=import-outside-toplevel
-  import re  # pylint: disable=import-outside-toplevel
-
-  from kernels_pallas import lowering  # pylint: disable=import-outside-toplevel
   records = []
   for name, (fmt, _, shape, _) in WEIGHTS.items():
     fmt_name = fmt.__name__.rsplit(".", 1)[-1]
