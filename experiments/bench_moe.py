@@ -47,23 +47,16 @@ WGMMA_TILINGS = {
     "w128_n64_s4_i_c2": (_T(wg_rows=128, block_n=64, cluster=2), True),
     "w64_n128_s4_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty=False, cluster=2), False),
 }
-# The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, each the whole tile or half of it
-# ("shared"); not yet run on a GPU when added.
+# The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, one projection each, the decoded tile as
+# the wgmma's register operand (mma_rows rows of x per wgmma). Decoding into shared-memory planes (per warpgroup or
+# shared between the two) was 1.6-2x slower and was removed, as were mma_in_flight 1 (ptxas serializes the wgmmas),
+# issuing the warpgroups' wgmmas in turn (8.42 vs 5.22 ms at 8192 tokens) and two or four K blocks per pipeline step
+# (no faster). Compiled, the planes are made by byte permutes (at e1e8cbf: 6.31 -> 5.22 ms at 8192 tokens).
 WGMMA_MIX_TILINGS = {
-    "w128_n64_s4": _T(wg_rows=128, block_n=64),
-    "w64_n128_s4": _T(wg_rows=64, block_n=128),
-    "w64_n128_s4_shared": _T(wg_rows=64, block_n=128, shared_decode=True),
-    "w64_n128_s3_c2_shared": _T(wg_rows=64, block_n=128, stages=3, cluster=2, shared_decode=True),
-    # one projection per warpgroup, the decoded tile as the wgmma's register operand
-    # (mma_in_flight 1, the first version, measured at c5781a0, 4ee7ffa and 58607b1: ptxas serializes its wgmmas)
-    "lhs_w128_s3_r256": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256),
-    "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True),
-    "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, weights_lhs=True, mma_rows=128),
-    # x multicast to two SMs. Compiled, weights_lhs decodes by byte permutes (at e1e8cbf: 6.31 → 5.22 ms at 8192
-    # tokens); issuing the warpgroups' wgmmas in turn was slower (8.42 ms) and was removed.
-    "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, weights_lhs=True, mma_rows=256, cluster=2),
-    # Two or four K blocks per pipeline step (the next decoded while the last one's wgmmas ran) were no faster at
-    # 3cb3484 and were removed (BENCHMARKS.md).
+    "lhs_w128_s3_r256": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256),
+    "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
+    "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
+    "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

@@ -12,6 +12,7 @@ Nibble bit 3 is the sign, bits 2..1 the exponent e, bit 0 the mantissa m. Leadin
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 import ml_dtypes
 import numpy as np
 
@@ -51,9 +52,14 @@ def decode_nibbles(nibbles) -> jnp.ndarray:
 
 
 def unpack(packed) -> jnp.ndarray:
-  """[..., out, in/2] bytes → int32 nibbles [..., out, in], low nibble first."""
-  b = jnp.asarray(packed).astype(jnp.int32) & 0xFF  # int8 sign-extends; the mask restores the raw byte
-  return jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
+  """[..., out, in/2] bytes → int32 nibbles [..., out, in], low nibble first.
+
+  Each value reads its own byte (a repeat) and shifts by its parity, rather than stacking the two nibble arrays: XLA
+  fuses a repeat into the decode that follows, so a dense weight goes from bytes to bf16 in one pass. A stack was
+  written out as int32 first, 8 bytes per weight (BENCHMARKS.md, "The dense FP4 decode in one pass")."""
+  b = jnp.repeat(jnp.asarray(packed).astype(jnp.int32) & 0xFF, 2, axis=-1)  # the mask undoes int8's sign extension
+  odd = lax.broadcasted_iota(jnp.int32, b.shape, b.ndim - 1) & 1
+  return (b >> (4 * odd)) & 0xF
 
 
 def dequantize(packed, scale_bytes) -> jnp.ndarray:

@@ -19,23 +19,20 @@ Each SM loops over (item, N tile) units. With `tile_order` "n" the SMs running t
 items: each x tile is read from HBM once, and an expert's items run together, so its weight tiles are too.
 The store of a variable number of rows is a few power-of-two TMA copies.
 
-FP2-MIX weights (`MixStack`, made once by `mix_stack` from the storage arrays; gate/up's format in lucebox_mix): the
-TMA warpgroup copies each K step's code bytes and meta bytes (the meta repeated per code byte), and each compute
-warpgroup decodes the W1 and W3 tiles into bf16 planes in its own shared memory (`decode_planes`: the canonical
-decode's products, so the same bits) and issues one wgmma per plane. Plane q of a 64-weight K step holds weights
-4i + q (a K sub-slice of a 128-byte-swizzled tile does not lower), so x comes as planes too (`sorted_planes`) and
-the MMAs sum over K in another order than gate_up.py. By default both warpgroups decode the whole tile (twice the
-ALU work; one warpgroup's decode runs while the other's wgmmas do); with `shared_decode` each decodes half of the
-rows into double-buffered planes that both read, with a barrier per step. This path passes in interpret mode (race
-detector on), lowers for sm_90 and passes compiled on the H200.
-With `weights_lhs`, warpgroup 0 computes W1's tile and warpgroup 1 W3's, each for the whole row tile: the decoded
-planes stay in registers as the wgmmas' A operand (h^T = W · x^T per tile), so no shared-memory planes and only one
-decode per weight per tile; one warpgroup's decode runs while the other's wgmmas do. Warpgroup 1 hands its
-accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows. Compiled,
-its planes come from `decode_planes_prmt` (a byte permute per two weights; 5.2 vs 6.3 ms at 8192 tokens on the
-H200, the same bits). Mosaic GPU's interpreter runs neither inline code nor wgmmas on register operands, so in
-interpret mode the planes are decode_planes' and go through shared memory. Issuing the two warpgroups' wgmmas in
-turn (a barrier pair, so that one decodes while the other's wgmmas run) was slower (8.4 ms) and was removed.
+FP2-MIX weights (`MixStack`: the storage's code and meta bytes as they are; gate/up's format in lucebox_mix): warpgroup
+0 computes W1's tile and warpgroup 1 W3's, each for the whole row tile. The TMA warpgroup copies each K step's code
+bytes and a 16-byte-wide tile of meta bytes (a TMA row needs ≥ 16 bytes; it covers 256 weights, i.e. 4 steps of
+64, and is copied again for each). Each compute warpgroup decodes its tile into 4 bf16 planes that stay in registers
+as the wgmmas' A operand (h^T = W · x^T per tile): no shared-memory planes, one decode per weight per tile, and one
+warpgroup's decode runs while the other's wgmmas do. Plane q of a K step holds weights 4i + q (the codes' order), so
+x comes as planes too (`sorted_planes`) and the MMAs sum over K in another order than gate_up.py. Warpgroup 1 hands
+its accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows.
+Compiled, the planes come from `decode_planes_prmt` (a byte permute per two weights; each code-byte pair reads its
+meta byte from shared memory); the interpreter runs neither inline code nor wgmmas on register operands, so there
+the planes are decode_planes' and go through shared memory. Both give the canonical decode's bits.
+Tried and removed (BENCHMARKS.md has the figures): planes decoded into shared memory by each warpgroup, or half of
+them by each (`shared_decode`; 10.7 and 11.5 ms at 8192 tokens against 5.2 now); the meta byte repeated per code
+byte in a copy of the stack (~0.8 GB a V4-Flash layer); issuing the two warpgroups' wgmmas in turn (8.4 ms).
 With wgmmas left in flight across steps (`mma_in_flight=1`, the first version), ptxas serializes every wgmma of
 the kernel ("insufficient register resources for the wgmma pipeline", C7511) at every tiling, even with no decode;
 waiting at the end of each step (the default) compiles without it (docs/lowering.md; BENCHMARKS.md has the figures).
@@ -56,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, vector
+from jax._src.lib.mlir.dialects import arith, memref, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -70,6 +67,7 @@ I32 = jnp.int32
 BF16 = jnp.bfloat16
 PLANES = 4  # FP2-MIX: four 2-bit codes per byte
 ROW_ALIGN = 8  # the shared-memory tiling's row tile
+META_BOX = 16  # meta bytes per row of one TMA copy (its minimum row): 16 half-blocks, 256 weights
 WGMMA_M = 64  # rows of one warpgroup MMA: a warpgroup's rows are issued (or skipped) in blocks of this
 
 
@@ -80,13 +78,10 @@ class Tiling:
   so a step's wgmmas run while the next step's are issued; tile_order: which index of (item, N tile) the SMs
   running together share ("n": the item, "item": the N tile); skip_empty: a warpgroup issues no wgmma for a
   64-row block of its rows that holds none of the expert's; cluster 2: two SMs take neighbouring N tiles of one
-  item and each x tile is read from L2 once for both (a TMA multicast); shared_decode (FP2-MIX): each warpgroup
-  decodes half of the tile's rows into planes both read (double-buffered, a barrier per step), not all of them;
-  weights_lhs (FP2-MIX): warpgroup 0 computes W1's block_n rows and warpgroup 1 W3's, each for all block_m rows,
-  with its decoded tile as the wgmma's register operand (no shared-memory planes), mma_rows rows of x per wgmma;
-  gate meets up in the epilogue through shared memory. There mma_in_flight 1 leaves a step's wgmmas running into
-  the next step (whose decode may then overlap them), which makes ptxas serialize every wgmma (C7511); 0 waits at
-  the end of each step. Compiled, weights_lhs decodes by decode_planes_prmt (the interpreter by decode_planes)."""
+  item and each x tile is read from L2 once for both (a TMA multicast);
+  mma_rows (FP2-MIX): rows of x per wgmma. With FP2-MIX weights block_n must be 64 (one warpgroup's wgmma rows);
+  mma_in_flight 1 there leaves a step's wgmmas running into the next step (whose decode may then overlap them),
+  which makes ptxas serialize every wgmma (C7511); 0 waits at the end of each step."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -95,8 +90,6 @@ class Tiling:
   tile_order: str = "n"
   skip_empty: bool = True
   cluster: int = 1
-  shared_decode: bool = False
-  weights_lhs: bool = False
   mma_rows: int = 64
   producer_registers: int = 40
 
@@ -139,11 +132,10 @@ def sorted_rows(x, r: Routing, block_m: int) -> jax.Array:
 
 
 class MixStack(NamedTuple):
-  """An FP2-MIX expert stack [E, N, K] laid out for this kernel (`mix_stack`). codes [E, N, K/4] u8 as stored
-  (weight 4i + q at bits 2q of byte i); meta [E, N, K/4] u8: each half-block's meta byte repeated for its 4 code
-  bytes (a TMA copy needs ≥ 16 bytes a row, and a K step has 4 half-blocks); levels [E, 2, 4] f32: the two books'
-  entries, or for a mode-0 (uniform) expert the fixed levels c − 1 in both; zero_flagged [E] i32: 1 where a set
-  bit 7 zeroes the scale (mode 0) instead of selecting book 1."""
+  """An FP2-MIX expert stack [E, N, K] as this kernel reads it (`mix_stack`). codes [E, N, K/4] u8 and meta
+  [E, N, K/16] u8 as stored (weight 4i + q at bits 2q of code byte i; one meta byte per 16-weight half-block);
+  levels [E, 2, 4] f32: the two books' entries, or for a mode-0 (uniform) expert the fixed levels c − 1 in both;
+  zero_flagged [E] i32: 1 where a set bit 7 zeroes the scale (mode 0) instead of selecting book 1."""
   codes: jax.Array
   meta: jax.Array
   levels: jax.Array
@@ -156,12 +148,12 @@ class MixStack(NamedTuple):
 
 
 def mix_stack(storage: dict) -> MixStack:
-  """From rocmfp2_mix storage arrays (codes, scales, books, mode). A copy of 1 byte per 4 weights (the meta)."""
+  """From rocmfp2_mix storage arrays (codes, scales, books, mode): the codes and meta bytes themselves, and each
+  expert's 8 levels and mode flag (a few bytes an expert)."""
   uniform = jnp.asarray(storage["mode"]) == 0
   fixed = rocmfp2_mix.fixed_level(jnp.arange(rocmfp2_mix.LEVELS)).astype(F32)
   levels = jnp.where(uniform[:, None, None], fixed, jnp.asarray(storage["books"]).astype(F32))
-  meta = jnp.repeat(jnp.asarray(storage["scales"]), rocmfp_layout.HALF // PLANES, axis=-1)
-  return MixStack(jnp.asarray(storage["codes"]), meta, levels, uniform.astype(I32))
+  return MixStack(jnp.asarray(storage["codes"]), jnp.asarray(storage["scales"]), levels, uniform.astype(I32))
 
 
 def decode_planes(codes, meta, levels, zero_flagged) -> list[jax.Array]:
@@ -192,29 +184,32 @@ def prmt_selectors(code_pairs, q: int):
   return ((code_pairs >> (2 * q)) & mask) * mul + offset
 
 
-def decode_planes_prmt(codes, meta, levels, zero_flagged) -> list[jax.Array]:
+def decode_planes_prmt(codes, meta_ref, first, levels, zero_flagged) -> list[jax.Array]:
   """decode_planes in wgmma's register layout, compiled (sm_90): in that layout a thread's bytes come in pairs
-  (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair makes its 4 values once (the same
-  f32 products, rounded to bf16 as in decode_planes), packs them in two registers, and each plane's two weights
-  are one `prmt` of them by `prmt_selectors`: ~4 instructions per 2 weights, where decode_planes spends ~12 per
-  weight. Not in interpret mode (inline Mosaic GPU code has no interpreter); its planes are decode_planes' bits."""
+  (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair reads its meta byte, column
+  first + c // 4 of `meta_ref` (a shared-memory tile of meta bytes), makes its 4 values once (the same f32
+  products, rounded to bf16 as in decode_planes), packs them in two registers, and each plane's two weights are one
+  `prmt` of them by `prmt_selectors`: ~4 instructions per 2 weights, where decode_planes spends ~12 per weight.
+  Not in interpret mode (inline Mosaic GPU code has no interpreter); its planes are decode_planes' bits."""
   wg = plgpu.Layout.WGMMA
-  scalars = [levels[s][k] for s in range(2) for k in range(4)] + [zero_flagged]
+  scalars = [first] + [levels[s][k] for s in range(2) for k in range(4)] + [zero_flagged]
 
-  @plgpu.inline_mgpu(arg_types=(wg, wg) + (wg,) * len(scalars),
+  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()) + (wg,) * len(scalars),
                      return_type=[plgpu.ShapeDtypeStruct(codes.shape, BF16, layout=wg)] * PLANES)
-  def planes(_, code_bytes, meta_bytes, *args):
+  def planes(_, code_bytes, meta_smem, *args):
     i16, i32, f32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.F32Type.get()
+    index = ir.IndexType.get()
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
     const = lambda v, t=i32: arith.constant(t, v)
     args = [a.registers.item() for a in args]  # scalars come as splat arrays
-    lv, zf = [args[0:4], args[4:8]], args[8]
+    first_col, lv, zf = arith.index_cast(index, args[0]), [args[1:5], args[5:9]], args[9]
     zero_flagged_set = arith.cmpi(arith.CmpIPredicate.ne, zf, const(0))
     out = [np.empty(code_bytes.registers.shape, object) for _ in range(PLANES)]
-    for idx, reg in np.ndenumerate(code_bytes.registers):
+    where = code_bytes.layout.thread_idxs(code_bytes.shape)  # (row, column) of each register's first byte
+    for (idx, reg), (row, col) in zip(np.ndenumerate(code_bytes.registers), where, strict=True):
       w = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
-      m = arith.extui(i32, vector.extract(meta_bytes.registers[idx], dynamic_position=[],
-                                          static_position=ir.DenseI64ArrayAttr.get([0])))
+      half_block = arith.addi(first_col, arith.divui(col, const(rocmfp_layout.HALF // PLANES, index)))
+      m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
       flagged = arith.cmpi(arith.CmpIPredicate.uge, m, const(rocmfp_mix.SELECT_BIT))
       m7 = arith.andi(m, const(0x7F))
       c = arith.bitcast(f32, arith.addi(arith.shli(m7, const(20)), const((127 - 8) << 23)))
@@ -232,7 +227,7 @@ def decode_planes_prmt(codes, meta, levels, zero_flagged) -> list[jax.Array]:
         out[q][idx] = mgpu.utils.bitcast(mgpu.utils.prmt(table[0], table[1], sel), pair)
     return [mgpu.FragmentedArray(_registers=o, _layout=code_bytes.layout, _is_signed=None) for o in out]
 
-  return planes(codes, meta, *scalars)
+  return planes(codes, meta_ref, *scalars)
 
 
 def sorted_planes(x, r: Routing, block_m: int) -> jax.Array:
@@ -267,18 +262,20 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
     n_w = len(w_gs)
     fused = n_w == 1  # one interleaved [E, 2I, D] stack: one wgmma of width 2 · block_n per step
     w_rows, bk = (2 * t.block_n if fused else t.block_n), t.block_k
-  lhs = mix and t.weights_lhs
   # wgmma reads swizzled tiles; their row offsets must be multiples of the 8-row tile
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   cluster = ("cluster",) if t.cluster > 1 else ()
-  delay = t.mma_in_flight if lhs or not mix else 0  # in flight: step k's wgmmas read x until step k + 1 waits
+  delay = t.mma_in_flight  # in flight: step k's wgmmas read x until step k + 1 waits
   x_block = (PLANES, t.block_m, bk) if mix else (t.block_m, bk)
   x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles,
                            memory_space=plgpu.SMEM, delay_release=delay, collective_axes=cluster)
   if mix:  # code and meta bytes: read into registers by the decode, no swizzle needed
-    w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM,
-                               delay_release=delay)] * 4
+    per_box = META_BOX // (t.block_k // rocmfp_layout.HALF)  # K steps covered by one meta tile
+    code_spec = plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM, delay_release=delay)
+    meta_spec = plgpu.BlockSpec((t.block_n, META_BOX), lambda k: (0, k // per_box), memory_space=plgpu.SMEM,
+                                delay_release=delay)
+    w_specs = [code_spec, meta_spec] * 2
   else:
     w_specs = [plgpu.BlockSpec((w_rows, bk), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM,
                                delay_release=delay)] * n_w
@@ -296,23 +293,19 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
   noop = lambda *_, **__: None
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
-  if lhs:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per block, handed to warpgroup 0 for the SwiGLU
+  if mix:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per block, handed to warpgroup 0 for the SwiGLU
     scratch = dict(out_smem=plgpu.SMEM((1, t.block_m, t.block_n), h_g.dtype),
                    up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows), F32, transforms=(
                        plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
     if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
       scratch["dec"] = plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles)
-  elif mix:  # decoded W1/W3 planes: one set per compute warpgroup, or with shared_decode one per step parity
-    scratch["dec"] = plgpu.SMEM((2, n_w, PLANES, t.block_n, bk), BF16, transforms=tiles)
-    if t.shared_decode:  # both warpgroups have written their halves of a step's planes
-      scratch["decoded"] = plgpu.Barrier(num_arrivals=2, num_barriers=2)
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
                      collective_axes="wg", **scratch)
-  def _scope(allocs, out_smem, dec=None, decoded=None, up=None, up_ready=None, up_free=None):
+  def _scope(allocs, out_smem, dec=None, up=None, up_ready=None, up_free=None):
     wg = lax.axis_index("wg")
-    if lhs:  # the first unit's up buffer is free
+    if mix:  # the first unit's up buffer is free
       pl.when(wg == 0)(lambda: plgpu.barrier_arrive(up_free))
     count = num_items[0]
     groups = n_tiles // t.cluster  # N tiles are taken `cluster` at a time, one per SM of the cluster
@@ -340,7 +333,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         wg_first = x_start + wg * t.wg_rows  # this warpgroup's rows of the tile: [wg_first, wg_first + wg_rows)
         first, rows = rows_in(wg_first, t.wg_rows)
         blocks = range(t.wg_rows // WGMMA_M)
-        if lhs:  # both warpgroups cover the whole row tile, one projection each
+        if mix:  # both warpgroups cover the whole row tile, one projection each
           first, rows = rows_in(x_start, t.block_m)
           blocks = range(t.block_m // t.mma_rows)
         if mix:  # this expert's book levels and mode flag, as scalars
@@ -382,14 +375,19 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
             @pl.when(wg == v)
             def _(v=v):
               levels, flagged = sides[v]
-              decode = decode_planes if lhs_in_smem else decode_planes_prmt
-              planes = decode(w_ss[2 * v][...], w_ss[2 * v + 1][...], levels, flagged)
+              codes_s, meta_s = w_ss[2 * v], w_ss[2 * v + 1]
+              first = idx[0] % per_box * (t.block_k // rocmfp_layout.HALF)  # this step's meta columns
               if lhs_in_smem:
+                meta = meta_s[:, pl.ds(first, t.block_k // rocmfp_layout.HALF)]
+                meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1)  # one per code byte
+                planes = decode_planes(codes_s[...], meta, levels, flagged)
                 buf = idx[0] % 2
                 for q, plane in enumerate(planes):
                   dec[buf, v, q] = plane
                 plgpu.commit_smem()
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
+              else:
+                planes = decode_planes_prmt(codes_s[...], meta_s, first, levels, flagged)
               if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
                 plgpu.wgmma_wait(0)
               for b in blocks:
@@ -424,42 +422,23 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
         def mma(idx, x_s, *args):
           *w_ss, accs = args
-          if mix:  # decode this step's W1 and W3 tiles into planes in shared memory; wgmma reads them from there
-            if t.shared_decode:  # this warpgroup's half of the rows, into the planes of this step's parity
-              buf, mine = idx[0] % 2, pl.ds(pl.multiple_of(wg * (t.block_n // 2), ROW_ALIGN), t.block_n // 2)
-            else:
-              buf, mine = wg, slice(None)
-            for v, ((levels, flagged), c_s, m_s) in enumerate(zip(sides, w_ss[0::2], w_ss[1::2])):
-              for q, plane in enumerate(decode_planes(c_s[mine], m_s[mine], levels, flagged)):
-                dec[buf, v, q, mine] = plane
-            plgpu.commit_smem()
-            if t.shared_decode:
-              # The other warpgroup wrote its half. Its wgmmas of two steps ago (the last to read these planes)
-              # are done: it waited for them before it arrived here one step ago.
-              plgpu.barrier_arrive(decoded.at[buf])
-              plgpu.barrier_wait(decoded.at[buf])
-            parts = [(x_s.at[q], [dec.at[buf, v, q] for v in range(n_w)]) for q in range(PLANES)]
-          else:
-            parts = [(x_s, w_ss)]
           for b in blocks:
             def issue(b=b):
               row0 = pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M)
-              for xp, wps in parts:
-                for acc, w_s in zip(accs[b], wps):
-                  plgpu.wgmma(acc, xp.at[pl.ds(row0, WGMMA_M)], w_s.T)
+              for acc, w_s in zip(accs[b], w_ss):
+                plgpu.wgmma(acc, x_s.at[pl.ds(row0, WGMMA_M)], w_s.T)
 
             if t.skip_empty:
               pl.when(rows_in(wg_first + b * WGMMA_M, WGMMA_M)[1] > 0)(issue)
             else:
               issue()
-          # MIX: the planes are rewritten next step, so every wgmma of this one must be done
-          plgpu.wgmma_wait(0 if mix else n_w * len(blocks) * t.mma_in_flight)
+          plgpu.wgmma_wait(n_w * len(blocks) * t.mma_in_flight)
           return accs
 
-        body, context = (lhs_mma, lhs_context) if lhs else (mma, compute_context)
+        body, context = (lhs_mma, lhs_context) if mix else (mma, compute_context)
         pipeline(body, context)(*operands(e, j, x_start), allocations=allocs)
 
-    if lhs:  # observe warpgroup 0's last arrival (the barrier's phases must all be seen before it is freed)
+    if mix:  # observe warpgroup 0's last arrival (the barrier's phases must all be seen before it is freed)
       pl.when(wg == 1)(lambda: plgpu.barrier_wait(up_free))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -487,23 +466,21 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
     raise ValueError(f"the wgmma gate/up takes bf16/f16 activations, got {x.dtype}")
   if mix != isinstance(w3, MixStack):
     raise ValueError("w1 and w3 must both be MixStacks or both be dense")
-  if mix and (jnp.dtype(x.dtype) != jnp.dtype(BF16) or rows_sorted or t.block_k % (PLANES * 16)):
-    raise ValueError(f"FP2-MIX weights take bf16 x [S, D] (not presorted) and block_k a multiple of "
-                     f"{PLANES * 16}; got {x.dtype}, rows_sorted={rows_sorted}, block_k={t.block_k}")
+  # block_k 128 hung in the interpreter (a K step would then hold 8 meta bytes a row); only 64 is tested
+  if mix and (jnp.dtype(x.dtype) != jnp.dtype(BF16) or rows_sorted or t.block_k != 64
+              or x.shape[1] % (META_BOX * rocmfp_layout.HALF)):
+    raise ValueError(f"FP2-MIX weights take bf16 x [S, D] (not presorted) with D a multiple of "
+                     f"{META_BOX * rocmfp_layout.HALF} (a TMA row of meta bytes), and block_k 64; got "
+                     f"{x.dtype} {tuple(x.shape)}, rows_sorted={rows_sorted}, block_k={t.block_k}")
   if not mix and any(w.dtype != x.dtype for w in ws):
     raise ValueError(f"w1/w3 dtypes {[str(w.dtype) for w in ws]} must equal x's {x.dtype} (or be MixStacks)")
   if t.wg_rows % WGMMA_M:
     raise ValueError(f"wg_rows={t.wg_rows} must be a multiple of {WGMMA_M}")
   if t.cluster not in (1, 2):
     raise ValueError(f"cluster must be 1 or 2, got {t.cluster}")
-  if t.shared_decode and (not mix or t.block_n % (2 * WGMMA_M)):
-    # Halves of 32 rows lower in interpret mode but not for sm_90 (no register layout is found)
-    raise ValueError(f"shared_decode needs FP2-MIX weights and block_n a multiple of {2 * WGMMA_M}")
-  if t.weights_lhs and (not mix or t.shared_decode or t.block_n != WGMMA_M or t.block_m % t.mma_rows
-                        or t.mma_rows % WGMMA_M or t.mma_rows > 256):
-    raise ValueError(f"weights_lhs needs FP2-MIX weights, no shared_decode, block_n={WGMMA_M} and mma_rows a "
-                     f"multiple of {WGMMA_M} up to 256 dividing block_m; got block_n={t.block_n}, "
-                     f"mma_rows={t.mma_rows}, block_m={t.block_m}, shared_decode={t.shared_decode}")
+  if mix and (t.block_n != WGMMA_M or t.block_m % t.mma_rows or t.mma_rows % WGMMA_M or t.mma_rows > 256):
+    raise ValueError(f"FP2-MIX weights need block_n={WGMMA_M} and mma_rows a multiple of {WGMMA_M} up to 256 "
+                     f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   D = x.shape[1]

@@ -5,7 +5,7 @@ sm_90 at V4-Flash shapes, offline.
 The routes cover what the work list can hold: experts with more rows than one row tile (several items each), tiles
 that start inside the previous expert's rows, 64-row blocks that hold no row of the expert (no wgmma is issued for
 them), empty experts, masked routes (−1), and fewer SMs than units (each SM loops); both unit orders, separate and
-interleaved W1/W3, clusters of one and two SMs; FP2-MIX W1/W3 decoded per warpgroup or shared between the two.
+interleaved W1/W3, clusters of one and two SMs; FP2-MIX W1/W3 decoded in the kernel, one per warpgroup.
 The interpreter's race detector is on: a missing wait between the warpgroups shows up as a race or a barrier
 error. bf16 operands, bf16 h: the tolerance is bf16's rounding of h
 (NMSE ≤ 2e-5, measured ~3e-6).
@@ -42,9 +42,9 @@ def assert_no_races():
     assert not interpret_pallas_call.get_races().races_found
 
 
-def problem(rng, S, K, *, mask_every=0, empty=(), inter=I):
-  x = jnp.asarray(rng.standard_normal((S, D)), jnp.bfloat16)
-  w1, w3 = (jnp.asarray(2.0 / np.sqrt(D) * rng.standard_normal((E, inter, D)), jnp.bfloat16) for _ in range(2))
+def problem(rng, S, K, *, mask_every=0, empty=(), inter=I, d=D):
+  x = jnp.asarray(rng.standard_normal((S, d)), jnp.bfloat16)
+  w1, w3 = (jnp.asarray(2.0 / np.sqrt(d) * rng.standard_normal((E, inter, d)), jnp.bfloat16) for _ in range(2))
   experts = np.setdiff1d(np.arange(E), empty)
   ids = np.stack([rng.permutation(experts)[:K] for _ in range(S)]).astype(np.int32)
   if mask_every:
@@ -112,25 +112,27 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(tile_order="m"))
   with pytest.raises(ValueError, match="bf16/f16"):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
-  with pytest.raises(ValueError, match="shared_decode needs FP2-MIX"):
-    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(shared_decode=True))
-  with pytest.raises(ValueError, match="weights_lhs needs FP2-MIX"):
-    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(block_n=64, weights_lhs=True))
   with pytest.raises(ValueError, match="or be MixStacks"):
     gate_up_wgmma(x, w1.astype(jnp.float32), w3, r, swiglu_limit=LIMIT)
+  stack = mix_stack(mix_storage(rng, w1.shape))
+  with pytest.raises(ValueError, match="with D a multiple of 256"):  # D = 128: a meta row shorter than a TMA row
+    gate_up_wgmma(x, stack, stack, r, swiglu_limit=LIMIT, tiling=Tiling(block_n=64))
+  x, w1, _, _ = problem(rng, 16, 2, d=256)
+  stack = mix_stack(mix_storage(rng, w1.shape))
+  with pytest.raises(ValueError, match="FP2-MIX weights need block_n=64"):
+    gate_up_wgmma(x, stack, stack, r, swiglu_limit=LIMIT, tiling=Tiling(block_n=128))
 
 
 @pytest.mark.parametrize("wg_rows,block_n,cluster,weights", [(128, 64, 1, "dense"), (64, 128, 2, "dense"),
-                                                             (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
-                                                             (64, 128, 2, "mix shared"), (128, 64, 1, "mix lhs")])
+                                                             (128, 64, 2, "interleaved"), (128, 64, 1, "mix")])
 def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
   x = jax.ShapeDtypeStruct((S, D_), jnp.bfloat16)
-  shared = weights == "mix shared"
-  if weights.startswith("mix"):
-    u8 = jax.ShapeDtypeStruct((E_, I_, D_ // 4), jnp.uint8)
-    stack = MixStack(u8, u8, jax.ShapeDtypeStruct((E_, 2, 4), jnp.float32), jax.ShapeDtypeStruct((E_,), jnp.int32))
+  if weights == "mix":
+    u8 = lambda k: jax.ShapeDtypeStruct((E_, I_, D_ // k), jnp.uint8)
+    stack = MixStack(u8(4), u8(16), jax.ShapeDtypeStruct((E_, 2, 4), jnp.float32),
+                     jax.ShapeDtypeStruct((E_,), jnp.int32))
     ws = (stack, stack)
   elif weights == "interleaved":
     ws = (jax.ShapeDtypeStruct((E_, 2 * I_, D_), jnp.bfloat16), None)
@@ -142,12 +144,11 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
     f = lambda x, a, b, r: gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
     return jax.jit(f).trace(x, *ws, r).lower(lowering_platforms=("cuda",)).as_text()
 
-  lhs = weights == "mix lhs"
-  t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, shared_decode=shared, weights_lhs=lhs,
-             stages=3 if lhs else 4, mma_rows=256 if lhs else 64)
+  mix = weights == "mix"
+  t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=3 if mix else 4, mma_rows=256 if mix else 64)
   assert "mosaic_gpu" in lower(t)
   with pytest.raises(ValueError, match="exceeds available shared memory"):
-    lower(dataclasses.replace(t, stages=t.stages + 1 if lhs else 6))
+    lower(dataclasses.replace(t, stages=t.stages + 1 if mix else 6))
 
 
 def mix_storage(rng, shape, *, flagged_uniform=False):
@@ -173,7 +174,8 @@ def test_decode_planes_is_the_canonical_decode(rng):
   dense = np.asarray(jnp.asarray(rocmfp2_mix.dequantize(*(st[k] for k in ("codes", "scales", "books", "mode"))))
                      .astype(jnp.bfloat16)).view(np.uint16)  # [E, N, K] bits
   for e in range(3):
-    planes = decode_planes(ms.codes[e], ms.meta[e], ms.levels[e], ms.zero_flagged[e])
+    meta = jnp.repeat(ms.meta[e], 4, axis=-1)  # one per code byte
+    planes = decode_planes(ms.codes[e], meta, ms.levels[e], ms.zero_flagged[e])
     got = np.stack([np.asarray(p).view(np.uint16) for p in planes], axis=-1).reshape(16, D)  # weight 4i + q
     np.testing.assert_array_equal(got, dense[e])
   assert np.any(dense[0] == 0x8000) and np.any(dense[0] == 0)  # the flagged uniform half-blocks: −0 and +0
@@ -216,20 +218,21 @@ def test_sorted_planes_match_sorted_rows(rng):
     np.testing.assert_array_equal(xp[q], xs[:, q::4])
 
 
-# weights_lhs: compiled, the planes come from decode_planes_prmt; the interpreter runs decode_planes
-@pytest.mark.parametrize("decode", ["per warpgroup", "shared", "weights_lhs", "weights_lhs 128-row wgmmas in flight"])
+# Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
+@pytest.mark.parametrize("decode", ["64-row wgmmas", "128-row wgmmas in flight"])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   # ~80 rows per expert, a 128-row tile: its second 64-row block is partial. W1/W3 in FP2-MIX (expert 0
-  # uniform), decoded in the kernel: compared with the reference on the canonically
-  # decoded weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding of h.
-  x, w1, w3, ids = problem(rng, 160, 4, inter=128)
+  # uniform), decoded in the kernel, one projection per warpgroup on all 128 rows, two N tiles. D = 512: two meta
+  # tiles (256 weights each), each serving 4 K steps. Compared with the reference on the
+  # canonically decoded weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding
+  # of h.
+  D_ = 512
+  x, w1, w3, ids = problem(rng, 160, 4, inter=128, d=D_)
   st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
-  q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D)) for st in (st1, st3))
+  q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D_)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
-  t = Tiling(wg_rows=64, block_n=128, stages=2, shared_decode=decode == "shared")
-  if decode.startswith("weights_lhs"):  # one projection per warpgroup, on all 128 rows; two N tiles
-    t = Tiling(wg_rows=64, block_n=64, stages=2, weights_lhs=True, mma_rows=128 if "128" in decode else 64,
-               mma_in_flight=int("in flight" in decode))
+  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64,
+             mma_in_flight=int("in flight" in decode))
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races()
