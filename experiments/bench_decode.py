@@ -17,7 +17,7 @@ rocmfp3_mix [256, 4096, 2048]):
   write       the unpacked codes cast to bf16: the same output write with almost no arithmetic
 
 `--sass` times nothing: it compiles the decode kernel of each format for sm_90 at the default tiling with each
-`Tiling.select` ("tree", "prmt", "prmt4") through Triton's ptxas (`kernels_pallas.lowering.sass_cuda`, the
+`Tiling.select` ("tree", "prmt4") through Triton's ptxas (`kernels_pallas.lowering.sass_cuda`, the
 `lowering` extra) and counts the SASS instructions a thread issues per weight, the most frequent opcodes with them.
 A static count: where the decode is issue-bound it predicts the ratio of times, not the times.
 
@@ -83,7 +83,7 @@ def same_bits(a, b) -> bool:
 TILES = (64, 256, 8)  # (bn, bk, warps) of dequantize_tiles
 KERNEL_TILINGS = ((64, 256, 8), (32, 256, 4), (32, 512, 8), (16, 256, 2), (16, 512, 4), (16, 1024, 8), (8, 512, 2),
                   (8, 256, 1), (16, 512, 2), (32, 512, 4), (32, 1024, 8))  # (bn, bk, warps)
-# The byte-permute picks (decode.Tiling.select "prmt" and "prmt4"; inline PTX, so CUDA only, not in --smoke)
+# The byte-permute pick (decode.Tiling.select "prmt4"; inline PTX, so CUDA only, not in --smoke)
 PRMT_TILINGS = ((8, 512, 2), (16, 512, 2), (16, 512, 4), (8, 1024, 4))
 
 
@@ -102,11 +102,9 @@ def variants(fmt_name, fmt, unpack, shape, smoke: bool):
     tiling = decode.Tiling(bn, bk, warps)
     out[f"kernel_{bn}x{bk}_w{warps}"] = lambda s, t=tiling: decode.decode_stack(as_weights(s), bf16, tiling=t,
                                                                                  interpret=smoke)
-  for select in ("prmt", "prmt4"):
-    for bn, bk, warps in () if smoke or jax.default_backend() != "gpu" else PRMT_TILINGS:
-      tiling = decode.Tiling(bn, bk, warps, select=select)
-      out[f"kernel_{select}_{bn}x{bk}_w{warps}"] = lambda s, t=tiling: decode.decode_stack(as_weights(s), bf16,
-                                                                                          tiling=t)
+  for bn, bk, warps in () if smoke or jax.default_backend() != "gpu" else PRMT_TILINGS:
+    tiling = decode.Tiling(bn, bk, warps, select="prmt4")
+    out[f"kernel_prmt4_{bn}x{bk}_w{warps}"] = lambda s, t=tiling: decode.decode_stack(as_weights(s), bf16, tiling=t)
   out["write"] = jax.jit(lambda s: unpack(s).astype(bf16))
   return out
 
@@ -118,7 +116,7 @@ def sass_counts() -> list[dict]:
     fmt_name = fmt.__name__.rsplit(".", 1)[-1]
     storage = {n: jax.ShapeDtypeStruct(s, jnp.uint8 if n != "books" else jnp.bfloat16)
                for n, s in fmt.storage_shapes(shape).items()}
-    for select in ("tree", "prmt", "prmt4"):
+    for select in ("tree", "prmt4"):
       t = dataclasses.replace(decode.default_tiling(fmt_name, shape), select=select)
       f = lambda s, t=t, fmt_name=fmt_name: decode.decode_stack(
           quantized_weights.QuantizedExpertWeights.from_storage(fmt_name, s, shape), jnp.bfloat16, tiling=t)

@@ -35,9 +35,9 @@ from kernels_pallas.moe.quantized_weights import (HALF_BLOCK_FORMATS, QuantizedE
 @dataclasses.dataclass(frozen=True)
 class Tiling:
   """select "tree": each weight picks its half-block's value by a select tree over its code bits (the format's
-  dequantize_halves); "prmt" (CUDA, compiled; MIX formats to bf16): the half-block's bf16 values packed 2 per 32-bit
-  word and picked by a byte permute per weight (`prmt_codes`); "prmt4" the same, one inline asm per code byte
-  (two permutes for its 4 weights, selectors made in the asm)."""
+  dequantize_halves); "prmt4" (CUDA, compiled; MIX formats to bf16): the half-block's bf16 values packed 2 per
+  32-bit word and picked by byte permutes, one inline asm per code byte (two permutes for its 4 weights, selectors
+  made in the asm; `prmt_codes`). One asm per weight ("prmt") was never faster on the H200 and was removed."""
   block_n: int = 64
   block_k: int = 256
   num_warps: int = 8
@@ -82,19 +82,10 @@ def value_words(values) -> list[jax.Array]:
   return [lax.bitcast_convert_type(lo | (hi << 16), jnp.int32) for lo, hi in zip(bits[0::2], bits[1::2])]
 
 
-def prmt_selector(code):
-  """prmt's selector that copies table bytes 2c, 2c + 1 (value c < 4 of two words) to result bytes 0, 1."""
-  return (code & 3) * 0x22 + 0x10
-
-
-# select "prmt", one weight per asm: its value from table words $2, $3 by its selector $1 (the permute's low half);
-# ROCmFP3: values 0–3 from $2, $3 and 4–7 from $4, $5, picked by the code's high bit $6.
-_PICK4 = "{ .reg .b32 p; .reg .b16 h; prmt.b32 p, $2, $3, $1; mov.b32 {$0, h}, p; }"
-_PICK8 = ("{ .reg .b32 p, q; .reg .pred s; .reg .b16 h; prmt.b32 p, $2, $3, $1; prmt.b32 q, $4, $5, $1; "
-          "setp.ne.u32 s, $6, 0; selp.b32 p, q, p, s; mov.b32 {$0, h}, p; }")
 # select "prmt4", the 4 weights of one code byte per asm (Triton hands it 4 neighbours along the last axis, which are
-# one byte's): two selectors from the byte's nibbles (codes c0 | c1 << 2 → bytes 0x22·c + 0x10 of the selector, as
-# prmt_selector), two permutes. ROCmFP3 also permutes values 4–7 and then picks each weight's half by its high bit.
+# one byte's): two selectors from the byte's nibbles (codes c0 | c1 << 2 → bytes 0x22·c + 0x10 of the selector: the
+# permute copies table bytes 2c, 2c + 1, value c, to a result half), two permutes. ROCmFP3 also permutes values 4–7
+# and then picks each weight's half by its high bit.
 def _pair_selector(x: str, nibble: int) -> str:
   take = f"and.b32 x, {x}, 15; " if nibble == 0 else f"bfe.u32 x, {x}, 4, 4; "
   return take + "shl.b32 y, x, 6; or.b32 x, x, y; and.b32 x, x, 771; mad.lo.u32 x, x, 34, 4112; "
@@ -115,44 +106,27 @@ _PICK8x4 = ("{ .reg .b32 x, y, p, q, m; "
                       + _high_pick(n, f"${n}") for n in range(2)) + "}")
 
 
-def prmt_inputs(fmt_name: str, planes, scales, books, mode, per_byte: bool = False) -> tuple[str, list[jax.Array]]:
-  """The inline PTX and its per-weight operands that make dequantize_halves(..., bf16) of a MIX format by byte
-  permutes: the selector (per_byte: the code byte, the asm makes the selectors), the value words (the same values,
-  made once per half-block as dequantize_halves makes them), and for ROCmFP3 the code's high bit (per_byte: the
-  byte's 4 high bits). Pure jnp; `prmt_codes` runs it (CUDA), tests emulate it."""
+def prmt_inputs(fmt_name: str, planes, scales, books, mode) -> tuple[str, list[jax.Array]]:
+  """The inline PTX and its operands, one set per weight, that make dequantize_halves(..., bf16) of a MIX format by
+  byte permutes: the code byte (the asm makes the selectors), for ROCmFP3 the byte's 4 high bits, then the value
+  words (the same values, made once per half-block as dequantize_halves makes them). Pure jnp; `prmt_codes` runs it
+  (CUDA), tests emulate it."""
   levels = rocmfp2_mix.fixed_level if fmt_name == "rocmfp2_mix" else rocmfp3.levels  # as dequantize_halves
   words = value_words(rocmfp_mix.half_block_values(scales, books, mode, levels, jnp.bfloat16))
-  if fmt_name == "rocmfp2_mix":
-    (codes,) = planes
-    shape = (*codes.shape, 4)
-    lo = codes.astype(jnp.int32)[..., None] >> (2 * bitplanes.iota_last(4, codes.ndim + 1))
-    asm, extra = (_PICK4x4 if per_byte else _PICK4), []
-    first = codes.astype(jnp.int32)[..., None] if per_byte else prmt_selector(lo)
-  else:
-    codes_lo, codes_hi = planes
-    n = codes_lo.ndim + 1
-    shape = (*codes_lo.shape, 4)
-    lo = codes_lo.astype(jnp.int32)[..., None] >> (2 * bitplanes.iota_last(4, n))
-    if per_byte:
-      nib = (codes_hi.astype(jnp.int32)[..., None] >> (4 * bitplanes.iota_last(2, n - 1))) & 15
-      asm, first, extra = _PICK8x4, codes_lo.astype(jnp.int32)[..., None], [nib[..., None]]
-    else:
-      hi_shift = 4 * bitplanes.iota_last(2, n - 1)[..., None] + bitplanes.iota_last(4, n)
-      asm, first, extra = _PICK8, prmt_selector(lo), [(codes_hi.astype(jnp.int32)[..., None, None] >> hi_shift) & 1]
+  codes = planes[0].astype(jnp.int32)[..., None]
+  shape = (*planes[0].shape, 4)
   full = lambda a: jnp.broadcast_to(a.reshape(*a.shape, *(1,) * (len(shape) - a.ndim)), shape)
-  table = [full(w) for w in words]
-  ins = [full(first), *table, *(full(a) for a in extra)]
-  if per_byte and fmt_name != "rocmfp2_mix":  # the asm's operand order: byte, high bits, then the words
-    ins = [ins[0], ins[-1], *table]
-  return asm, ins
+  if fmt_name == "rocmfp2_mix":
+    return _PICK4x4, [full(codes), *(full(w) for w in words)]
+  high = (planes[1].astype(jnp.int32)[..., None] >> (4 * bitplanes.iota_last(2, planes[0].ndim))) & 15
+  return _PICK8x4, [full(codes), full(high[..., None]), *(full(w) for w in words)]
 
 
-def prmt_codes(fmt_name: str, planes, scales, books, mode, per_byte: bool = False) -> jax.Array:
-  """dequantize_halves(..., bf16) by byte permutes (inline PTX: compiled CUDA kernels only)."""
-  asm, ins = prmt_inputs(fmt_name, planes, scales, books, mode, per_byte)
-  pack = 4 if per_byte else 1
-  outs = "=r,=r" if per_byte else "=h"  # 4 bf16 in two registers, or one
-  (out,) = plt.elementwise_inline_asm(asm, args=ins, constraints=outs + ",r" * (len(ins) * pack), pack=pack,
+def prmt_codes(fmt_name: str, planes, scales, books, mode) -> jax.Array:
+  """dequantize_halves(..., bf16) by byte permutes (inline PTX: compiled CUDA kernels only). Each asm takes one code
+  byte's 4 weights (pack=4) and returns their bf16 values in two registers."""
+  asm, ins = prmt_inputs(fmt_name, planes, scales, books, mode)
+  (out,) = plt.elementwise_inline_asm(asm, args=ins, constraints="=r,=r" + ",r" * (len(ins) * 4), pack=4,
                                       result_shape_dtypes=[jax.ShapeDtypeStruct(ins[0].shape, jnp.bfloat16)])
   return out
 
@@ -168,8 +142,8 @@ def _mix_kernel(*refs, fmt_name: str, block_n: int, block_k: int, dtype, select:
   planes = [plt.load(r.at[e, rows, halves]) for r in plane_refs]
   scales = plt.load(scales_ref.at[e, rows, halves])
   books = plt.load(books_ref.at[e, pl.ds(0, books_ref.shape[1]), pl.ds(0, books_ref.shape[2])])
-  if select in ("prmt", "prmt4"):
-    w = prmt_codes(fmt_name, planes, scales, books, mode_ref[e], per_byte=select == "prmt4")
+  if select == "prmt4":
+    w = prmt_codes(fmt_name, planes, scales, books, mode_ref[e])
   else:
     w = fmt.dequantize_halves(*planes, scales, books, mode_ref[e], dtype)
   plt.store(out_ref.at[e, rows, halves], w)
@@ -181,8 +155,8 @@ def decode_stack(w: QuantizedExpertWeights, dtype=jnp.bfloat16, *, tiling: Tilin
   """[E, N, K] of `dtype`, equal bit for bit to the canonical decode of `w` cast to `dtype`."""
   tiling = tiling or default_tiling(w.fmt_name, w.shape, default_select(w.fmt_name, dtype, interpret))
   bn, bk = tiling.block_n, tiling.block_k
-  if tiling.select not in ("tree", "prmt", "prmt4"):
-    raise ValueError(f"decode_stack: select must be 'tree', 'prmt' or 'prmt4', got {tiling.select!r}")
+  if tiling.select not in ("tree", "prmt4"):
+    raise ValueError(f"decode_stack: select must be 'tree' or 'prmt4', got {tiling.select!r}")
   if tiling.select != "tree" and (w.fmt_name not in HALF_BLOCK_FORMATS or jnp.dtype(dtype) != jnp.bfloat16
                                   or interpret):
     raise ValueError(f"decode_stack: select={tiling.select!r} runs inline PTX (compiled CUDA kernels) on the MIX "

@@ -37,14 +37,13 @@ def test_decode_is_bit_identical_to_the_canonical_decode(rng, fmt, dtype):
   np.testing.assert_array_equal(bits(got), bits(want))
 
 
-@pytest.mark.skipif(INTERPRET, reason="select='prmt' is inline PTX: compiled CUDA kernels only")
+@pytest.mark.skipif(INTERPRET, reason="select='prmt4' is inline PTX: compiled CUDA kernels only")
 @pytest.mark.parametrize("fmt", ["rocmfp2_mix", "rocmfp3_mix"])
-@pytest.mark.parametrize("select", ["prmt", "prmt4"])
-def test_prmt_decode_is_bit_identical_to_the_canonical_decode(rng, fmt, select):
+def test_prmt_decode_is_bit_identical_to_the_canonical_decode(rng, fmt):
   st = adversarial_storage(fmt, SHAPE, rng)
   w = QuantizedExpertWeights.from_storage(fmt, st, SHAPE)
   want = formats.get(fmt).dequantize(**st).astype(jnp.bfloat16)
-  got = decode.decode_stack(w, jnp.bfloat16, tiling=decode.Tiling(32, 128, 4, select=select))
+  got = decode.decode_stack(w, jnp.bfloat16, tiling=decode.Tiling(32, 128, 4, select="prmt4"))
   np.testing.assert_array_equal(bits(got), bits(want))
 
 
@@ -56,7 +55,7 @@ def prmt(a, b, sel) -> np.ndarray:
 
 
 def run_ptx(asm: str, ins: list[np.ndarray], pack: int) -> np.ndarray:
-  """The inline asm of select='prmt'/'prmt4', run on numpy uint32 operands (the few opcodes it uses): operand $k
+  """The inline asm of select='prmt4', run on numpy uint32 operands (the few opcodes it uses): operand $k
   is output register k, then element e of input i is $(outputs + i·pack + e), groups of `pack` along the last axis.
   Returns the bf16 bits, [..., n]."""
   u32 = lambda v: np.asarray(v).astype(np.uint32)
@@ -86,17 +85,16 @@ def run_ptx(asm: str, ins: list[np.ndarray], pack: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fmt", ["rocmfp2_mix", "rocmfp3_mix"])
-@pytest.mark.parametrize("per_byte", [False, True])
-def test_prmt_asm_picks_the_half_block_values(rng, fmt, per_byte):
-  # The inline PTX of select='prmt' / 'prmt4', run by a small emulator on its jnp operands, against
+def test_prmt_asm_picks_the_half_block_values(rng, fmt):
+  # The inline PTX of select='prmt4', run by a small emulator on its jnp operands, against
   # dequantize_halves' bits (the asm text itself is what runs; the GPU test above checks Triton's grouping)
   st = adversarial_storage(fmt, SHAPE, rng)
   s = half_views(fmt, st)
   module = HALF_BLOCK_FORMATS[fmt]
   planes = [s[n] for n in module.HALF_VIEWS]
   want = bits(module.dequantize_halves(*planes, s["scales"], s["books"], s["mode"], jnp.bfloat16))
-  asm, ins = decode.prmt_inputs(fmt, planes, s["scales"], s["books"], s["mode"], per_byte)
-  got = run_ptx(asm, [np.asarray(a) for a in ins], 4 if per_byte else 1)
+  asm, ins = decode.prmt_inputs(fmt, planes, s["scales"], s["books"], s["mode"])
+  got = run_ptx(asm, [np.asarray(a) for a in ins], 4)
   assert want.shape == ins[0].shape
   np.testing.assert_array_equal(got.reshape(want.shape), want)
   assert len(np.unique(want)) > 64  # many distinct values: a wrong byte order would show
@@ -131,7 +129,7 @@ def test_decode_rejects_tiles_that_do_not_divide_the_stack(rng):
   w = QuantizedExpertWeights.from_storage("rocmfp2_mix", st, SHAPE)
   with pytest.raises(ValueError, match="K=256 is not a multiple of block_k=512"):
     decode.decode_stack(w, tiling=decode.Tiling(32, 512, 4), interpret=True)
-  with pytest.raises(ValueError, match="select='prmt' runs inline PTX"):
-    decode.decode_stack(w, tiling=decode.Tiling(32, 128, 4, select="prmt"), interpret=True)
+  with pytest.raises(ValueError, match="select='prmt4' runs inline PTX"):
+    decode.decode_stack(w, tiling=decode.Tiling(32, 128, 4, select="prmt4"), interpret=True)
   with pytest.raises(ValueError, match="select must be"):
     decode.decode_stack(w, tiling=decode.Tiling(32, 128, 4, select="lut"), interpret=True)
