@@ -169,7 +169,8 @@ class Attention(nnx.Module):
                          check_vma=False)(x, positions, pinned)
 
   def attend(self, q, raw, rows, indices, s0, positions, freqs, features: Features, chunk: int):
-    """The joint sink softmax over each query's key set, then the output de-rotation: [B, H, d] f32.
+    """The joint sink softmax over each query's key set, then the output de-rotation: [B, H, d], f32 (the streaming
+    kernel: in the matmul dtype, which the output projection reads; the same bits as rounding its f32 output).
 
     Queries go in chunks of `chunk` (`long_context_chunk`, or `chunk_for_share`), which bounds the [chunk, keys]
     masks and scores at long context.
@@ -196,7 +197,7 @@ class Attention(nnx.Module):
         return mla.sparse_mla(cast(qc), cast(raw), cast(rows), self.attn_sink[...], q_start=pc[0],
                               raw_start=raw_start, kind=kind, ratio=ratio, window=W, inv_freq=freqs, indices=ic,
                               f32_stage=features.mla_stream_f32_stage, fast_exp=features.mla_stream_fast_exp,
-                              config=config, interpret=features.interpret)
+                              config=config, interpret=features.interpret, out_dtype=dt)
       keys = raw if rows is None else jnp.concatenate([raw, rows.astype(F32)])
       bias = window_bias(pc, raw_start + jnp.arange(raw.shape[0]), W)
       if rows is not None:

@@ -59,8 +59,11 @@ def operand_parts(x, n: int) -> tuple:
 
 def sparse_mla(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio: int, window: int, inv_freq,
                indices=None, scale: float | None = None, impl: str = "stream", f32_stage: bool = True,
-               fast_exp: bool = False, config: Config | None = None, interpret: bool = False) -> jax.Array:
-  """Sparse MLA attention of one layer → f32 [T, H, D] (see reference.py for the exact semantics).
+               fast_exp: bool = False, config: Config | None = None, interpret: bool = False,
+               out_dtype=F32) -> jax.Array:
+  """Sparse MLA attention of one layer → [T, H, D] in `out_dtype` (see reference.py for the exact semantics). The
+  kernels normalize and de-rotate in f32 and round once when they store: bf16 out (the model's under bf16_matmul,
+  where the output projection reads bf16) has the bits of the f32 output cast to bf16, without the f32 copy.
 
   q [T, H, D] f32/bf16 (normalized, rotated); raw_kv [N, D] (row i at position raw_start + i); comp_kv [R, D]
   (None allowed for kind "window"); sink [H]; q_start / raw_start Python ints or traced int32 scalars (one
@@ -88,12 +91,17 @@ def sparse_mla(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio
   if indices is not None and idx.shape[1] < g.k:  # k < keys_per_stage: empty slots fill the stage
     idx = jnp.pad(idx, ((0, 0), (0, g.k - idx.shape[1])), constant_values=-1)
   freq_cols = jnp.asarray(keyset.freq_columns(inv_freq, g.D))
+  if jnp.dtype(out_dtype) not in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"out_dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype)}")
   return _run(offsets, q, raw_kv, comp_kv, idx, sink.astype(F32), freq_cols, g=g, config=config, impl=impl,
-              f32_stage=bool(f32_stage), fast_exp=bool(fast_exp), interpret=bool(interpret))
+              f32_stage=bool(f32_stage), fast_exp=bool(fast_exp), interpret=bool(interpret),
+              out_dtype=jnp.dtype(out_dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("g", "config", "impl", "f32_stage", "fast_exp", "interpret"))
-def _run(offsets, q, raw_kv, comp_kv, idx, sink, freq_cols, *, g, config, impl, f32_stage, fast_exp, interpret):
+@functools.partial(jax.jit, static_argnames=("g", "config", "impl", "f32_stage", "fast_exp", "interpret",
+                                             "out_dtype"))
+def _run(offsets, q, raw_kv, comp_kv, idx, sink, freq_cols, *, g, config, impl, f32_stage, fast_exp, interpret,
+         out_dtype):
   qp = operand_parts(q.reshape(g.T * g.H, g.D), g.q_parts)
   rp = operand_parts(raw_kv, g.raw_parts)
   cp = rp[:1] if comp_kv is None else operand_parts(comp_kv, g.comp_parts)  # placeholder for kind "window"
@@ -101,9 +109,9 @@ def _run(offsets, q, raw_kv, comp_kv, idx, sink, freq_cols, *, g, config, impl, 
     idx = keyset.clean_indices(idx, offsets[0], g.ratio, g.R)
   if impl == "grouped":
     return grouped_mod.mla_grouped(offsets, qp, rp, cp, idx, sink, freq_cols, g=g, config=config,
-                                   interpret=interpret)
+                                   interpret=interpret, out_dtype=out_dtype)
   return stream_mod.mla_stream(offsets, qp, rp, cp, idx, sink, freq_cols, g=g, config=config,
-                               f32_stage=f32_stage, fast_exp=fast_exp, interpret=interpret)
+                               f32_stage=f32_stage, fast_exp=fast_exp, interpret=interpret, out_dtype=out_dtype)
 
 
 def kernel_name(impl: str = "stream", f32_stage: bool = True, fast_exp: bool = False) -> str:

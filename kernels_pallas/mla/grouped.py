@@ -73,8 +73,8 @@ def _kernel(off_ref, *refs, g: Geometry, barrier: bool):
 
 
 def mla_grouped(offsets, q_parts, raw_parts, comp_parts, indices, sink, freq_cols, *, g: Geometry,
-                config: Config, interpret: bool = False) -> jax.Array:
-  """f32 [T, H, D]; arguments as stream.mla_stream."""
+                config: Config, interpret: bool = False, out_dtype=F32) -> jax.Array:
+  """[T, H, D] in out_dtype; arguments as stream.mla_stream."""
   rows, cols = scratch_shape(g)
   if rows * cols * 4 > config.grouped_scratch_bytes:
     raise ValueError(f"grouped kernel: score scratch [{rows}, {cols}] f32 ({rows * cols * 4 / 2**30:.1f} GiB) "
@@ -83,7 +83,7 @@ def mla_grouped(offsets, q_parts, raw_parts, comp_parts, indices, sink, freq_col
   shape, unflatten = keyset.out_layout(g)
   out, _ = pl.pallas_call(
       functools.partial(_kernel, g=g, barrier=not interpret),
-      out_shape=(jax.ShapeDtypeStruct(shape, F32), jax.ShapeDtypeStruct((rows, cols), F32)),
+      out_shape=(jax.ShapeDtypeStruct(shape, out_dtype), jax.ShapeDtypeStruct((rows, cols), F32)),
       grid=g.grid, interpret=interpret, name=NAME,
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
   )(offsets, *q_parts, *raw_parts, *comp_parts, indices, sink, freq_cols)

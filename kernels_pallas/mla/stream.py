@@ -84,16 +84,16 @@ def _kernel(off_ref, *refs, g: Geometry, f32_stage: bool, fast_exp: bool):
 
 
 def mla_stream(offsets, q_parts, raw_parts, comp_parts, indices, sink, freq_cols, *, g: Geometry, config: Config,
-               f32_stage: bool = True, fast_exp: bool = False, interpret: bool = False) -> jax.Array:
-  """f32 [T, H, D]. offsets = int32 [2] (q_start, raw_start); q_parts / raw_parts / comp_parts: the bf16 operand
-  arrays of q (flattened to [T·H, D]), raw_kv and comp_kv (api.operand_parts; comp_parts / indices are
+               f32_stage: bool = True, fast_exp: bool = False, interpret: bool = False, out_dtype=F32) -> jax.Array:
+  """[T, H, D] in out_dtype. offsets = int32 [2] (q_start, raw_start); q_parts / raw_parts / comp_parts: the bf16
+  operand arrays of q (flattened to [T·H, D]), raw_kv and comp_kv (api.operand_parts; comp_parts / indices are
   placeholders for kinds that do not read them); freq_cols [D] (keyset.freq_columns). Inputs are checked in
   api.sparse_mla."""
   name = kernel_name(f32_stage, fast_exp)
   shape, unflatten = keyset.out_layout(g)
   kernel = functools.partial(_kernel, g=g, f32_stage=f32_stage, fast_exp=fast_exp)
   out = pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct(shape, F32), grid=g.grid, interpret=interpret, name=name,
+      kernel, out_shape=jax.ShapeDtypeStruct(shape, out_dtype), grid=g.grid, interpret=interpret, name=name,
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
   )(offsets, *q_parts, *raw_parts, *comp_parts, indices, sink, freq_cols)
   return unflatten(out)

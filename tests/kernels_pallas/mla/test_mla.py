@@ -170,6 +170,20 @@ def test_unstaged_fast_exp_runs_and_equals_the_staged_one(rng):
   assert len(names) == 4  # each variant is its own, named kernel
 
 
+@pytest.mark.parametrize("impl", ["stream", "grouped"])
+def test_bf16_output_is_the_f32_output_rounded(rng, impl):
+  """out_dtype=bf16 (the model's under bf16_matmul) stores the f32 result rounded once: the same bits as casting the
+  f32 output, so the output projection reads what it read before."""
+  p = make_problem(rng, CASES[5])  # CSA, bf16 KV, 16 heads
+  cfg = config_for(CASES[5])
+  f32 = sparse_mla(**p, impl=impl, config=cfg, interpret=INTERPRET)
+  bf16 = sparse_mla(**p, impl=impl, config=cfg, interpret=INTERPRET, out_dtype=jnp.bfloat16)
+  assert f32.dtype == jnp.float32 and bf16.dtype == jnp.bfloat16 and np.abs(np.asarray(f32)).max() > 0.05
+  np.testing.assert_array_equal(np.asarray(bf16).view(np.uint16), np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
+  with pytest.raises(ValueError, match="out_dtype must be"):
+    sparse_mla(**p, impl=impl, config=cfg, interpret=INTERPRET, out_dtype=jnp.float16)
+
+
 def test_output_rope_dims_are_derotated(rng):
   """Keys that are all one row v: the output is exactly v de-rotated by −p (checks the in-kernel inverse RoPE
   against apply_rope, independent of the softmax)."""
