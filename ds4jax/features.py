@@ -125,7 +125,8 @@ class Features:
   @property
   def matmul_dtype(self):
     """The operand dtype of the attention and expert matmuls: bfloat16 under `bf16_matmul`, else float32 (exact).
-    Accumulation and outputs stay f32; norms, routing, hyper-connections and the head never see it."""
+    Accumulation and outputs stay f32 (except the streaming MLA's output, stored in it: the same bits as its f32
+    output cast for the output projection); norms, routing, hyper-connections and the head never see it."""
     return jnp.bfloat16 if self.bf16_matmul else jnp.float32
 
   @property

@@ -107,10 +107,11 @@ _PICK8x4 = ("{ .reg .b32 x, y, p, q, m; "
 
 
 def prmt_inputs(fmt_name: str, planes, scales, books, mode) -> tuple[str, list[jax.Array]]:
-  """The inline PTX and its operands, one set per weight, that make dequantize_halves(..., bf16) of a MIX format by
-  byte permutes: the code byte (the asm makes the selectors), for ROCmFP3 the byte's 4 high bits, then the value
-  words (the same values, made once per half-block as dequantize_halves makes them). Pure jnp; `prmt_codes` runs it
-  (CUDA), tests emulate it."""
+  """The inline PTX and its operands that make dequantize_halves(..., bf16) of a MIX format by byte permutes. Each
+  operand holds one value per weight, a code byte's repeated over its 4 weights (the asm takes them together): the
+  code byte (the asm makes the selectors), for ROCmFP3 the byte's 4 high bits, then the value words (the same
+  values, made once per half-block as dequantize_halves makes them). Pure jnp; `prmt_codes` runs it (CUDA), tests
+  emulate it."""
   levels = rocmfp2_mix.fixed_level if fmt_name == "rocmfp2_mix" else rocmfp3.levels  # as dequantize_halves
   words = value_words(rocmfp_mix.half_block_values(scales, books, mode, levels, jnp.bfloat16))
   codes = planes[0].astype(jnp.int32)[..., None]

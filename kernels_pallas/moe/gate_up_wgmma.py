@@ -6,8 +6,8 @@ Why a second gate/up next to the Triton one (gate_up.py): Triton keeps a wgmma i
 operands itself, so a tile decoded in registers (the MIX formats) makes every MMA wait (BENCHMARKS.md, "Where the
 MMAs wait"). Here the pipeline is explicit: one warpgroup only issues TMA copies of the x, W1 and W3 tiles into a
 ring of `stages` shared-memory slots, and two compute warpgroups issue wgmmas on them, each on its own half of the
-row tile. This bf16 version is the base a decoded-weight version would build on (decode work placed next to the
-MMAs, not in front of them); on bf16 weights it is measured against gate_up.py and torch._grouped_mm.
+row tile. On bf16 weights it is measured against gate_up.py and torch._grouped_mm; on FP2-MIX weights (below) it
+decodes next to the MMAs, not in front of them.
 
 TMA cannot gather rows, so the rows come pre-gathered in sorted-row order (`x_sorted`, an XLA gather of S·K rows
 before the kernel). A TMA copy into the swizzled shared-memory layout wgmma reads must start at a multiple of 8
@@ -79,7 +79,8 @@ class Tiling:
   running together share ("n": the item, "item": the N tile); skip_empty: a warpgroup issues no wgmma for a
   64-row block of its rows that holds none of the expert's; cluster 2: two SMs take neighbouring N tiles of one
   item and each x tile is read from L2 once for both (a TMA multicast);
-  mma_rows (FP2-MIX): rows of x per wgmma. With FP2-MIX weights block_n must be 64 (one warpgroup's wgmma rows);
+  mma_rows (FP2-MIX): rows of x per wgmma. With FP2-MIX weights block_n must be 64 (one warpgroup's wgmma rows)
+  and block_k 64 (a meta tile then serves 4 steps);
   mma_in_flight 1 there leaves a step's wgmmas running into the next step (whose decode may then overlap them),
   which makes ptxas serialize every wgmma (C7511); 0 waits at the end of each step."""
   wg_rows: int = 64
@@ -376,9 +377,9 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
             def _(v=v):
               levels, flagged = sides[v]
               codes_s, meta_s = w_ss[2 * v], w_ss[2 * v + 1]
-              first = idx[0] % per_box * (t.block_k // rocmfp_layout.HALF)  # this step's meta columns
+              meta_col = idx[0] % per_box * (t.block_k // rocmfp_layout.HALF)  # this step's first meta column
               if lhs_in_smem:
-                meta = meta_s[:, pl.ds(first, t.block_k // rocmfp_layout.HALF)]
+                meta = meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)]
                 meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1)  # one per code byte
                 planes = decode_planes(codes_s[...], meta, levels, flagged)
                 buf = idx[0] % 2
@@ -387,7 +388,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 plgpu.commit_smem()
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
               else:
-                planes = decode_planes_prmt(codes_s[...], meta_s, first, levels, flagged)
+                planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
               if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
                 plgpu.wgmma_wait(0)
               for b in blocks:
