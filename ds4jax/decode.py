@@ -232,11 +232,11 @@ def precompile(m: model_lib.DeepseekV4, state: State, widths: Sequence[int], wor
 
 
 def decodes_every_expert(m: model_lib.DeepseekV4, features: Features) -> bool:
-  """Whether every band, a one-token step included, dequantizes all routed experts of every layer before the MoE
-  kernels: quantized experts with `moe_sparse_gate_up` off. On V4-Flash that is 80-86% of a step
-  (docs/decode.md §6)."""
-  return moe_lib.decodes_experts(features) and any(
-      isinstance(getattr(b.ffn.experts, n), QuantizedWeight) for b in m.layers for n in ("w1", "w2", "w3"))
+  """Whether every band, a one-token step included, dequantizes routed expert stacks of every layer before the MoE
+  kernels (`moe_lib.decoded_beforehand`: all three with `moe_sparse_gate_up` off). On V4-Flash that is 80-86% of a
+  step (docs/decode.md §6)."""
+  return any(isinstance(getattr(b.ffn.experts, n), QuantizedWeight)
+             for b in m.layers for n in moe_lib.decoded_beforehand(features))
 
 
 def prompt_bands(n: int, features: Features) -> list[int]:

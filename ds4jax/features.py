@@ -6,6 +6,7 @@ one field of the frozen `Features` that the model receives. Library code and tes
     flag (ds4jax)          upstream switch (Lucebox)                      what it selects
     bf16_matmul            (ggml: matmuls take f16 / q8_1 activations)    bf16 matmul operands, f32 accumulation
     moe_sparse_gate_up     DFLASH_DS4_MIX_MMQ_PREFILL (#673)              fused quantized gate/up Pallas kernel vs dequantize-then-matmul
+    moe_wgmma_gate_up      (ds4jax, sm_90)                                that gate/up as a Mosaic GPU kernel (TMA + async wgmma)
     moe_adaptive_tile      GGML_CUDA_MMQ_MOE_ADAPTIVE_X                   MoE row tile follows the rows per expert
     moe_tile_rows          GGML_CUDA_MMQ_X                                force a MoE row tile (0 = heuristic)
     moe_compact_queue      (AMD llama.cpp #63 compacted MoE tiling)       grid over real (expert, tile) work items only
@@ -42,6 +43,13 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                     "f32 accumulation; norms, softmax, routing, hyper-connections and the residual streams stay f32.",
                     ()),
     "moe_sparse_gate_up": ("DFLASH_DS4_MIX_MMQ_PREFILL", "Fused quantized MoE gate/up + clamped SwiGLU kernel.", ()),
+    # Not an upstream switch: on sm_90 Triton makes every MMA wait on a tile decoded in registers, so the fused gate/up
+    # is also written in Mosaic GPU (kernels_pallas/moe/gate_up_wgmma.py). It has no down kernel: W2 is decoded
+    # beforehand (once per prompt under prefill_weights_stationary) and the down reads bf16.
+    "moe_wgmma_gate_up": ("ds4jax: Mosaic GPU sparse gate/up",
+                          "sm_90: the sparse gate/up runs as a Pallas Mosaic GPU kernel (a TMA warpgroup feeding async "
+                          "wgmmas; FP2-MIX or bf16 W1/W3) instead of the Pallas-Triton one; the down projection reads "
+                          "W2 decoded beforehand.", ("moe_sparse_gate_up", "bf16_matmul")),
     "moe_adaptive_tile": ("GGML_CUDA_MMQ_MOE_ADAPTIVE_X", "MoE row tile follows the rows per expert.", ()),
     "moe_compact_queue": ("AMD llama.cpp PR #63", "MoE grid over real (expert, row-tile) items only.", ()),
     "moe_persistent": ("GGML_CUDA_MMQ_MOE_PERSISTENT", "Fixed MoE programs loop over the compact queue.",
@@ -92,6 +100,7 @@ class Features:
 
   bf16_matmul: bool = False
   moe_sparse_gate_up: bool = False
+  moe_wgmma_gate_up: bool = False
   moe_adaptive_tile: bool = False
   moe_compact_queue: bool = False
   moe_persistent: bool = False
@@ -176,6 +185,7 @@ def _row(ran: set[str], default_on: set[str], lowered: set[str] = frozenset()) -
 # for it (tests/kernels_pallas/test_lowering_gfx1151.py, tests/test_features.py).
 # A gfx1151-only default is keyed to "gfx1151", never to all RDNA3.5 (upstream review item 6).
 _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent", "moe_fused_combine"}
+_WGMMA = {"moe_wgmma_gate_up"}  # Mosaic GPU: sm_90 (and its CPU interpreter) only; Mosaic GPU has no ROCm backend
 _DECODE = {"moe_decode_kernel"}  # ran on the H200; not in gfx1151's lowering check (its gate/up reads quantized tiles)
 _ATTENTION = {"indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
               "mla_stream_fast_exp"}
@@ -207,10 +217,10 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # same ids (bench_attention, BENCHMARKS.md).
     # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
     # (bench_decode); all_on V4-Flash at 8192 tokens 7849 vs 6633 tok/s, at 122879 8141 vs 8006 (trace_prefill).
-    "sm_90": _row(_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE,
+    "sm_90": _row(_MOE_RAN_ON_H200 | _WGMMA | _DECODE | _PRECISION | _SCHEDULE,
                   (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.
-    "cpu_interpret": _row(_MOE | _DECODE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
+    "cpu_interpret": _row(_MOE | _WGMMA | _DECODE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
 }
 
 
@@ -310,7 +320,13 @@ def traced_eqns(fn, *args) -> list:
 
 
 def pallas_calls(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
-  """(name, grid) of every pallas_call that `fn(*args)` would run, in order: how tests see which path ran."""
-  return [(e.params["name"], tuple(e.params["grid_mapping"].grid)) for e in traced_eqns(fn, *args)
-          if e.primitive.name == "pallas_call"]
+  """(name, grid) of every Pallas kernel that `fn(*args)` would run, in order: how tests see which path ran. A
+  Mosaic GPU kernel (`plgpu.kernel`) traces to an mpmd_map over its mesh, whose grid is its programs."""
+  found = []
+  for e in traced_eqns(fn, *args):
+    if e.primitive.name == "pallas_call":
+      found.append((e.params["name"], tuple(e.params["grid_mapping"].grid)))
+    elif e.primitive.name == "mpmd_map":
+      found.append((e.params["name"], tuple(e.params["meshes"][0].grid)))
+  return found
 

@@ -88,23 +88,27 @@ class Experts(nnx.Module):
                  for w, s in zip((self.w1, self.w2, self.w3), stacks))
 
   def kernel_weights(self, dtype, features: Features, stacks: tuple | None = None) -> tuple:
-    """(w1, w2, w3) as the kernels' `ExpertWeights`: quantized storage as is under `moe_sparse_gate_up` (decoded
-    in-kernel), or dense stacks in `dtype` (a quantized stack decoded first, `decode_stack`:
-    "dequantize-then-matmul"). `stacks`: a slice of `stacks()` (one device's experts); default all of them."""
-    def one(w, s):
+    """(w1, w2, w3) as the kernels' `ExpertWeights`: quantized storage as is where the kernels decode it
+    (`moe_sparse_gate_up`), or dense stacks in `dtype` (a quantized stack decoded first, `decode_stack`:
+    "dequantize-then-matmul"; `decoded_beforehand`). `stacks`: a slice of `stacks()` (one device's experts);
+    default all of them."""
+    first = decoded_beforehand(features)
+
+    def one(name, w, s):
       if not isinstance(w, QuantizedWeight):  # f32 operands read the stored dtype as is
         return moe_kernels.DenseWeights(s if dtype == F32 else s.astype(dtype))
-      if features.moe_sparse_gate_up:
+      if name not in first:
         return _quantized(w, s)
       return moe_kernels.DenseWeights(decode_stack(w.format, s, w.logical_shape[1:], dtype, features))
-    return tuple(one(w, s) for w, s in zip((self.w1, self.w2, self.w3), self.stacks() if stacks is None else stacks))
+    return tuple(one(n, w, s) for n, w, s in zip(("w1", "w2", "w3"), (self.w1, self.w2, self.w3),
+                                                   self.stacks() if stacks is None else stacks))
 
   def decode_quantized(self, features: Features, abstract: bool = False) -> None:
     """Replaces the quantized stacks by their dense decode in the matmul dtype, in place (call it on a copy): the
     decode `kernel_weights` would otherwise repeat on every call, done once (the weights-stationary prefill does this
     per layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead. On a mesh each device decodes the
     experts it holds."""
-    names = [n for n in ("w1", "w2", "w3") if isinstance(getattr(self, n), QuantizedWeight)]
+    names = [n for n in decoded_beforehand(features) if isinstance(getattr(self, n), QuantizedWeight)]
     ws = [getattr(self, n) for n in names]
     dtype = features.matmul_dtype
     where = mesh_lib.expert_sharding(self.mesh) if self.mesh else None
@@ -192,9 +196,34 @@ def _decoded(fmts: tuple[str, ...], shapes: tuple, storages: tuple[dict, ...], *
   return [decode_stack(f, s, shape, features.matmul_dtype, features) for f, shape, s in zip(fmts, shapes, storages)]
 
 
+def decoded_beforehand(features: Features) -> tuple[str, ...]:
+  """The expert stacks the MoE kernels read decoded beforehand (dequantize-then-matmul): all three without
+  `moe_sparse_gate_up`; under `moe_wgmma_gate_up` W2 (the Mosaic GPU gate/up decodes W1/W3 itself, and the
+  Triton down that would decode W2 in-kernel is ~3x slower than decoding it once: BENCHMARKS.md); else none."""
+  if not features.moe_kernels:
+    return ()
+  if not features.moe_sparse_gate_up:
+    return ("w1", "w2", "w3")
+  return ("w2",) if features.moe_wgmma_gate_up else ()
+
+
 def decodes_experts(features: Features) -> bool:
-  """The MoE kernels read experts decoded beforehand (dequantize-then-matmul): kernels on, no in-kernel decode."""
-  return features.moe_kernels and not features.moe_sparse_gate_up
+  """The MoE kernels read some expert stack decoded beforehand (`decoded_beforehand`)."""
+  return bool(decoded_beforehand(features))
+
+
+def check_wgmma_gate_up(cfg: DeepseekV4Config, policy: QuantPolicy, features: Features) -> None:
+  """Start-up check of `moe_wgmma_gate_up` against the model: the Mosaic GPU gate/up takes rocmfp2_mix or bf16
+  gate/up experts, D a multiple of 256 and I of 64 (ValueError naming what does not fit)."""
+  if not features.moe_wgmma_gate_up:
+    return
+  fmt, D, I = policy.gate_up, cfg.hidden_size, cfg.moe_intermediate_size
+  if fmt not in ("rocmfp2_mix", "bf16"):
+    raise ValueError(f"--moe_wgmma_gate_up decodes rocmfp2_mix (or reads bf16) gate/up experts; quant policy "
+                     f"{policy.name} stores them as {fmt}")
+  if D % 256 or I % 64:
+    raise ValueError(f"--moe_wgmma_gate_up needs hidden_size a multiple of 256 and moe_intermediate_size of 64; "
+                     f"{cfg.name} has {D} and {I}")
 
 
 class SharedExpert(nnx.Module):
@@ -244,7 +273,8 @@ def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: i
       platform=features.platform, decodes_weights=decodes_weights,
       **(dict(adaptive_tile=features.moe_adaptive_tile, compact_queue=features.moe_compact_queue,
               persistent=features.moe_persistent, programs_per_core=features.moe_programs_per_core,
-              fused_combine=features.moe_fused_combine) | forced))
+              fused_combine=features.moe_fused_combine,
+              gate_up_kernel="wgmma" if features.moe_wgmma_gate_up else "triton") | forced))
 
 
 def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Features) -> jnp.ndarray:
@@ -259,8 +289,9 @@ def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Fea
 
   def run(stacks, x, w, ids, shared):
     ws = experts.kernel_weights(x.dtype, features, stacks)
+    triton_reads = ws[1:2] if features.moe_wgmma_gate_up else ws  # the Triton kernels' weights pick their tiles
     return moe_kernels.moe(x, w, ids, *ws, swiglu_limit=experts.limit, shared=shared,
                            config=kernel_config(features, x, experts, ids.shape[1], ws[0].shape[0],
-                                                moe_kernels.decoded_in_kernel(*ws)),
+                                                moe_kernels.decoded_in_kernel(*triton_reads)),
                            interpret=features.interpret, validate_routes=False)
   return experts.routed(run, x, weights, idx, shared)

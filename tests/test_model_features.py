@@ -1,6 +1,7 @@
 """The model's fast paths, switched by Features: each supported switch against the exact reference, and
 proof (from the jaxpr) that a switch really changes the path that runs."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -8,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 import pytest
+from flax import nnx
 
-from ds4jax import config, features, model, prefill
+from ds4jax import config, features, model, moe, prefill
+from ds4jax.quant import policy as quant_policy
 from ds4jax.features import CAPABILITIES, SWITCHES, Features
 from ds4jax.metrics import nmse
 
@@ -45,7 +48,8 @@ SUPPORTED = [s for s, cap in CAPABILITIES[DEVICE].items() if cap.supported]
 # prefill_weights_stationary orders the banded prefill's layer steps: tests/test_prefill.py). moe_decode_kernel
 # changes nothing for plain weights (here alone it is the MoE kernels of the switches above); its decode of quantized
 # experts is tested bit for bit in tests/test_moe.py and tests/test_prefill.py.
-EXACT = [s for s in SUPPORTED if s not in ("bf16_matmul", "prefill_weights_stationary")]
+# moe_wgmma_gate_up takes bf16 operands and D a multiple of 256: test_wgmma_gate_up_in_the_model.
+EXACT = [s for s in SUPPORTED if s not in ("bf16_matmul", "prefill_weights_stationary", "moe_wgmma_gate_up")]
 PER_SWITCH = [s for s in EXACT if s != "moe_decode_kernel"]
 # Each whole-model compile costs ~2 s before any kernel, so each run takes one MoE switch and one attention switch
 # (with the switches each requires): the two change different sublayers of every layer, so either one off the exact
@@ -144,6 +148,47 @@ def test_quantized_model_fused_and_dequantize_first_paths(policy, seed):
   first = features.resolve(DEVICE, {s: s == "moe_compact_queue" for s in SWITCHES})
   for f in (fused, first):
     assert nmse(logits(f), ref) < 1e-10
+
+
+WGMMA_NMSE = 1e-9  # two bf16 paths on the same decoded bits: only the order of the K sums and h's rounding differ
+
+
+@pytest.mark.skipif(not CAPABILITIES[DEVICE]["moe_wgmma_gate_up"].supported, reason="moe_wgmma_gate_up not advertised")
+def test_wgmma_gate_up_in_the_model(seed):
+  """Under moe_wgmma_gate_up the gate/up is the Mosaic GPU kernel on the FP2-MIX storage and W2 is decoded
+  beforehand: the logits match the Triton sparse path's (the same canonical decode, bf16 operands), which the
+  kernels' names show did not run; two bands with weights stationary decode W2 once and leave W1/W3 quantized."""
+  m = model.init_random(config.tiny_window(hidden_size=256, moe_intermediate_size=64), seed=seed,
+                        dtype=jnp.float32, policy="lucebox_mix")
+  on = lambda *s: features.resolve(DEVICE, {k: k in s for k in SWITCHES} | {"prefill_band_tokens": 0})
+  base = ("bf16_matmul", "moe_sparse_gate_up", "moe_compact_queue")
+  wgmma, triton = on(*base, "moe_wgmma_gate_up"), on(*base)
+  names = lambda f: {n for n, _ in features.pallas_calls(lambda t: m(t, features=f), jnp.asarray(TOKENS))}
+  assert {"moe_gate_up_wgmma", "moe_down"} <= names(wgmma) and "moe_gate_up" not in names(wgmma)
+  assert "moe_gate_up_wgmma" not in names(triton)
+  logits = lambda f: np.asarray(prefill.prefill(m, TOKENS, f, all_logits=True))
+  err = nmse(logits(wgmma), logits(triton))
+  print(f"{DEVICE} moe_wgmma_gate_up against the Triton sparse gate/up: NMSE {err:.2e}")
+  assert err < WGMMA_NMSE
+  stationary = dataclasses.replace(wgmma, prefill_weights_stationary=True, prefill_band_tokens=TOKENS.size // 2)
+  copy = nnx.merge(*prefill.step_parts(m.layers[0], stationary, n_bands=2, abstract=True))
+  kinds = [type(getattr(copy.ffn.experts, n)).__name__ for n in ("w1", "w2", "w3")]
+  assert kinds == ["QuantizedWeight", "Param", "QuantizedWeight"], kinds
+
+
+def test_wgmma_gate_up_refuses_what_it_cannot_run():
+  """At start-up, with the reason: a D that is not a multiple of 256, a gate/up format it does not decode, and a
+  device or feature set without it."""
+  f = features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_sparse_gate_up": True, "moe_wgmma_gate_up": True})
+  with pytest.raises(ValueError, match="hidden_size a multiple of 256"):
+    moe.check_wgmma_gate_up(config.tiny_window(), quant_policy.get("lucebox_mix"), f)
+  with pytest.raises(ValueError, match="stores them as fp4_e2m1"):
+    moe.check_wgmma_gate_up(config.tiny_window(hidden_size=256, moe_intermediate_size=64),
+                            quant_policy.get("official"), f)
+  with pytest.raises(features.FeatureError, match="requires --moe_sparse_gate_up"):
+    features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_wgmma_gate_up": True})
+  with pytest.raises(features.FeatureError, match="not supported on gfx1151"):
+    features.resolve("gfx1151", {"moe_wgmma_gate_up": True})
 
 
 def test_direct_and_mask_handoffs_are_byte_identical(tiny):

@@ -20,6 +20,7 @@ import numpy as np
 
 from ds4jax import config as config_lib
 from ds4jax import features as features_lib
+from ds4jax import moe as moe_lib
 from ds4jax.features import KNOBS, Features
 from ds4jax.quant import policy as quant_policy
 from experiments import processes, run_record
@@ -77,6 +78,11 @@ def start_up(opts: Options) -> Setup:
     except (OSError, ValueError, TypeError) as e:
       raise StartupError(f"--append: cannot read {opts.out}: {e}") from e
   selected = [c for c in configs if c.mutation or not opts.configs or c.name in opts.configs]
+  for c in selected:
+    try:
+      moe_lib.check_wgmma_gate_up(cfg, pol, c.features)
+    except ValueError as e:
+      raise StartupError(f"configuration {c.name}: {e}") from e
   return Setup(cfg=cfg, policy=pol, device_class=dev_cls, base=base, configs=configs, selected=selected, ids=ids,
                source=source, prompt_sha={n: inputs.sha256_array(ids[:n]) for n in opts.lengths}, existing=existing)
 

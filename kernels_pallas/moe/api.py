@@ -1,10 +1,12 @@
-"""Public entry of the grouped MoE: `moe` (Pallas-Triton kernels); its exact reference is reference.py.
+"""Public entry of the grouped MoE: `moe` (Pallas-Triton kernels, and a Mosaic GPU gate/up on sm_90); its exact
+reference is reference.py.
 
     y[t] = shared(x[t]) + Σ_k w[t,k] · W2_e( silu(min(W1_e x_t, L)) · clip(W3_e x_t, −L, L) ),   e = ids[t,k]
 
 Pipeline of `moe` (static shapes; each stage is a jit of its own, inlined under an outer jit):
   1. routing.route      XLA: stable sort of the S·K routes by expert, counts/offsets, compact work list.
-  2. gate_up.gate_up    Pallas: grouped W1/W3 matmul + clamped SwiGLU → h [S·K, I] (sorted rows).
+  2. gate_up.gate_up    Pallas: grouped W1/W3 matmul + clamped SwiGLU → h [S·K, I] (sorted rows); with
+                        `Config.gate_up_kernel` "wgmma" the Mosaic GPU kernel of gate_up_wgmma.py (sm_90).
   3. down.down          Pallas: grouped W2 matmul → out [S·K, D] f32 (sorted rows).
   4. down.combine       Pallas (fused_combine) or XLA: y[t] = shared[t] + Σ_k w[t,k] · out[row_of_route[t,k]].
 The shared expert, when given as weights, runs through the same two grouped kernels as a single group.
@@ -23,9 +25,10 @@ import jax.numpy as jnp
 from kernels_pallas.moe import _schedule
 from kernels_pallas.moe import down as down_mod
 from kernels_pallas.moe import gate_up as gate_up_mod
+from kernels_pallas.moe import gate_up_wgmma
 from kernels_pallas.moe import routing as routing_mod
 from kernels_pallas.moe.config import Config
-from kernels_pallas.moe.weights import ExpertWeights, as_expert_weights, decoded_in_kernel, is_format
+from kernels_pallas.moe.weights import DenseWeights, ExpertWeights, as_expert_weights, decoded_in_kernel, is_format
 
 
 F32 = jnp.float32
@@ -66,7 +69,8 @@ def plan(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermed
   kernels = []
   if shared_intermediate is not None:
     kernels += ["moe_shared_gate_up" + suffix, "moe_shared_down" + suffix]
-  kernels += ["moe_gate_up" + suffix, "moe_down" + suffix]
+  kernels += [gate_up_wgmma.KERNEL_NAME if config.gate_up_kernel == "wgmma" else "moe_gate_up" + suffix,
+              "moe_down" + suffix]
   if config.fused_combine:
     kernels.append("moe_combine")
   return Plan(block_m=bm, work_list="compact" if config.compact_queue else "dense", max_items=max_items,
@@ -116,6 +120,8 @@ def _check(x, route_weights, route_ids, w1: ExpertWeights, w2: ExpertWeights, w3
     raise ValueError(f"hidden size D={D} is not a multiple of down_block_n={dbn} (down output)")
   if I % dbk:
     raise ValueError(f"intermediate size I={I} is not a multiple of down_block_k={dbk} (down reduction)")
+  if config.gate_up_kernel == "wgmma":
+    _check_wgmma(x, w1, w3)
   if config.fused_combine and D % config.combine_block_d:
     raise ValueError(f"hidden size D={D} is not a multiple of combine_block_d={config.combine_block_d}")
   if isinstance(shared, SharedExpert):
@@ -129,6 +135,22 @@ def _check(x, route_weights, route_ids, w1: ExpertWeights, w2: ExpertWeights, w3
   elif shared is not None and tuple(jnp.shape(shared)) != (S, D):
     raise ValueError(f"shared must be None, a SharedExpert of weights, or its output [S, D] = {(S, D)}; "
                      f"got shape {tuple(jnp.shape(shared))}")
+
+
+def _check_wgmma(x, w1: ExpertWeights, w3: ExpertWeights) -> None:
+  """What the Mosaic GPU gate/up takes (gate_up_wgmma.py): bf16 x, W1/W3 both bf16 or both FP2-MIX storage with
+  D a multiple of 256 (one TMA row of meta bytes), I a multiple of 64."""
+  kinds = {"dense bf16" if isinstance(w, DenseWeights) and w.w.dtype == jnp.bfloat16 else
+           "rocmfp2_mix" if getattr(w, "fmt_name", None) == "rocmfp2_mix" else "other" for w in (w1, w3)}
+  E, I, D = w1.shape
+  mix = kinds == {"rocmfp2_mix"}
+  if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16) or len(kinds) != 1 or "other" in kinds:
+    raise ValueError(f"gate_up_kernel 'wgmma' takes bf16 x with W1/W3 both bf16 or both rocmfp2_mix; got x "
+                     f"{x.dtype}, w1 {getattr(w1, 'fmt_name', w1.compute_dtype)}, w3 "
+                     f"{getattr(w3, 'fmt_name', w3.compute_dtype)}")
+  if I % gate_up_wgmma.WGMMA_M or (mix and D % (gate_up_wgmma.META_BOX * 16)) or D % 64:
+    raise ValueError(f"gate_up_kernel 'wgmma' needs I a multiple of {gate_up_wgmma.WGMMA_M} and D of "
+                     f"{gate_up_wgmma.META_BOX * 16 if mix else 64}; got w1 [E, I, D] = {[E, I, D]}")
 
 
 def moe(x, route_weights, route_ids, w1, w2, w3, *, swiglu_limit: float, shared=None,
@@ -171,6 +193,19 @@ _combine = jax.jit(down_mod.combine, static_argnames=("config", "interpret", "na
 _combine_xla = jax.jit(down_mod.combine_xla)
 
 
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "num_cores", "interpret"))
+def _gate_up_on_wgmma(x, w1, w3, r, *, swiglu_limit, num_cores, interpret):
+  """The Mosaic GPU gate/up on `ExpertWeights` (FP2-MIX storage as it is, or bf16), at its measured tiling. The
+  interpreter simulates every SM's warpgroups, so it gets 4."""
+  mix = not isinstance(w1, DenseWeights)
+  ws = [gate_up_wgmma.mix_stack(w.storage) if mix else w.w for w in (w1, w3)]
+  E = w1.shape[0]
+  tiling = gate_up_wgmma.default_tiling(-(-r.num_routes // E), mix)
+  sms = 4 if interpret else num_cores or getattr(jax.devices()[0], "core_count", None) or 132
+  return gate_up_wgmma.gate_up_wgmma(x, *ws, r, swiglu_limit=swiglu_limit, tiling=tiling, num_sms=sms,
+                                     interpret=interpret or None)
+
+
 def _moe(x, route_weights, route_ids, w1, w2, w3, shared, *, swiglu_limit, config, interpret):
   """The pipeline. Each stage is its own jit (inlined under an outer jit; cached per stage when eager)."""
   S, K = route_ids.shape
@@ -186,7 +221,10 @@ def _moe(x, route_weights, route_ids, w1, w2, w3, shared, *, swiglu_limit, confi
   elif shared is not None:
     shared = jnp.asarray(shared, F32)
   r = _route(route_ids, E, bm)
-  h = _gate_up(x, w1, w3, r, swiglu_limit=swiglu_limit, config=kcfg, interpret=interpret)
+  if config.gate_up_kernel == "wgmma":
+    h = _gate_up_on_wgmma(x, w1, w3, r, swiglu_limit=swiglu_limit, num_cores=config.num_cores, interpret=interpret)
+  else:
+    h = _gate_up(x, w1, w3, r, swiglu_limit=swiglu_limit, config=kcfg, interpret=interpret)
   out = _down(h, w2, r, config=kcfg, interpret=interpret)
   if config.fused_combine:
     return _combine(out, route_weights, r, shared, config=config, interpret=interpret)

@@ -38,8 +38,9 @@ the kernel ("insufficient register resources for the wgmma pipeline", C7511) at 
 waiting at the end of each step (the default) compiles without it (docs/lowering.md; BENCHMARKS.md has the figures).
 
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
-its h is bit-identical to gate_up.py's on the H200. Experimental: no model switch uses it; on the H200 the bf16 version
-ties the Triton kernel once its row gather is counted (BENCHMARKS.md, "A Mosaic GPU gate/up").
+its h is bit-identical to gate_up.py's on the H200. `api.moe` runs it for `Config.gate_up_kernel` "wgmma" (the model's
+`moe_wgmma_gate_up`). On the H200 the bf16 version ties the Triton kernel once its row gather is counted
+(BENCHMARKS.md, "A Mosaic GPU gate/up").
 """
 
 from __future__ import annotations
@@ -97,6 +98,21 @@ class Tiling:
   @property
   def block_m(self) -> int:
     return 2 * self.wg_rows
+
+
+# The measured best tilings at V4-Flash shapes (bench_moe on the H200, BENCHMARKS.md): FP2-MIX "lhs r256" at 8192
+# tokens (192 rows per expert: 5.43 ms), "lhs w64 r128" at 2048 (48 rows: 3.86 ms); bf16 w128 n64 (8192: 3.99 ms).
+MIX_TILING = Tiling(wg_rows=128, block_n=64, stages=3, mma_rows=256)
+MIX_TILING_FEW_ROWS = Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128)
+BF16_TILING = Tiling(wg_rows=128, block_n=64)
+KERNEL_NAME = "moe_gate_up_wgmma"
+
+
+def default_tiling(rows_per_expert: int, mix: bool) -> Tiling:
+  """The tiling `api.moe` runs this kernel at, by the mean rows per expert and the weights' format."""
+  if not mix:
+    return BF16_TILING
+  return MIX_TILING if rows_per_expert > 64 else MIX_TILING_FEW_ROWS
 
 
 class Items(NamedTuple):
@@ -459,7 +475,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   w3=None and w1 = interleave(w1, w3, tiling.block_n); or two FP2-MIX `MixStack`s (decoded in the kernel, the
   canonical decode's bits). x [S, D], or with `rows_sorted` already sorted_rows(x, r, tiling.block_m) (dense
   weights; to time the kernel without the gather). The routing's own row tile and work list are not used (see
-  aligned_items)."""
+  aligned_items). `interpret`: None (compiled), True or an InterpretGPUParams."""
   t = tiling
   mix = isinstance(w1, MixStack)
   ws = (w1,) if w3 is None else (w1, w3)
@@ -494,13 +510,15 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if D % t.block_k or I % (t.block_n * t.cluster):
     raise ValueError(f"D={D} / I={I} must be multiples of block_k={t.block_k} / block_n × cluster="
                      f"{t.block_n * t.cluster}")
+  if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
+    interpret = plgpu.InterpretGPUParams()
   items = aligned_items(r, t.block_m)
   kernel = plgpu.kernel(
       functools.partial(_kernel, t=t, limit=float(swiglu_limit), max_items=items.expert.shape[0],
                         n_tiles=I // t.block_n, d=D, mix=mix, lhs_in_smem=interpret not in (None, False)),
       out_type=jax.ShapeDtypeStruct((r.num_routes, I), x.dtype), grid=(num_sms // t.cluster,), grid_names=("sm",),
       cluster=(t.cluster,), cluster_names=("cluster",),
-      num_threads=3, thread_name="wg", interpret=interpret,
+      num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   if mix:
     return kernel(*items, sorted_planes(x, r, t.block_m), *w1, *w3)

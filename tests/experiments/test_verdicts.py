@@ -15,7 +15,8 @@ from ds4jax import config, features, model
 from experiments import mutations, verdicts
 
 DEVICE = "cpu_interpret"
-SUPPORTED = [s for s, cap in features.CAPABILITIES[DEVICE].items() if cap.supported]
+# moe_wgmma_gate_up needs D a multiple of 256, which the tiny model is not (tests/test_model_features.py runs it)
+SUPPORTED = [s for s, cap in features.CAPABILITIES[DEVICE].items() if cap.supported and s != "moe_wgmma_gate_up"]
 
 
 @pytest.fixture(scope="module")
