@@ -61,7 +61,8 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "moe_decode_kernel": ("ds4jax: Pallas expert decode",
                           "Quantized experts are decoded to bf16 by a Pallas kernel before the MoE kernels (MIX "
                           "formats: each half-block's values made once, one select tree per weight) instead of XLA's "
-                          "canonical decode; the same bits. Under moe_sparse_gate_up nothing is decoded beforehand.",
+                          "canonical decode; the same bits. Under moe_sparse_gate_up nothing is decoded beforehand, "
+                          "except W2 under moe_wgmma_gate_up.",
                           ()),
     "indexer_score_kernel": ("GGML_DS4_INDEXER_M32", "Tiled Pallas indexer scoring kernel with query-blocked top-k.",
                              ()),
@@ -215,6 +216,9 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # 4685 at 122879; one band is the same program either way (trace_prefill, BENCHMARKS.md).
     # indexer_radix_topk: one CSA layer's top-k at 128K context 5.8 vs 19.1 ms (sort), at 8K 0.75 vs 1.15 ms, the
     # same ids (bench_attention, BENCHMARKS.md).
+    # moe_wgmma_gate_up (with moe_sparse_gate_up) stays off: all_on V4-Flash (lucebox_mix) 9755 vs 9186 tok/s at
+    # 8192 tokens (one band), but 9915 vs 10291 at 32768, where the once-per-prompt decode serves four bands
+    # (trace_prefill, c24545e, BENCHMARKS.md).
     # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
     # (bench_decode); all_on V4-Flash at 8192 tokens 7849 vs 6633 tok/s, at 122879 8141 vs 8006 (trace_prefill).
     "sm_90": _row(_MOE_RAN_ON_H200 | _WGMMA | _DECODE | _PRECISION | _SCHEDULE,

@@ -129,7 +129,7 @@ def test_bf16_matmul_rounds_the_operands_and_stays_close(tiny):
   # On the conditioned init bf16 rounding alone gives NMSE ~4e-6; a routing or indexer near-tie that flips lifts
   # it to 1e-4..5e-4 (seen on 3 of 4 seeds). Unpinned logits cannot be held tighter than that.
   assert np.isfinite(out).all() and 1e-12 < err < BF16_UNPINNED_NMSE
-  everything = features.resolve(DEVICE, {s: s in SUPPORTED for s in SWITCHES})
+  everything = features.resolve(DEVICE, {s: s in SUPPORTED and s != "moe_wgmma_gate_up" for s in SWITCHES})
   assert "bfloat16" in dot_operand_dtypes(m, everything)  # the kernels' dots too (traced, not run)
 
 
