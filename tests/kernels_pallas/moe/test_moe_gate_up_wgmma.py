@@ -20,8 +20,10 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # the race detector's state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ds4jax import features
 from ds4jax.metrics import nmse
-from ds4jax.quant import rocmfp2_mix, ue4m3
+from ds4jax.quant import formats, rocmfp2_mix, ue4m3
+from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
 from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
                                               gate_up_wgmma, interleave, mix_stack, prmt_selectors, sorted_planes,
@@ -241,3 +243,34 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1
   err = nmse(h[:n].astype(jnp.float32), ref[:n])
   assert err <= 2e-5, err
+
+
+def test_moe_runs_it_for_gate_up_kernel_wgmma(rng):
+  # api.moe with Config.gate_up_kernel "wgmma": this kernel on the FP2-MIX storage, the Triton down on bf16 W2; the
+  # whole MoE against the exact reference on the same weights (bf16 operands). Then what it refuses, at the call.
+  S, K, D_, I_ = 48, 2, 256, 64
+  x = jnp.asarray(rng.standard_normal((S, D_)), jnp.bfloat16)
+  w1, w2, w3 = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-1]), jnp.float32)
+                for s in ((E, I_, D_), (E, D_, I_), (E, I_, D_)))
+  q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", formats.get("rocmfp2_mix").quantize(w), w.shape)
+            for w in (w1, w3))
+  d2 = moe_api.DenseWeights(w2.astype(jnp.bfloat16))
+  ids = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(S)]), jnp.int32)
+  rw = jnp.asarray(rng.random((S, K)), jnp.float32)
+  cfg = moe_api.Config.default(num_tokens=S, top_k=K, num_experts=E, hidden=D_, intermediate=I_,
+                               platform="cuda" if ON_GPU else "cpu", gate_up_kernel="wgmma")
+  run = lambda x, a=q1, b=q3: moe_api.moe(x, rw, ids, a, d2, b, swiglu_limit=LIMIT, config=cfg,
+                                          interpret=not ON_GPU, validate_routes=False)
+  names = [n for n, _ in features.pallas_calls(run, x)]
+  assert names[0] == "moe_gate_up_wgmma" and "moe_gate_up" not in names
+  assert moe_api.plan(num_tokens=S, top_k=K, num_experts=E, hidden=D_, intermediate=I_, config=cfg).kernels[0] \
+      == "moe_gate_up_wgmma"
+  ref = moe_api.moe_reference(x, rw, ids, q1, d2, q3, swiglu_limit=LIMIT, operand_dtype=jnp.bfloat16)
+  assert float(jnp.mean(jnp.abs(ref))) > 0.1
+  err = nmse(run(x), ref)
+  assert err <= 1e-8, err
+  with pytest.raises(ValueError, match="takes bf16 x"):
+    run(x.astype(jnp.float32))
+  q3_fp3 = QuantizedExpertWeights.from_storage("rocmfp3_mix", formats.get("rocmfp3_mix").quantize(w3), w3.shape)
+  with pytest.raises(ValueError, match="both bf16 or both rocmfp2_mix"):
+    run(x, q1, q3_fp3)
