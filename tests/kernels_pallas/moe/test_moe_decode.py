@@ -54,33 +54,25 @@ def prmt(a, b, sel) -> np.ndarray:
   return np.take_along_axis(table, nib.astype(np.int64), axis=-1).view(np.uint32)[..., 0]
 
 
-def run_ptx(asm: str, ins: list[np.ndarray], pack: int) -> np.ndarray:
-  """The inline asm of select='prmt4', run on numpy uint32 operands (the few opcodes it uses): operand $k
-  is output register k, then element e of input i is $(outputs + i·pack + e), groups of `pack` along the last axis.
-  Returns the bf16 bits, [..., n]."""
+def run_ptx(asm: str, ins: list[np.ndarray]) -> np.ndarray:
+  """The inline asm of select='prmt4', run on numpy uint32 operands (the few opcodes it uses): operands $0, $1 are
+  the output registers, then element e of input i is $(2 + 4i + e), groups of 4 along the last axis (one code
+  byte's weights). Returns the bf16 bits, [..., n]."""
   u32 = lambda v: np.asarray(v).astype(np.uint32)
-  ins = [u32(a).reshape(*a.shape[:-1], -1, pack) for a in ins]
-  n_out = 1 if pack == 1 else pack // 2
-  reg = {f"${n_out + i * pack + e}": a[..., e] for i, a in enumerate(ins) for e in range(pack)}
+  ins = [u32(a).reshape(*a.shape[:-1], -1, 4) for a in ins]
+  reg = {f"${2 + i * 4 + e}": a[..., e] for i, a in enumerate(ins) for e in range(4)}
   val = lambda t: reg[t] if t in reg else np.uint32(int(t))
   for stmt in asm.strip()[1:-1].split(";"):
     op, _, rest = stmt.strip().partition(" ")
     if not op or op == ".reg":
       continue
-    if op == "mov.b32" and rest.startswith("{"):  # {lo, hi} = 32 bits: keep the low half
-      lo, src = rest[1:].split("}")[0].split(",")[0].strip(), rest.split("}, ")[1].strip()
-      reg[lo] = val(src) & 0xFFFF
-      continue
     d, *x = [t.strip() for t in rest.split(",")]
     f = {"and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "shl.b32": lambda a, b: a << b,
          "shr.b32": lambda a, b: a >> b, "mov.b32": lambda a: a, "add.u32": lambda a, b: a + b,
          "mul.lo.u32": lambda a, b: a * b, "mad.lo.u32": lambda a, b, c: a * b + c,
-         "bfe.u32": lambda a, b, c: (a >> b) & ((1 << c) - 1), "prmt.b32": prmt,
-         "setp.ne.u32": lambda a, b: a != b, "selp.b32": lambda a, b, p: np.where(p, a, b)}[op]
-    reg[d] = u32(f(*(val(t) for t in x))) if op != "setp.ne.u32" else f(*(val(t) for t in x))
-  if pack == 1:
-    return reg["$0"].astype(np.uint16)
-  halves = [(reg[f"${k}"] >> s) & 0xFFFF for k in range(n_out) for s in (0, 16)]
+         "bfe.u32": lambda a, b, c: (a >> b) & ((1 << c) - 1), "prmt.b32": prmt}[op]
+    reg[d] = u32(f(*(val(t) for t in x)))
+  halves = [(reg[f"${k}"] >> s) & 0xFFFF for k in range(2) for s in (0, 16)]
   return np.stack(halves, axis=-1).reshape(*ins[0].shape[:-2], -1).astype(np.uint16)
 
 
@@ -94,7 +86,7 @@ def test_prmt_asm_picks_the_half_block_values(rng, fmt):
   planes = [s[n] for n in module.HALF_VIEWS]
   want = bits(module.dequantize_halves(*planes, s["scales"], s["books"], s["mode"], jnp.bfloat16))
   asm, ins = decode.prmt_inputs(fmt, planes, s["scales"], s["books"], s["mode"])
-  got = run_ptx(asm, [np.asarray(a) for a in ins], 4)
+  got = run_ptx(asm, [np.asarray(a) for a in ins])
   assert want.shape == ins[0].shape
   np.testing.assert_array_equal(got.reshape(want.shape), want)
   assert len(np.unique(want)) > 64  # many distinct values: a wrong byte order would show
