@@ -78,7 +78,8 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "mla_stream_fast_exp": ("GGML_CUDA_MLA_STREAM_FAST_EXP", "exp2 with log2(e) folded into the softmax scale.",
                             ("mla_stream_topk", "mla_stream_f32_stage")),
     # Not an upstream switch: upstream's MMQ reads quantized experts directly, so re-reading them per band is cheap
-    # there. Here, without moe_sparse_gate_up, every band decodes a layer's experts to bf16 again (docs/upstream.md §2).
+    # there. Here, without moe_sparse_gate_up (or for W2 under moe_wgmma_gate_up), every band decodes a layer's experts
+    # to bf16 again (docs/upstream.md §2).
     "prefill_weights_stationary": ("ds4jax: weights-stationary bands",
                                    "Each layer runs every band before the next layer starts (the streams of all "
                                    "bands stay on the device), so its experts are decoded once per prompt instead "
@@ -330,7 +331,7 @@ def pallas_calls(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
   for e in traced_eqns(fn, *args):
     if e.primitive.name == "pallas_call":
       found.append((e.params["name"], tuple(e.params["grid_mapping"].grid)))
-    elif e.primitive.name == "mpmd_map":
+    elif e.primitive.name == "mpmd_map" and hasattr(e.params["meshes"][0], "grid"):  # not a nested warp map
       found.append((e.params["name"], tuple(e.params["meshes"][0].grid)))
   return found
 

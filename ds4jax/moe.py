@@ -90,8 +90,8 @@ class Experts(nnx.Module):
   def kernel_weights(self, dtype, features: Features, stacks: tuple | None = None) -> tuple:
     """(w1, w2, w3) as the kernels' `ExpertWeights`: quantized storage as is where the kernels decode it
     (`moe_sparse_gate_up`), or dense stacks in `dtype` (a quantized stack decoded first, `decode_stack`:
-    "dequantize-then-matmul"; `decoded_beforehand`). `stacks`: a slice of `stacks()` (one device's experts);
-    default all of them."""
+    "dequantize-then-matmul"; `decoded_beforehand`). With the MoE kernels off nothing is decoded (the reference
+    path decodes itself). `stacks`: a slice of `stacks()` (one device's experts); default all of them."""
     first = decoded_beforehand(features)
 
     def one(name, w, s):
@@ -104,7 +104,8 @@ class Experts(nnx.Module):
                                                    self.stacks() if stacks is None else stacks))
 
   def decode_quantized(self, features: Features, abstract: bool = False) -> None:
-    """Replaces the quantized stacks by their dense decode in the matmul dtype, in place (call it on a copy): the
+    """Replaces the quantized stacks the kernels read decoded (`decoded_beforehand`: all three, or W2 alone under
+    `moe_wgmma_gate_up`) by their dense decode in the matmul dtype, in place (call it on a copy): the
     decode `kernel_weights` would otherwise repeat on every call, done once (the weights-stationary prefill does this
     per layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead. On a mesh each device decodes the
     experts it holds."""
@@ -114,7 +115,7 @@ class Experts(nnx.Module):
     where = mesh_lib.expert_sharding(self.mesh) if self.mesh else None
     if abstract:
       dense = [jax.ShapeDtypeStruct(w.logical_shape, dtype, sharding=where) for w in ws]
-    else:  # one program for all three, as when the decode sits inside the layer step (XLA fuses them alike)
+    else:  # one program for all of them, as when the decode sits inside the layer step (XLA fuses them alike)
       decode = functools.partial(_decoded, tuple(w.format for w in ws), tuple(w.logical_shape[1:] for w in ws),
                                  features=features)
       storages = tuple(w.storage() for w in ws)
@@ -214,16 +215,18 @@ def decodes_experts(features: Features) -> bool:
 
 def check_wgmma_gate_up(cfg: DeepseekV4Config, policy: QuantPolicy, features: Features) -> None:
   """Start-up check of `moe_wgmma_gate_up` against the model: the Mosaic GPU gate/up takes rocmfp2_mix or bf16
-  gate/up experts, D a multiple of 256 and I of 64 (ValueError naming what does not fit)."""
+  gate/up experts, D a multiple of 256 (rocmfp2_mix) or 64 (bf16) and I of 64 (ValueError naming what does not
+  fit; kernels_pallas/moe/api.py checks the same at the call)."""
   if not features.moe_wgmma_gate_up:
     return
   fmt, D, I = policy.gate_up, cfg.hidden_size, cfg.moe_intermediate_size
   if fmt not in ("rocmfp2_mix", "bf16"):
     raise ValueError(f"--moe_wgmma_gate_up decodes rocmfp2_mix (or reads bf16) gate/up experts; quant policy "
                      f"{policy.name} stores them as {fmt}")
-  if D % 256 or I % 64:
-    raise ValueError(f"--moe_wgmma_gate_up needs hidden_size a multiple of 256 and moe_intermediate_size of 64; "
-                     f"{cfg.name} has {D} and {I}")
+  d_multiple = 256 if fmt == "rocmfp2_mix" else 64  # a TMA row of meta bytes covers 256 weights
+  if D % d_multiple or I % 64:
+    raise ValueError(f"--moe_wgmma_gate_up on {fmt} experts needs hidden_size a multiple of {d_multiple} and "
+                     f"moe_intermediate_size of 64; {cfg.name} has {D} and {I}")
 
 
 class SharedExpert(nnx.Module):
@@ -280,9 +283,10 @@ def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: i
 def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Features) -> jnp.ndarray:
   """Routed experts + `shared` through the Pallas grouped-MoE kernels (kernels_pallas/moe).
 
-  `moe_sparse_gate_up` feeds the quantized storage to the kernels, which dequantize each tile in-kernel;
-  without it the stacked weights are dequantized first (`decode_stack`: the same bits) and the kernels read
-  bf16/f32 ("dequantize-then-matmul"). f32 operands make exact IEEE f32 dots; bf16
+  `moe_sparse_gate_up` feeds the quantized storage to the kernels, which dequantize each tile in-kernel (with
+  `moe_wgmma_gate_up`: W1/W3 to the Mosaic GPU gate/up, W2 decoded first for the Triton down); without it the
+  stacked weights are dequantized first (`decode_stack`: the same bits) and the kernels read bf16/f32
+  ("dequantize-then-matmul"; `decoded_beforehand`). f32 operands make exact IEEE f32 dots; bf16
   (`bf16_matmul`) tensor-core dots. On a mesh each device runs the kernels on its own experts (`Experts.routed`).
   """
   x = x.astype(features.matmul_dtype)

@@ -156,6 +156,7 @@ def main(argv):
     raise app.UsageError(f"--lengths: {lengths[-1]} tokens + {_NEW.value} new leave no room in "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
   ds4_flags.check_mesh("bench_generate", flags.FLAGS.mesh, cfg)  # before drawing the weights
+  ds4_flags.check_model_features("bench_generate", cfg, flags.FLAGS.quant_policy, features)
   t0 = time.perf_counter()
   m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=flags.FLAGS.mesh)
   jax.block_until_ready(m.embed[...])

@@ -11,6 +11,7 @@ from absl import flags
 
 from ds4jax import features as features_lib
 from ds4jax import mesh as mesh_lib
+from ds4jax import moe as moe_lib
 from ds4jax.features import KNOBS, SWITCHES, Features
 from ds4jax.quant import formats
 from ds4jax.quant import policy as quant_policy
@@ -50,6 +51,15 @@ def define_mesh_flag(flag_values: flags.FlagValues | None = None, default: str =
       "over the same two devices), expert=2,query=2 (a 2 x 2 mesh). Dense weights, router and shared expert are "
       "replicated (docs/mesh.md). Empty: one device.",
       flag_values=flags.FLAGS if flag_values is None else flag_values)
+
+
+def check_model_features(program: str, cfg, policy_name: str, features: Features) -> None:
+  """Switches that need something of the model (moe_wgmma_gate_up: its gate/up format and sizes), before any
+  weights exist; a misfit ends the program with one line naming it (exit status 1)."""
+  try:
+    moe_lib.check_wgmma_gate_up(cfg, quant_policy.get(policy_name), features)
+  except ValueError as e:
+    sys.exit(f"{program}: {e}")
 
 
 def check_mesh(program: str, spec: str, cfg=None) -> None:

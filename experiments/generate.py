@@ -22,6 +22,7 @@ from absl import app, flags
 
 from ds4jax import config, decode, model
 from ds4jax import mesh as mesh_lib
+from ds4jax import moe as moe_lib
 from ds4jax.checkpoint import mapping
 from experiments import flags as ds4_flags
 from experiments import processes, run_record
@@ -86,6 +87,7 @@ def run() -> dict:
   else:
     cfg = config.preset(_PRESET.value)
     ds4_flags.check_mesh("generate", mesh_spec, cfg)  # before drawing the weights
+    ds4_flags.check_model_features("generate", cfg, flags.FLAGS.quant_policy, feats)
     m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=mesh_spec)
   ids = (np.asarray(tok.encode(_PROMPT.value).ids) if tok else np.asarray([int(x) for x in _PROMPT_IDS.value]))
   n = _NEW.value
@@ -98,8 +100,9 @@ def run() -> dict:
         flush=True)
 
   if decode.decodes_every_expert(m, feats):
-    print("note: moe_sparse_gate_up is off, so every decode step dequantizes all routed experts of every layer "
-          "(several times slower on V4-Flash); pass --moe_sparse_gate_up to decode (docs/decode.md §6)",
+    print("note: every decode step dequantizes routed expert stacks of every layer first "
+          f"({', '.join(moe_lib.decoded_beforehand(feats))}; several times slower on V4-Flash); decode with "
+          "--moe_sparse_gate_up and without --moe_wgmma_gate_up, whose down reads W2 decoded (docs/decode.md §6)",
           flush=True)
   say = lambda done, bands, drafted, accepted: print(
       f"\r  {done}/{n} tokens, {bands} bands" + (f", {accepted}/{drafted} drafted accepted" if drafted else ""),

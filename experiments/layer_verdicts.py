@@ -58,6 +58,7 @@ def main(argv):
     sys.exit(f"layer_verdicts: --tokens must lie in [1, {cfg.max_position_embeddings}]")
   flags_lib.check_mesh("layer_verdicts", flags.FLAGS.mesh, cfg)  # before drawing the weights
   conf = flags_lib.features_from_flags(flags.FLAGS)
+  flags_lib.check_model_features("layer_verdicts", cfg, flags.FLAGS.quant_policy, conf)
   exact = dataclasses.replace(features_lib.REFERENCE, device_class=conf.device_class)
   t0 = time.perf_counter()
   m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(flags.FLAGS.quant_policy),

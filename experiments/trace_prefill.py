@@ -54,6 +54,7 @@ def main(argv):
   features = flags_lib.features_from_flags(fv)
   cfg = config_lib.preset(_PRESET.value)
   flags_lib.check_mesh("trace_prefill", fv.mesh, cfg)  # before drawing the weights
+  flags_lib.check_model_features("trace_prefill", cfg, fv.quant_policy, features)
   lengths = [int(t) for t in _TOKENS.value]
   rng = np.random.default_rng(_SEED.value)
   tokens = rng.integers(0, cfg.vocab_size, max(lengths))

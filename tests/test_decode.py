@@ -332,6 +332,9 @@ def test_decodes_every_expert_names_the_slow_decode():
   slow = dataclasses.replace(features.REFERENCE, moe_compact_queue=True)  # MoE kernels, experts decoded first
   assert decode.decodes_every_expert(quantized, slow)
   assert not decode.decodes_every_expert(quantized, dataclasses.replace(slow, moe_sparse_gate_up=True))
+  # the Mosaic GPU gate/up decodes W1/W3 itself, but its down reads W2 decoded on every step
+  assert decode.decodes_every_expert(quantized, dataclasses.replace(slow, moe_sparse_gate_up=True,
+                                                                     moe_wgmma_gate_up=True))
   assert not decode.decodes_every_expert(plain, slow)
   assert not decode.decodes_every_expert(quantized, features.REFERENCE)
 

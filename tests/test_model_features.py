@@ -180,7 +180,7 @@ def test_wgmma_gate_up_refuses_what_it_cannot_run():
   """At start-up, with the reason: a D that is not a multiple of 256, a gate/up format it does not decode, and a
   device or feature set without it."""
   f = features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_sparse_gate_up": True, "moe_wgmma_gate_up": True})
-  with pytest.raises(ValueError, match="hidden_size a multiple of 256"):
+  with pytest.raises(ValueError, match="rocmfp2_mix experts needs hidden_size a multiple of 256"):
     moe.check_wgmma_gate_up(config.tiny_window(), quant_policy.get("lucebox_mix"), f)
   with pytest.raises(ValueError, match="stores them as fp4_e2m1"):
     moe.check_wgmma_gate_up(config.tiny_window(hidden_size=256, moe_intermediate_size=64),

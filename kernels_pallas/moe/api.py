@@ -57,7 +57,7 @@ class Plan:
 
 
 def plan(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, config: Config,
-         shared_intermediate: int | None = None) -> Plan:
+         shared_intermediate: int | None = None, interpret: bool = False) -> Plan:
   S, K, E, D, I = num_tokens, top_k, num_experts, hidden, intermediate
   R = S * K
   bm = config.row_tile(R, E)
@@ -75,7 +75,8 @@ def plan(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermed
     kernels.append("moe_combine")
   return Plan(block_m=bm, work_list="compact" if config.compact_queue else "dense", max_items=max_items,
               schedule="persistent" if config.persistent else "grid",
-              gate_up_grid=grid(max_items, I // config.block_n), down_grid=grid(max_items, D // config.down_bn),
+              gate_up_grid=(_wgmma_programs(config.num_cores, interpret),) if config.gate_up_kernel == "wgmma"
+              else grid(max_items, I // config.block_n), down_grid=grid(max_items, D // config.down_bn),
               combine="fused" if config.fused_combine else "xla",
               combine_grid=(-(-S // config.combine_block_t), D // config.combine_block_d)
               if config.fused_combine else None,
@@ -195,15 +196,19 @@ _combine_xla = jax.jit(down_mod.combine_xla)
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "num_cores", "interpret"))
 def _gate_up_on_wgmma(x, w1, w3, r, *, swiglu_limit, num_cores, interpret):
-  """The Mosaic GPU gate/up on `ExpertWeights` (FP2-MIX storage as it is, or bf16), at its measured tiling. The
-  interpreter simulates every SM's warpgroups, so it gets 4."""
+  """The Mosaic GPU gate/up on `ExpertWeights` (FP2-MIX storage as it is, or bf16), at its measured tiling."""
   mix = not isinstance(w1, DenseWeights)
   ws = [gate_up_wgmma.mix_stack(w.storage) if mix else w.w for w in (w1, w3)]
   E = w1.shape[0]
   tiling = gate_up_wgmma.default_tiling(-(-r.num_routes // E), mix)
-  sms = 4 if interpret else num_cores or getattr(jax.devices()[0], "core_count", None) or 132
-  return gate_up_wgmma.gate_up_wgmma(x, *ws, r, swiglu_limit=swiglu_limit, tiling=tiling, num_sms=sms,
-                                     interpret=interpret or None)
+  return gate_up_wgmma.gate_up_wgmma(x, *ws, r, swiglu_limit=swiglu_limit, tiling=tiling,
+                                     num_sms=_wgmma_programs(num_cores, interpret), interpret=interpret or None)
+
+
+def _wgmma_programs(num_cores: int | None, interpret: bool) -> int:
+  """The Mosaic gate/up's programs, one per SM (`Config.num_cores`, else the device's; the interpreter, which
+  simulates every SM's warpgroups, gets 4)."""
+  return 4 if interpret else num_cores or getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def _moe(x, route_weights, route_ids, w1, w2, w3, shared, *, swiglu_limit, config, interpret):

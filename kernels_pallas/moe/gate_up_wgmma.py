@@ -38,7 +38,8 @@ the kernel ("insufficient register resources for the wgmma pipeline", C7511) at 
 waiting at the end of each step (the default) compiles without it (docs/lowering.md; BENCHMARKS.md has the figures).
 
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
-its h is bit-identical to gate_up.py's on the H200. `api.moe` runs it for `Config.gate_up_kernel` "wgmma" (the model's
+on bf16 weights its h is bit-identical to gate_up.py's on the H200 (FP2-MIX: the same decoded bits, summed over K
+in plane order). `api.moe` runs it for `Config.gate_up_kernel` "wgmma" (the model's
 `moe_wgmma_gate_up`). On the H200 the bf16 version ties the Triton kernel once its row gather is counted
 (BENCHMARKS.md, "A Mosaic GPU gate/up").
 """
