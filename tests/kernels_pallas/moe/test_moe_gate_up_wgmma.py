@@ -248,7 +248,7 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
 def test_moe_runs_it_for_gate_up_kernel_wgmma(rng):
   # api.moe with Config.gate_up_kernel "wgmma": this kernel on the FP2-MIX storage, the Triton down on bf16 W2; the
   # whole MoE against the exact reference on the same weights (bf16 operands). Then what it refuses, at the call.
-  S, K, D_, I_ = 48, 2, 256, 64
+  S, K, D_, I_ = 24, 2, 256, 64
   x = jnp.asarray(rng.standard_normal((S, D_)), jnp.bfloat16)
   w1, w2, w3 = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-1]), jnp.float32)
                 for s in ((E, I_, D_), (E, D_, I_), (E, I_, D_)))
