@@ -25,7 +25,7 @@ from ds4jax.quant import formats
 from ds4jax.quant import policy as quant_policy
 from experiments import run_record, timing
 from kernels_pallas import moe as moe_kernels
-from kernels_pallas.moe import api, decode, gate_up, gate_up_wgmma, routing
+from kernels_pallas.moe import api, decode, down, down_wgmma, gate_up, gate_up_wgmma, routing
 
 _TOKENS = flags.DEFINE_list("tokens", ["512", "2048", "8192", "32768"], "Token counts.")
 _ROUTINGS = flags.DEFINE_list("routings", ["uniform", "zipf"], "Routing distributions.")
@@ -57,6 +57,16 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
+}
+# The Mosaic GPU down on rocmfp3_mix W2 (down_wgmma.py), the same structure with one stack, each warpgroup its own
+# N tile; against what the model runs under moe_wgmma_gate_up (W2 decoded by the decode kernel, then the Triton down).
+WGMMA_DOWN_TILINGS = {
+    "w128_s4_r256": _T(wg_rows=128, block_n=64, stages=4, mma_rows=256),
+    "w128_s2_r256": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256),
+    "w128_s5_r256": _T(wg_rows=128, block_n=64, stages=5, mma_rows=256),
+    "w128_s4_r128": _T(wg_rows=128, block_n=64, stages=4, mma_rows=128),
+    "w64_s4_r128": _T(wg_rows=64, block_n=64, stages=4, mma_rows=128),
+    "w64_s4_r64": _T(wg_rows=64, block_n=64, stages=4, mma_rows=64),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
@@ -192,6 +202,30 @@ def main(argv):
             continue
           measure(name, gm, x, m1, m3, r, nmse_vs_triton=diff)
         del m1, m3, h_mix
+
+      down_flops = gate_up_flops // 2
+      h = jax.random.normal(keys[6], (S * K, I)).astype(jnp.bfloat16)
+      dn = lambda h, w, r: down.down(h, w, r, config=kcfg, interpret=interpret)
+      measure("ours_bf16_down", dn, h, w2, r, flops=down_flops)
+      measure("ours_rocmfp3_mix decode kernel + bf16 down", lambda h, w, r: dn(h, dq(w), r), h, q2, r,
+              flops=down_flops)
+      if not _SMOKE.value and jax.default_backend() == "gpu":
+        m2 = jax.jit(down_wgmma.mix3_stack)(q2.storage)
+        out_triton = jax.jit(dn)(h, q2, r)  # the fused Triton down on the same decoded weights
+        measure("wgmma row_planes", lambda h: down_wgmma.row_planes(h, 256), h)
+        for tname, t in WGMMA_DOWN_TILINGS.items():
+          name = f"ours_wgmma_rocmfp3_mix_down {tname}"
+          if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
+            continue
+          dw = lambda h, w, r, t=t: down_wgmma.down_wgmma(h, w, r, tiling=t)
+          try:
+            rows = int(r.num_rows[0])
+            diff = float(nmse(jax.jit(dw)(h, m2, r)[:rows], out_triton[:rows]))
+          except Exception as e:  # noqa: BLE001
+            save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+          measure(name, dw, h, m2, r, flops=down_flops, nmse_vs_triton=diff)
+        del m2, out_triton
 
       def full_moe(c=cfg, dequantize_first=False):
         def f(x, w, i, a, b, d):

@@ -174,11 +174,10 @@ def mix_stack(storage: dict) -> MixStack:
   return MixStack(jnp.asarray(storage["codes"]), jnp.asarray(storage["scales"]), levels, uniform.astype(I32))
 
 
-def decode_planes(codes, meta, levels, zero_flagged) -> list[jax.Array]:
-  """Code bytes and meta bytes [n, m] → 4 bf16 planes [n, m], plane q holding weight 4i + q of byte i; `levels`
-  is [2][4] scalars. The canonical decode's products (book level × UE4M3 scale in f32, then bf16): the same bits.
-  Pure jnp: runs in the kernel and in tests."""
-  b, m = codes.astype(I32), meta.astype(I32)
+def half_block_values(meta, levels, zero_flagged) -> list[jax.Array]:
+  """The bf16 value of each level k (len(levels[0]) of them) for meta bytes `meta`: book level × UE4M3 scale in
+  f32, then bf16, as the canonical decode. Pure jnp."""
+  m = meta.astype(I32)
   flagged = m >= rocmfp_mix.SELECT_BIT
   m7 = m & 0x7F
   # ue4m3.decode in fewer integer ops (the decode is this kernel's ALU bound): 2^(e − 8)·(1 + mant/8) as float32
@@ -186,12 +185,37 @@ def decode_planes(codes, meta, levels, zero_flagged) -> list[jax.Array]:
   c = lax.bitcast_convert_type((m7 << 20) + ((127 - 8) << 23), F32)
   scale = jnp.where(m7 < 8, 2 * c - F32(2.0**-7), c)
   scale = jnp.where((m7 > ue4m3.MAX_BYTE) | (flagged & (zero_flagged != 0)), F32(0), scale)
-  values = [(jnp.where(flagged, levels[1][k], levels[0][k]) * scale).astype(BF16) for k in range(4)]
+  return [(jnp.where(flagged, levels[1][k], levels[0][k]) * scale).astype(BF16) for k in range(len(levels[0]))]
+
+
+def half_block_values_ir(m, levels, zero_flagged_set):
+  """half_block_values in Mosaic GPU IR for one meta byte `m` (i32): the bf16 values of levels[s][k] (f32 IR
+  scalars); zero_flagged_set an i1. The same f32 products, so the same bits."""
+  i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+  const = lambda v, t=i32: arith.constant(t, v)
+  flagged = arith.cmpi(arith.CmpIPredicate.uge, m, const(rocmfp_mix.SELECT_BIT))
+  m7 = arith.andi(m, const(0x7F))
+  c = arith.bitcast(f32, arith.addi(arith.shli(m7, const(20)), const((127 - 8) << 23)))
+  low = arith.subf(arith.mulf(c, const(2.0, f32)), const(2.0**-7, f32))
+  scale = arith.select(arith.cmpi(arith.CmpIPredicate.ult, m7, const(8)), low, c)
+  zero = arith.ori(arith.cmpi(arith.CmpIPredicate.ugt, m7, const(ue4m3.MAX_BYTE)),
+                   arith.andi(flagged, zero_flagged_set))
+  scale = arith.select(zero, const(0.0, f32), scale)
+  return [arith.truncf(ir.BF16Type.get(), arith.mulf(arith.select(flagged, levels[1][k], levels[0][k]), scale))
+          for k in range(len(levels[0]))]
+
+
+def decode_planes(codes, meta, levels, zero_flagged) -> list[jax.Array]:
+  """Code bytes and meta bytes [n, m] → 4 bf16 planes [n, m], plane q holding weight 4i + q of byte i; `levels`
+  is [2][4] scalars. The canonical decode's products (book level × UE4M3 scale in f32, then bf16): the same bits.
+  Pure jnp: runs in the kernel and in tests."""
+  b = codes.astype(I32)
+  values = half_block_values(meta, levels, zero_flagged)
   # code bit j of weight 4i + q tested as the sign of the byte shifted left (one shift and a compare per bit)
   return [rocmfp_mix.pick([(b << (31 - 2 * q)) < 0, (b << (30 - 2 * q)) < 0], values) for q in range(PLANES)]
 
 
-SELECTOR = (0x0303, 0x22, 0x1010)  # prmt_selectors' mask, multiplier and offset (also in decode_planes_prmt)
+SELECTOR = (0x0303, 0x22, 0x1010)  # prmt_selectors' mask, multiplier and offset
 
 
 def prmt_selectors(code_pairs, q: int):
@@ -200,6 +224,14 @@ def prmt_selectors(code_pairs, q: int):
   table bytes 2v, 2v + 1 (value v). Selector nibbles 2c_a, 2c_a + 1, 2c_b, 2c_b + 1. Pure jnp: tested on CPU."""
   mask, mul, offset = SELECTOR
   return ((code_pairs >> (2 * q)) & mask) * mul + offset
+
+
+def prmt_selectors_ir(code_pairs, q: int):
+  """prmt_selectors in Mosaic GPU IR (i32 code_pairs)."""
+  const = lambda v: arith.constant(ir.IntegerType.get_signless(32), v)
+  mask, mul, offset = SELECTOR
+  return arith.addi(arith.muli(arith.andi(arith.shrui(code_pairs, const(2 * q)), const(mask)), const(mul)),
+                    const(offset))
 
 
 def decode_planes_prmt(codes, meta_ref, first, levels, zero_flagged) -> list[jax.Array]:
@@ -215,8 +247,7 @@ def decode_planes_prmt(codes, meta_ref, first, levels, zero_flagged) -> list[jax
   @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()) + (wg,) * len(scalars),
                      return_type=[plgpu.ShapeDtypeStruct(codes.shape, BF16, layout=wg)] * PLANES)
   def planes(_, code_bytes, meta_smem, *args):
-    i16, i32, f32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.F32Type.get()
-    index = ir.IndexType.get()
+    i16, i32, index = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.IndexType.get()
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
     const = lambda v, t=i32: arith.constant(t, v)
     args = [a.registers.item() for a in args]  # scalars come as splat arrays
@@ -228,21 +259,10 @@ def decode_planes_prmt(codes, meta_ref, first, levels, zero_flagged) -> list[jax
       w = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
       half_block = arith.addi(first_col, arith.divui(col, const(rocmfp_layout.HALF // PLANES, index)))
       m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
-      flagged = arith.cmpi(arith.CmpIPredicate.uge, m, const(rocmfp_mix.SELECT_BIT))
-      m7 = arith.andi(m, const(0x7F))
-      c = arith.bitcast(f32, arith.addi(arith.shli(m7, const(20)), const((127 - 8) << 23)))
-      low = arith.subf(arith.mulf(c, const(2.0, f32)), const(2.0**-7, f32))
-      scale = arith.select(arith.cmpi(arith.CmpIPredicate.ult, m7, const(8)), low, c)
-      zero = arith.ori(arith.cmpi(arith.CmpIPredicate.ugt, m7, const(ue4m3.MAX_BYTE)),
-                       arith.andi(flagged, zero_flagged_set))
-      scale = arith.select(zero, const(0.0, f32), scale)
-      vals = [arith.truncf(ir.BF16Type.get(), arith.mulf(arith.select(flagged, lv[1][k], lv[0][k]), scale))
-              for k in range(4)]
+      vals = half_block_values_ir(m, lv, zero_flagged_set)
       table = [mgpu.utils.bitcast(vector.from_elements(pair, vals[2 * h:2 * h + 2]), i32) for h in range(2)]
       for q in range(PLANES):
-        mask, mul, offset = SELECTOR
-        sel = arith.addi(arith.muli(arith.andi(arith.shrui(w, const(2 * q)), const(mask)), const(mul)), const(offset))
-        out[q][idx] = mgpu.utils.bitcast(mgpu.utils.prmt(table[0], table[1], sel), pair)
+        out[q][idx] = mgpu.utils.bitcast(mgpu.utils.prmt(table[0], table[1], prmt_selectors_ir(w, q)), pair)
     return [mgpu.FragmentedArray(_registers=o, _layout=code_bytes.layout, _is_signed=None) for o in out]
 
   return planes(codes, meta_ref, *scalars)

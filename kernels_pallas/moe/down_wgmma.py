@@ -1,0 +1,333 @@
+"""Grouped down projection for Hopper (sm_90) on FP3-MIX W2, as a Pallas Mosaic GPU kernel that decodes in registers.
+
+    out[r] = h[r] · W2_e^T        h [S·K, I] bf16 in sorted-row order → out [S·K, D] f32,  e = expert of row r
+
+Why: without it W2 is decoded to bf16 before the Triton down (down.py), a copy of every expert each prompt (75 ms of
+an 8192-token V4-Flash prefill on the H200, BENCHMARKS.md). This is gate_up_wgmma.py's FP2-MIX kernel with one
+weight stack: a TMA warpgroup copies each K step's code bytes and h's planes into a ring of shared-memory slots, and
+each of the two compute warpgroups decodes its own N tile of W2 (64 output columns) into 4 bf16 planes held in
+registers as the wgmmas' A operand (out^T = W2 · h^T per tile), while the other's wgmmas run. Work list, row
+alignment are gate_up_wgmma's (`aligned_items`); a unit is (item, pair of N tiles).
+
+FP3-MIX (lucebox_mix's down format, `rocmfp3_mix`): a weight's 3-bit level index is 2 low bits (codes_lo, as
+FP2-MIX's codes: weight 4i + q at bits 2q of byte i) and a high bit (codes_hi: weight 8c + b at bit b of byte c), so
+the code-byte pair (2c, 2c + 1) that a thread holds in wgmma's register layout has its 8 high bits in one byte, c.
+The TMA warpgroup copies 16-byte-wide tiles of high-bit bytes (128 weights: 2 K steps) and of meta bytes (256: 4
+steps), the minimum TMA row, each copied again for every step it covers. Compiled, a pair's 8 values (its meta
+byte's scale times the 8 levels of its book) are packed in 4 registers; plane q's two weights are `prmt`s of the
+low and the high 4 values by the low bits (gate_up_wgmma's selectors), then a mask made by a sign-replicating
+`prmt` of the high bits picks between them (`high_bit_mask`). The interpreter runs `decode_planes3` (pure jnp)
+through shared memory. Both give the canonical decode's bits, summed over K in plane order.
+
+h comes as planes too ([4, rows, I/4], plane q column i = h column 4i + q: `row_planes`, an XLA transpose of h).
+Each warpgroup stores its f32 output tile [rows, 64] from registers (`store_transposed_rows`); the interpreter
+stages it in shared memory for TMA stores instead. sm_90 only: gfx1151 keeps down.py. `api.moe` runs it for `Config.down_kernel` "wgmma".
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, scf, vector
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
+from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
+                                              aligned_items, half_block_values, half_block_values_ir,
+                                              prmt_selectors_ir)
+from kernels_pallas.moe.routing import Routing
+
+F32 = jnp.float32
+I32 = jnp.int32
+BF16 = jnp.bfloat16
+HI_BOX = 16  # high-bit bytes per row of one TMA copy (its minimum row): 128 weights
+HIGH_SELECTOR = 0x9988  # prmt: bytes 0-1 ← the sign of byte 0, bytes 2-3 ← the sign of byte 1 (high_bit_mask)
+KERNEL_NAME = "moe_down_wgmma"
+
+# The measured tilings (bench_moe on the H200, BENCHMARKS.md): a 256-row tile (one item per expert at 8192 tokens)
+# and a 128-row one below 64 rows per expert.
+TILING = Tiling(wg_rows=128, block_n=64, stages=4, mma_rows=256)
+TILING_FEW_ROWS = Tiling(wg_rows=64, block_n=64, stages=4, mma_rows=128)
+
+
+def default_tiling(rows_per_expert: int) -> Tiling:
+  return TILING if rows_per_expert > 64 else TILING_FEW_ROWS
+
+
+class Mix3Stack(NamedTuple):
+  """An FP3-MIX expert stack [E, N, K] as this kernel reads it (`mix3_stack`): codes_lo [E, N, K/4], codes_hi
+  [E, N, K/8] and meta [E, N, K/16] u8 as stored; levels [E, 2, 8] f32, the books' entries or for a mode-0 expert
+  the fixed levels (rocmfp3.levels) in both; zero_flagged [E] i32, 1 where a set bit 7 zeroes the scale (mode 0)."""
+  codes_lo: jax.Array
+  codes_hi: jax.Array
+  meta: jax.Array
+  levels: jax.Array
+  zero_flagged: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    E, N, K4 = self.codes_lo.shape
+    return E, N, K4 * PLANES
+
+
+def mix3_stack(storage: dict) -> Mix3Stack:
+  """From rocmfp3_mix storage arrays (codes_lo, codes_hi, scales, books, mode)."""
+  uniform = jnp.asarray(storage["mode"]) == 0
+  fixed = rocmfp3.levels(jnp.arange(rocmfp3_mix.LEVELS))
+  levels = jnp.where(uniform[:, None, None], fixed, jnp.asarray(storage["books"]).astype(F32))
+  return Mix3Stack(*(jnp.asarray(storage[k]) for k in ("codes_lo", "codes_hi", "scales")), levels,
+                   uniform.astype(I32))
+
+
+def row_planes(h, block_m: int) -> jax.Array:
+  """h [rows, I] (sorted rows) as 4 planes [4, n, I/4], plane q column i = h column 4i + q, padded to n = rows
+  rounded up to 8 plus one row tile, so that the last item's copy stays in bounds (those rows are never stored)."""
+  n = -(-h.shape[0] // ROW_ALIGN) * ROW_ALIGN + block_m
+  hp = jnp.pad(h, ((0, n - h.shape[0]), (0, 0)))
+  return hp.reshape(n, -1, PLANES).transpose(2, 0, 1)
+
+
+def decode_planes3(codes_lo, high_nibbles, meta, levels, zero_flagged) -> list[jax.Array]:
+  """codes_lo, meta (one per code byte) and high_nibbles [n, m] → 4 bf16 planes [n, m], plane q holding weight
+  4i + q of byte i. high_nibbles: the high bits of byte i's 4 weights (bit q for weight 4i + q). levels [2][8]
+  scalars. The canonical decode's products: the same bits. Pure jnp: runs in the interpreter and in tests."""
+  b, hi = codes_lo.astype(I32), high_nibbles.astype(I32)
+  values = half_block_values(meta, levels, zero_flagged)
+  return [rocmfp_mix.pick([(b >> 2 * q) & 1 != 0, (b >> 2 * q) & 2 != 0, (hi >> q) & 1 != 0], values)
+          for q in range(PLANES)]
+
+
+def spread_high_bits(high_byte):
+  """A pair's high-bit byte with bits 4–7 (byte 2c + 1's weights) moved to bits 8–11: then plane q's two bits
+  shifted left by 7 − q are the signs of bytes 0 and 1. Pure jnp / numpy: tested on CPU."""
+  return (high_byte & 0xF) | ((high_byte & 0xF0) << 4)
+
+
+def high_bit_mask_ir(spread, q: int):
+  """0xFFFF in each bf16 half whose weight (plane q) has its high bit set: a sign-replicating prmt."""
+  i32 = ir.IntegerType.get_signless(32)
+  y = arith.shli(spread, arith.constant(i32, 7 - q))
+  return mgpu.utils.prmt(y, y, arith.constant(i32, HIGH_SELECTOR))
+
+
+def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels, zero_flagged) -> list[jax.Array]:
+  """decode_planes3 in wgmma's register layout, compiled (sm_90). Each code-byte pair (2c, 2c + 1) of a thread
+  reads its high-bit byte (column hi_first + c of `hi_ref`) and its meta byte (column meta_first + c // 2 of
+  `meta_ref`), both shared-memory tiles; makes its 8 values once and packs them in 4 registers; each plane's two
+  weights are two prmts (low and high 4 values) merged by high_bit_mask. Not in interpret mode."""
+  wg = plgpu.Layout.WGMMA
+  scalars = [hi_first, meta_first] + [levels[s][k] for s in range(2) for k in range(8)] + [zero_flagged]
+
+  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(), plgpu.RefType()) + (wg,) * len(scalars),
+                     return_type=[plgpu.ShapeDtypeStruct(codes_lo.shape, BF16, layout=wg)] * PLANES)
+  def planes(_, code_bytes, hi_smem, meta_smem, *args):
+    i16, i32, index = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.IndexType.get()
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    const = lambda v, t=i32: arith.constant(t, v)
+    args = [a.registers.item() for a in args]  # scalars come as splat arrays
+    hi_col, meta_col = (arith.index_cast(index, a) for a in args[:2])
+    lv, zf = [args[2:10], args[10:18]], args[18]
+    zero_flagged_set = arith.cmpi(arith.CmpIPredicate.ne, zf, const(0))
+    out = [np.empty(code_bytes.registers.shape, object) for _ in range(PLANES)]
+    where = code_bytes.layout.thread_idxs(code_bytes.shape)  # (row, column) of each register's first byte
+    for (idx, reg), (row, col) in zip(np.ndenumerate(code_bytes.registers), where, strict=True):
+      w = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
+      hb = arith.extui(i32, memref.load(hi_smem, [row, arith.addi(hi_col, arith.divui(col, const(2, index)))]))
+      half_block = arith.addi(meta_col, arith.divui(col, const(rocmfp_layout.HALF // PLANES, index)))
+      m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
+      vals = half_block_values_ir(m, lv, zero_flagged_set)
+      table = [mgpu.utils.bitcast(vector.from_elements(pair, vals[2 * h:2 * h + 2]), i32) for h in range(4)]
+      spread = arith.ori(arith.andi(hb, const(0xF)), arith.shli(arith.andi(hb, const(0xF0)), const(4)))
+      for q in range(PLANES):
+        sel = prmt_selectors_ir(w, q)
+        low, high = mgpu.utils.prmt(table[0], table[1], sel), mgpu.utils.prmt(table[2], table[3], sel)
+        mask = high_bit_mask_ir(spread, q)
+        picked = arith.ori(arith.andi(low, arith.xori(mask, const(-1))), arith.andi(high, mask))
+        out[q][idx] = mgpu.utils.bitcast(picked, pair)
+    return [mgpu.FragmentedArray(_registers=o, _layout=code_bytes.layout, _is_signed=None) for o in out]
+
+  return planes(codes_lo, hi_ref, meta_ref, *scalars)
+
+
+def store_transposed_rows(acc, out_ref, row0, lo, end, col0) -> None:
+  """out[row0 + j, col0 + i] = acc[i, j] where lo <= row0 + j < end, from registers: acc [n, rows] f32 in wgmma's
+  layout (out^T), compiled (sm_90). Why not through shared memory: Mosaic GPU stores f32 transposed to shared memory
+  in no layout it can then copy out with TMA. A warp's stores still fill whole 32-byte sectors (8 consecutive
+  columns of 4 rows each)."""
+  wg = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(), wg, wg, wg, wg))
+  def _(_, acc, out, *scalars):
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    row0, lo, end, col0 = (a.registers.item() for a in scalars)
+    col0 = arith.index_cast(index, col0)
+    where = acc.layout.thread_idxs(acc.shape)  # (n, row) of each register's first element
+    for (_, reg), (n, j) in zip(np.ndenumerate(acc.registers), where, strict=True):
+      for h in range(ir.VectorType(reg.type).shape[0]):
+        row = arith.addi(row0, arith.index_cast(i32, arith.addi(j, arith.constant(index, h))))
+        ok = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, row, lo), arith.cmpi(arith.CmpIPredicate.slt, row, end))
+        branch = scf.IfOp(ok)
+        with ir.InsertionPoint(branch.then_block):
+          memref.store(vector.extract(reg, [], [h]), out, [arith.index_cast(index, row), arith.addi(col0, n)])
+          scf.yield_([])
+
+  _(acc, out_ref, row0, lo, end, col0)
+
+
+def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, hi_g, meta_g, levels_g, zf_g,
+            out_g, *, t: Tiling, max_items: int, n_pairs: int, k_dim: int, lhs_in_smem: bool):
+  """x_g: h's planes [4, rows, I/4]; lo/hi/meta/levels/zf: the Mix3Stack; out_g [R, D] f32."""
+  bk = t.block_k // PLANES  # code bytes (and plane columns) per row per K step
+  swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
+  tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
+  per_meta = META_BOX // (t.block_k // rocmfp_layout.HALF)  # K steps covered by one meta tile
+  per_hi = HI_BOX // (t.block_k // 8)  # and by one high-bit tile
+  x_spec = plgpu.BlockSpec((PLANES, t.block_m, bk), lambda k: (0, 0, k), transforms=tiles, memory_space=plgpu.SMEM)
+  w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM),
+             plgpu.BlockSpec((t.block_n, HI_BOX), lambda k: (0, k // per_hi), memory_space=plgpu.SMEM),
+             plgpu.BlockSpec((t.block_n, META_BOX), lambda k: (0, k // per_meta), memory_space=plgpu.SMEM)] * 2
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_dim // t.block_k,), memory_registers=t.producer_registers, in_specs=[x_spec] + w_specs,
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=compute_context)
+
+  def operands(e, g, x_start):  # h's rows, then each warpgroup's N tile (2g + v) of the three byte arrays
+    ws = [a.at[e, pl.ds((2 * g + v) * t.block_n, t.block_n)] for v in range(2) for a in (lo_g, hi_g, meta_g)]
+    return [x_g.at[:, pl.ds(x_start, t.block_m)]] + ws
+
+  noop = lambda *_, **__: None
+  scratch = {}
+  if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
+    scratch = dict(dec=plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles),
+                   out_smem=plgpu.SMEM((2, t.block_m, t.block_n), F32))  # untiled: row slices of any size
+
+  @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
+                     collective_axes="wg", **scratch)
+  def _scope(allocs, dec=None, out_smem=None):
+    wg = lax.axis_index("wg")
+    count = num_items[0]
+
+    @plgpu.nd_loop((max_items * n_pairs,), collective_axes="sm")
+    def _unit(info):
+      (w,) = info.index
+      if t.tile_order == "n":
+        i, g = w // n_pairs, w % n_pairs
+      else:
+        safe = jnp.maximum(count, 1)
+        i, g = w % safe, w // safe
+
+      @pl.when(w < count * n_pairs)
+      def _():
+        e, x_start = item_expert[i], pl.multiple_of(item_x_start[i], ROW_ALIGN)
+        lo, end = item_lo[i], item_end[i]
+
+        def rows_in(first_row, n):  # (first stored row, count) of rows [first_row, first_row + n)
+          first = jnp.maximum(first_row, lo)
+          return first, jnp.clip(jnp.minimum(first_row + n, end) - first, 0, n)
+
+        first, rows = rows_in(x_start, t.block_m)
+        blocks = range(t.block_m // t.mma_rows)
+        levels = [[levels_g[e, s, k] for k in range(rocmfp3_mix.LEVELS)] for s in range(2)]
+        flagged = zf_g[e]
+
+        def context(run):
+          @functools.partial(pl.run_scoped, accs=[plgpu.ACC((t.block_n, t.mma_rows), F32) for _ in blocks])
+          def _acc(accs):  # accs[b]: this warpgroup's out^T, [n, rows of block b]
+            run(accs)
+            col0 = (2 * g + wg) * t.block_n
+            if not lhs_in_smem:
+              for b in blocks:
+                store_transposed_rows(accs[b][...], out_g, x_start + b * t.mma_rows, lo, end, col0)
+              return
+            # the interpreter: through shared memory (it checks no layouts), then TMA
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
+            for b in blocks:
+              out_smem.at[wg, pl.ds(b * t.mma_rows, t.mma_rows)].T[...] = accs[b][...]
+            plgpu.commit_smem()
+            _store_rows(out_smem, wg, first - x_start, out_g, first, rows, pl.ds(col0, t.block_n), t.block_m)
+
+        def mma(idx, x_s, *args):
+          *w_ss, accs = args
+          hi_col = idx[0] % per_hi * (t.block_k // 8)  # this step's first high-bit column
+          meta_col = idx[0] % per_meta * (t.block_k // rocmfp_layout.HALF)
+          for v in range(2):
+            @pl.when(wg == v)
+            def _(v=v):
+              lo_s, hi_s, meta_s = w_ss[3 * v:3 * v + 3]
+              if lhs_in_smem:
+                hi = jnp.repeat(hi_s[:, pl.ds(hi_col, t.block_k // 8)], 2, axis=1)  # byte c for code bytes 2c, 2c+1
+                odd = lax.broadcasted_iota(I32, hi.shape, 1) % 2
+                meta = jnp.repeat(meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)],
+                                  rocmfp_layout.HALF // PLANES, axis=1)
+                planes = decode_planes3(lo_s[...], hi.astype(I32) >> (4 * odd), meta, levels, flagged)
+                buf = idx[0] % 2
+                for q, plane in enumerate(planes):
+                  dec[buf, v, q] = plane
+                plgpu.commit_smem()
+                planes = [dec.at[buf, v, q] for q in range(PLANES)]
+              else:
+                planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels, flagged)
+              for b in blocks:
+                def issue(b=b):
+                  rows = pl.ds(b * t.mma_rows, t.mma_rows)
+                  for q in range(PLANES):
+                    plgpu.wgmma(accs[b], planes[q], x_s.at[q, rows].T)
+
+                if t.skip_empty:
+                  pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
+                else:
+                  issue()
+              plgpu.wgmma_wait(0)
+          return accs
+
+        pipeline(mma, context)(*operands(e, g, x_start), allocations=allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def check(h, w2: Mix3Stack, t: Tiling) -> None:
+  """What this kernel takes (ValueError otherwise)."""
+  if not isinstance(w2, Mix3Stack):
+    raise ValueError(f"the wgmma down takes an FP3-MIX Mix3Stack W2, got {type(w2).__name__}")
+  if jnp.dtype(h.dtype) != jnp.dtype(BF16) or h.ndim != 2:
+    raise ValueError(f"the wgmma down takes bf16 h [rows, I], got {h.dtype} {tuple(h.shape)}")
+  E, D, I = w2.shape
+  if h.shape[1] != I:
+    raise ValueError(f"h {tuple(h.shape)} and W2 [E, D, I] = {[E, D, I]} disagree on I")
+  if I % (META_BOX * rocmfp_layout.HALF) or D % (2 * WGMMA_M):
+    raise ValueError(f"the wgmma down needs I a multiple of {META_BOX * rocmfp_layout.HALF} (a TMA row of meta "
+                     f"bytes) and D of {2 * WGMMA_M} (two N tiles); got W2 [E, D, I] = {[E, D, I]}")
+  if (t.block_n != WGMMA_M or t.block_k != 64 or t.mma_in_flight or t.cluster != 1 or t.block_m % t.mma_rows
+      or t.mma_rows % WGMMA_M or t.mma_rows > 256 or t.tile_order not in ("n", "item")):
+    raise ValueError(f"the wgmma down takes block_n {WGMMA_M}, block_k 64, no wgmma in flight, cluster 1, "
+                     f"tile_order 'n' or 'item', and mma_rows a multiple of {WGMMA_M} up to 256 dividing "
+                     f"block_m; got {t}")
+
+
+def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms: int = 132,
+               interpret=None) -> jax.Array:
+  """out [S·K, D] f32 in sorted-row order (rows >= num_rows unspecified), as down.down: h [S·K, I] bf16 in sorted
+  rows (the gate/up's output), W2 an FP3-MIX stack decoded in the kernel (the canonical decode's bits, summed in
+  plane order). `interpret`: None (compiled), True or an InterpretGPUParams."""
+  t = tiling
+  check(h, w2, t)
+  E, D, I = w2.shape
+  if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
+    interpret = plgpu.InterpretGPUParams()
+  items = aligned_items(r, t.block_m)
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, t=t, max_items=items.expert.shape[0], n_pairs=D // (2 * t.block_n), k_dim=I,
+                        lhs_in_smem=interpret not in (None, False)),
+      out_type=jax.ShapeDtypeStruct((r.num_routes, D), F32), grid=(num_sms,), grid_names=("sm",),
+      num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return kernel(*items, row_planes(h, t.block_m), *w2)
