@@ -197,7 +197,7 @@ def start(m: model_lib.DeepseekV4, prompt, features: Features = REFERENCE, capac
   that model object.
   """
   t = model_lib.check_tokens(prompt, m.cfg)
-  moe_lib.check_wgmma_gate_up(m.cfg, m.policy, features)
+  moe_lib.check_wgmma(m.cfg, m.policy, features)
   capacity = capacity or m.cfg.max_position_embeddings
   bands = prompt_bands(t.shape[0], features)
   state = dataclasses.replace(empty_state(m, capacity, max([widest, *bands]), features, cache_dtype), length=offset)

@@ -7,6 +7,7 @@ one field of the frozen `Features` that the model receives. Library code and tes
     bf16_matmul            (ggml: matmuls take f16 / q8_1 activations)    bf16 matmul operands, f32 accumulation
     moe_sparse_gate_up     DFLASH_DS4_MIX_MMQ_PREFILL (#673)              fused quantized gate/up Pallas kernel vs dequantize-then-matmul
     moe_wgmma_gate_up      (ds4jax, sm_90)                                that gate/up as a Mosaic GPU kernel (TMA + async wgmma)
+    moe_wgmma_down         (ds4jax, sm_90)                                the down as a Mosaic GPU kernel decoding FP3-MIX W2
     moe_adaptive_tile      GGML_CUDA_MMQ_MOE_ADAPTIVE_X                   MoE row tile follows the rows per expert
     moe_tile_rows          GGML_CUDA_MMQ_X                                force a MoE row tile (0 = heuristic)
     moe_compact_queue      (AMD llama.cpp #63 compacted MoE tiling)       grid over real (expert, tile) work items only
@@ -44,12 +45,17 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                     ()),
     "moe_sparse_gate_up": ("DFLASH_DS4_MIX_MMQ_PREFILL", "Fused quantized MoE gate/up + clamped SwiGLU kernel.", ()),
     # Not an upstream switch: on sm_90 Triton makes every MMA wait on a tile decoded in registers, so the fused gate/up
-    # is also written in Mosaic GPU (kernels_pallas/moe/gate_up_wgmma.py). It has no down kernel: W2 is decoded
-    # beforehand (once per prompt under prefill_weights_stationary) and the down reads bf16.
+    # is also written in Mosaic GPU (kernels_pallas/moe/gate_up_wgmma.py). Without moe_wgmma_down, W2 is decoded
+    # beforehand (once per prompt under prefill_weights_stationary) and the Triton down reads bf16.
     "moe_wgmma_gate_up": ("ds4jax: Mosaic GPU sparse gate/up",
                           "sm_90: the sparse gate/up runs as a Pallas Mosaic GPU kernel (a TMA warpgroup feeding async "
                           "wgmmas; FP2-MIX or bf16 W1/W3) instead of the Pallas-Triton one; the down projection reads "
-                          "W2 decoded beforehand.", ("moe_sparse_gate_up", "bf16_matmul")),
+                          "W2 decoded beforehand unless moe_wgmma_down.", ("moe_sparse_gate_up", "bf16_matmul")),
+    # Its down counterpart (kernels_pallas/moe/down_wgmma.py): the same kernel structure on FP3-MIX W2.
+    "moe_wgmma_down": ("ds4jax: Mosaic GPU sparse down",
+                       "sm_90: the down projection runs as a Pallas Mosaic GPU kernel that decodes FP3-MIX W2 in "
+                       "registers next to its wgmmas, instead of the Pallas-Triton down on W2 decoded beforehand.",
+                       ("moe_sparse_gate_up", "bf16_matmul")),
     "moe_adaptive_tile": ("GGML_CUDA_MMQ_MOE_ADAPTIVE_X", "MoE row tile follows the rows per expert.", ()),
     "moe_compact_queue": ("AMD llama.cpp PR #63", "MoE grid over real (expert, row-tile) items only.", ()),
     "moe_persistent": ("GGML_CUDA_MMQ_MOE_PERSISTENT", "Fixed MoE programs loop over the compact queue.",
@@ -103,6 +109,7 @@ class Features:
   bf16_matmul: bool = False
   moe_sparse_gate_up: bool = False
   moe_wgmma_gate_up: bool = False
+  moe_wgmma_down: bool = False
   moe_adaptive_tile: bool = False
   moe_compact_queue: bool = False
   moe_persistent: bool = False
@@ -187,7 +194,10 @@ def _row(ran: set[str], default_on: set[str], lowered: set[str] = frozenset()) -
 # for it (tests/kernels_pallas/test_lowering_gfx1151.py, tests/test_features.py).
 # A gfx1151-only default is keyed to "gfx1151", never to all RDNA3.5 (upstream review item 6).
 _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent", "moe_fused_combine"}
-_WGMMA = {"moe_wgmma_gate_up"}  # Mosaic GPU: sm_90 (and its CPU interpreter) only; Mosaic GPU has no ROCm backend
+# Mosaic GPU: sm_90 (and its CPU interpreter) only; Mosaic GPU has no ROCm backend. Their kernels need D and I
+# multiples of 256 (a TMA row of meta bytes), which the tiny test models are not: tests run them on their own.
+WGMMA_SWITCHES = ("moe_wgmma_gate_up", "moe_wgmma_down")
+_WGMMA = set(WGMMA_SWITCHES)
 _DECODE = {"moe_decode_kernel"}  # ran on the H200; not in gfx1151's lowering check (its gate/up reads quantized tiles)
 _ATTENTION = {"indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
               "mla_stream_fast_exp"}

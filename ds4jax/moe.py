@@ -105,7 +105,7 @@ class Experts(nnx.Module):
 
   def decode_quantized(self, features: Features, abstract: bool = False) -> None:
     """Replaces the quantized stacks the kernels read decoded (`decoded_beforehand`: all three, or W2 alone under
-    `moe_wgmma_gate_up`) by their dense decode in the matmul dtype, in place (call it on a copy): the
+    `moe_wgmma_gate_up` without `moe_wgmma_down`) by their dense decode in the matmul dtype, in place (call it on a copy): the
     decode `kernel_weights` would otherwise repeat on every call, done once (the weights-stationary prefill does this
     per layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead. On a mesh each device decodes the
     experts it holds."""
@@ -200,12 +200,13 @@ def _decoded(fmts: tuple[str, ...], shapes: tuple, storages: tuple[dict, ...], *
 def decoded_beforehand(features: Features) -> tuple[str, ...]:
   """The expert stacks the MoE kernels read decoded beforehand (dequantize-then-matmul): all three without
   `moe_sparse_gate_up`; under `moe_wgmma_gate_up` W2 (the Mosaic GPU gate/up decodes W1/W3 itself, and the
-  Triton down that would decode W2 in-kernel is ~3x slower than decoding it once: BENCHMARKS.md); else none."""
+  Triton down that would decode W2 in-kernel is ~3x slower than decoding it once: BENCHMARKS.md) unless
+  `moe_wgmma_down` decodes it in its kernel; else none."""
   if not features.moe_kernels:
     return ()
   if not features.moe_sparse_gate_up:
     return ("w1", "w2", "w3")
-  return ("w2",) if features.moe_wgmma_gate_up else ()
+  return ("w2",) if features.moe_wgmma_gate_up and not features.moe_wgmma_down else ()
 
 
 def decodes_experts(features: Features) -> bool:
@@ -213,10 +214,19 @@ def decodes_experts(features: Features) -> bool:
   return bool(decoded_beforehand(features))
 
 
-def check_wgmma_gate_up(cfg: DeepseekV4Config, policy: QuantPolicy, features: Features) -> None:
-  """Start-up check of `moe_wgmma_gate_up` against the model: the Mosaic GPU gate/up takes rocmfp2_mix or bf16
-  gate/up experts, D a multiple of 256 (rocmfp2_mix) or 64 (bf16) and I of 64 (ValueError naming what does not
-  fit; kernels_pallas/moe/api.py checks the same at the call)."""
+def check_wgmma(cfg: DeepseekV4Config, policy: QuantPolicy, features: Features) -> None:
+  """Start-up check of the Mosaic GPU switches against the model (ValueError naming what does not fit;
+  kernels_pallas/moe/api.py checks the same at the call). `moe_wgmma_gate_up` takes rocmfp2_mix or bf16 gate/up
+  experts, D a multiple of 256 (rocmfp2_mix) or 64 (bf16) and I of 64; `moe_wgmma_down` rocmfp3_mix down experts,
+  I a multiple of 256 and D of 128."""
+  if features.moe_wgmma_down:
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    if policy.down != "rocmfp3_mix":
+      raise ValueError(f"--moe_wgmma_down decodes rocmfp3_mix down experts; quant policy {policy.name} stores them "
+                       f"as {policy.down}")
+    if I % 256 or D % 128:
+      raise ValueError(f"--moe_wgmma_down needs moe_intermediate_size a multiple of 256 and hidden_size of 128; "
+                       f"{cfg.name} has {I} and {D}")
   if not features.moe_wgmma_gate_up:
     return
   fmt, D, I = policy.gate_up, cfg.hidden_size, cfg.moe_intermediate_size
@@ -277,14 +287,16 @@ def kernel_config(features: Features, x: jnp.ndarray, experts: Experts, top_k: i
       **(dict(adaptive_tile=features.moe_adaptive_tile, compact_queue=features.moe_compact_queue,
               persistent=features.moe_persistent, programs_per_core=features.moe_programs_per_core,
               fused_combine=features.moe_fused_combine,
-              gate_up_kernel="wgmma" if features.moe_wgmma_gate_up else "triton") | forced))
+              gate_up_kernel="wgmma" if features.moe_wgmma_gate_up else "triton",
+              down_kernel="wgmma" if features.moe_wgmma_down else "triton") | forced))
 
 
 def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Features) -> jnp.ndarray:
   """Routed experts + `shared` through the Pallas grouped-MoE kernels (kernels_pallas/moe).
 
   `moe_sparse_gate_up` feeds the quantized storage to the kernels, which dequantize each tile in-kernel (with
-  `moe_wgmma_gate_up`: W1/W3 to the Mosaic GPU gate/up, W2 decoded first for the Triton down); without it the
+  `moe_wgmma_gate_up`: W1/W3 to the Mosaic GPU gate/up; `moe_wgmma_down`: W2 to the Mosaic GPU down, else W2
+  decoded first for the Triton down under `moe_wgmma_gate_up`); without it the
   stacked weights are dequantized first (`decode_stack`: the same bits) and the kernels read bf16/f32
   ("dequantize-then-matmul"; `decoded_beforehand`). f32 operands make exact IEEE f32 dots; bf16
   (`bf16_matmul`) tensor-core dots. On a mesh each device runs the kernels on its own experts (`Experts.routed`).
@@ -293,7 +305,8 @@ def routed_with_kernels(experts: Experts, x, weights, idx, shared, features: Fea
 
   def run(stacks, x, w, ids, shared):
     ws = experts.kernel_weights(x.dtype, features, stacks)
-    triton_reads = ws[1:2] if features.moe_wgmma_gate_up else ws  # the Triton kernels' weights pick their tiles
+    mosaic = [features.moe_wgmma_gate_up, features.moe_wgmma_down, features.moe_wgmma_gate_up]
+    triton_reads = [w for w, m in zip(ws, mosaic) if not m]  # the Triton kernels' weights pick their tiles
     return moe_kernels.moe(x, w, ids, *ws, swiglu_limit=experts.limit, shared=shared,
                            config=kernel_config(features, x, experts, ids.shape[1], ws[0].shape[0],
                                                 moe_kernels.decoded_in_kernel(*triton_reads)),

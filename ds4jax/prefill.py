@@ -117,7 +117,7 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
   want = [S - 1] if positions is None else [int(p) for p in positions]
   if any(not 0 <= p < S for p in want):
     raise ValueError(f"positions {want} must lie in [0, {S}) for a {S}-token prompt")
-  moe_lib.check_wgmma_gate_up(m.cfg, m.policy, features)
+  moe_lib.check_wgmma(m.cfg, m.policy, features)
   B = band_size(S, features)
   n_bands = -(-S // B)
   padded = np.zeros(n_bands * B, np.int32)

@@ -57,7 +57,7 @@ def check_model_features(program: str, cfg, policy_name: str, features: Features
   """Switches that need something of the model (moe_wgmma_gate_up: its gate/up format and sizes), before any
   weights exist; a misfit ends the program with one line naming it (exit status 1)."""
   try:
-    moe_lib.check_wgmma_gate_up(cfg, quant_policy.get(policy_name), features)
+    moe_lib.check_wgmma(cfg, quant_policy.get(policy_name), features)
   except ValueError as e:
     sys.exit(f"{program}: {e}")
 

@@ -297,8 +297,8 @@ def test_decode_through_every_fast_path():
   shared compilation cache (tests/conftest.py)."""
   device = features.device_class()
   m = model.init_random(config.tiny_sparse(), seed=5, dtype=jnp.float32)
-  # moe_wgmma_gate_up needs bf16 operands and D a multiple of 256 (tests/test_model_features.py runs it)
-  on = {s: cap.supported and s not in ("bf16_matmul", "moe_wgmma_gate_up")
+  # the Mosaic GPU switches need bf16 operands and D, I multiples of 256 (tests/test_model_features.py runs them)
+  on = {s: cap.supported and s not in ("bf16_matmul", *features.WGMMA_SWITCHES)
         for s, cap in features.CAPABILITIES[device].items()}
   f = features.resolve(device, on | {"prefill_band_tokens": 12, "long_context_chunk": 0})
   in_threes = dataclasses.replace(f, prefill_band_tokens=3)
@@ -335,6 +335,8 @@ def test_decodes_every_expert_names_the_slow_decode():
   # the Mosaic GPU gate/up decodes W1/W3 itself, but its down reads W2 decoded on every step
   assert decode.decodes_every_expert(quantized, dataclasses.replace(slow, moe_sparse_gate_up=True,
                                                                      moe_wgmma_gate_up=True))
+  assert not decode.decodes_every_expert(quantized, dataclasses.replace(slow, moe_sparse_gate_up=True,
+                                                                         moe_wgmma_gate_up=True, moe_wgmma_down=True))
   assert not decode.decodes_every_expert(plain, slow)
   assert not decode.decodes_every_expert(quantized, features.REFERENCE)
 

@@ -50,7 +50,7 @@ def test_capability_states():
   decode kernel (its gate/up reads the quantized tiles) nor the Mosaic GPU gate/up (no ROCm backend); sm_90 and the
   CPU ran what they advertise; other RDNA3.5 and ROCm devices advertise nothing."""
   states = lambda cls: {s: cap.state for s, cap in CAPABILITIES[cls].items()}
-  not_lowered = {"moe_decode_kernel", "moe_wgmma_gate_up"}
+  not_lowered = {"moe_decode_kernel", *features.WGMMA_SWITCHES}
   assert {s for s, st in states("gfx1151").items() if st != features.LOWERED} == not_lowered
   assert {states("gfx1151")[s] for s in not_lowered} == {features.UNSUPPORTED}
   assert set(states("rdna35_other").values()) == set(states("rocm_other").values()) == {features.UNSUPPORTED}

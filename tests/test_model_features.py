@@ -48,8 +48,8 @@ SUPPORTED = [s for s, cap in CAPABILITIES[DEVICE].items() if cap.supported]
 # prefill_weights_stationary orders the banded prefill's layer steps: tests/test_prefill.py). moe_decode_kernel
 # changes nothing for plain weights (here alone it is the MoE kernels of the switches above); its decode of quantized
 # experts is tested bit for bit in tests/test_moe.py and tests/test_prefill.py.
-# moe_wgmma_gate_up takes bf16 operands and D a multiple of 256: test_wgmma_gate_up_in_the_model.
-EXACT = [s for s in SUPPORTED if s not in ("bf16_matmul", "prefill_weights_stationary", "moe_wgmma_gate_up")]
+# the Mosaic GPU switches take bf16 operands and D, I multiples of 256: test_wgmma_gate_up_and_down_in_the_model.
+EXACT = [s for s in SUPPORTED if s not in ("bf16_matmul", "prefill_weights_stationary", *features.WGMMA_SWITCHES)]
 PER_SWITCH = [s for s in EXACT if s != "moe_decode_kernel"]
 # Each whole-model compile costs ~2 s before any kernel, so each run takes one MoE switch and one attention switch
 # (with the switches each requires): the two change different sublayers of every layer, so either one off the exact
@@ -129,7 +129,7 @@ def test_bf16_matmul_rounds_the_operands_and_stays_close(tiny):
   # On the conditioned init bf16 rounding alone gives NMSE ~4e-6; a routing or indexer near-tie that flips lifts
   # it to 1e-4..5e-4 (seen on 3 of 4 seeds). Unpinned logits cannot be held tighter than that.
   assert np.isfinite(out).all() and 1e-12 < err < BF16_UNPINNED_NMSE
-  everything = features.resolve(DEVICE, {s: s in SUPPORTED and s != "moe_wgmma_gate_up" for s in SWITCHES})
+  everything = features.resolve(DEVICE, {s: s in SUPPORTED and s not in features.WGMMA_SWITCHES for s in SWITCHES})
   assert "bfloat16" in dot_operand_dtypes(m, everything)  # the kernels' dots too (traced, not run)
 
 
@@ -154,43 +154,54 @@ WGMMA_NMSE = 1e-9  # two bf16 paths on the same decoded bits: only the order of 
 
 
 @pytest.mark.skipif(not CAPABILITIES[DEVICE]["moe_wgmma_gate_up"].supported, reason="moe_wgmma_gate_up not advertised")
-def test_wgmma_gate_up_in_the_model(seed):
-  """Under moe_wgmma_gate_up the gate/up is the Mosaic GPU kernel on the FP2-MIX storage and W2 is decoded
-  beforehand: the logits match dequantize-then-matmul's (the same canonical decode, bf16 operands, the Triton
-  gate/up), which the kernels' names show did not run; two bands with weights stationary decode W2 once and leave W1/W3 quantized."""
-  two = config.tiny_window(hidden_size=256, moe_intermediate_size=64)
-  one = config.tiny_window(hidden_size=256, moe_intermediate_size=64, attention=two.attention[:1],
+def test_wgmma_gate_up_and_down_in_the_model(seed):
+  """Under moe_wgmma_gate_up and moe_wgmma_down the gate/up and the down are the Mosaic GPU kernels on the FP2-MIX
+  and FP3-MIX storage: the logits match dequantize-then-matmul's (the same canonical decode, bf16 operands, the
+  Triton kernels), which the kernels' names show did not run; two bands with weights stationary decode nothing
+  (W2 alone without moe_wgmma_down)."""
+  two = config.tiny_window(hidden_size=256, moe_intermediate_size=256)
+  one = config.tiny_window(hidden_size=256, moe_intermediate_size=256, attention=two.attention[:1],
                            routing=two.routing[:1])  # one layer: the Mosaic interpreter is the cost
   m = model.init_random(one, seed=seed, dtype=jnp.float32, policy="lucebox_mix")
   on = lambda *s: features.resolve(DEVICE, {k: k in s for k in SWITCHES} | {"prefill_band_tokens": 0})
-  wgmma = on("bf16_matmul", "moe_sparse_gate_up", "moe_compact_queue", "moe_wgmma_gate_up")
-  triton = on("bf16_matmul", "moe_compact_queue")  # W1/W3 decoded first (the same bits), the Triton gate/up
+  wgmma = on("bf16_matmul", "moe_sparse_gate_up", "moe_compact_queue", "moe_wgmma_gate_up", "moe_wgmma_down")
+  triton = on("bf16_matmul", "moe_compact_queue")  # the stacks decoded first (the same bits), the Triton kernels
   names = lambda f: {n for n, _ in features.pallas_calls(lambda t: m(t, features=f), jnp.asarray(TOKENS))}
-  assert {"moe_gate_up_wgmma", "moe_down"} <= names(wgmma) and "moe_gate_up" not in names(wgmma)
-  assert "moe_gate_up_wgmma" not in names(triton)
+  assert {"moe_gate_up_wgmma", "moe_down_wgmma"} <= names(wgmma) and not {"moe_gate_up", "moe_down"} & names(wgmma)
+  assert not {"moe_gate_up_wgmma", "moe_down_wgmma"} & names(triton)
   logits = lambda f: np.asarray(prefill.prefill(m, TOKENS, f, all_logits=True))
   err = nmse(logits(wgmma), logits(triton))
-  print(f"{DEVICE} moe_wgmma_gate_up against dequantize-then-matmul: NMSE {err:.2e}")
+  print(f"{DEVICE} moe_wgmma_gate_up + moe_wgmma_down against dequantize-then-matmul: NMSE {err:.2e}")
   assert err < WGMMA_NMSE
-  stationary = dataclasses.replace(wgmma, prefill_weights_stationary=True, prefill_band_tokens=TOKENS.size // 2)
-  copy = nnx.merge(*prefill.step_parts(m.layers[0], stationary, n_bands=2, abstract=True))
-  kinds = [type(getattr(copy.ffn.experts, n)).__name__ for n in ("w1", "w2", "w3")]
-  assert kinds == ["QuantizedWeight", "Param", "QuantizedWeight"], kinds
+  for f, want in ((wgmma, ["QuantizedWeight"] * 3),
+                  (dataclasses.replace(wgmma, moe_wgmma_down=False), ["QuantizedWeight", "Param", "QuantizedWeight"])):
+    stationary = dataclasses.replace(f, prefill_weights_stationary=True, prefill_band_tokens=TOKENS.size // 2)
+    copy = nnx.merge(*prefill.step_parts(m.layers[0], stationary, n_bands=2, abstract=True))
+    assert [type(getattr(copy.ffn.experts, n)).__name__ for n in ("w1", "w2", "w3")] == want
 
 
-def test_wgmma_gate_up_refuses_what_it_cannot_run():
-  """At start-up, with the reason: a D that is not a multiple of 256, a gate/up format it does not decode, and a
-  device or feature set without it."""
+def test_wgmma_refuses_what_it_cannot_run():
+  """At start-up, with the reason: a D (gate/up) or I (down) that is not a multiple of 256, a format it does not
+  decode, and a device or feature set without it."""
   f = features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_sparse_gate_up": True, "moe_wgmma_gate_up": True})
   with pytest.raises(ValueError, match="rocmfp2_mix experts needs hidden_size a multiple of 256"):
-    moe.check_wgmma_gate_up(config.tiny_window(), quant_policy.get("lucebox_mix"), f)
+    moe.check_wgmma(config.tiny_window(), quant_policy.get("lucebox_mix"), f)
   with pytest.raises(ValueError, match="stores them as fp4_e2m1"):
-    moe.check_wgmma_gate_up(config.tiny_window(hidden_size=256, moe_intermediate_size=64),
+    moe.check_wgmma(config.tiny_window(hidden_size=256, moe_intermediate_size=64),
                             quant_policy.get("official"), f)
   with pytest.raises(features.FeatureError, match="requires --moe_sparse_gate_up"):
     features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_wgmma_gate_up": True})
   with pytest.raises(features.FeatureError, match="not supported on gfx1151"):
     features.resolve("gfx1151", {"moe_wgmma_gate_up": True})
+  down = dataclasses.replace(f, moe_wgmma_gate_up=False, moe_wgmma_down=True)
+  with pytest.raises(ValueError, match="moe_wgmma_down needs moe_intermediate_size a multiple of 256"):
+    moe.check_wgmma(config.tiny_window(hidden_size=256, moe_intermediate_size=64), quant_policy.get("lucebox_mix"),
+                    down)
+  with pytest.raises(ValueError, match="stores them as fp4_e2m1"):
+    moe.check_wgmma(config.tiny_window(hidden_size=256, moe_intermediate_size=256), quant_policy.get("official"),
+                    down)
+  with pytest.raises(features.FeatureError, match="not supported on gfx1151"):
+    features.resolve("gfx1151", {"moe_wgmma_down": True})
 
 
 def test_direct_and_mask_handoffs_are_byte_identical(tiny):

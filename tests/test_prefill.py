@@ -82,8 +82,8 @@ def test_banded_prefill_with_every_fast_path_matches_one_shot(rng, seed):
   tokens = rng.integers(0, m.cfg.vocab_size, 37)
   ref = np.asarray(model.forward(m, tokens))
   all_on = {s: True for s in features.SWITCHES if features.CAPABILITIES["cpu_interpret"][s].supported
-            and s not in ("bf16_matmul", "moe_wgmma_gate_up")}  # the kernels compute the exact math; bf16
-  # operands do not (and moe_wgmma_gate_up takes only those)
+            and s not in ("bf16_matmul", *features.WGMMA_SWITCHES)}  # the kernels compute the exact math;
+  # bf16 operands do not (and the Mosaic GPU switches take only those)
   got = run(m, tokens, prefill_band_tokens=12, long_context_chunk=0, **all_on)
   err = np.abs(got - ref).max()
   print(f"all fast paths, bands of 12: max abs error {err:.2e}")

@@ -80,7 +80,7 @@ def start_up(opts: Options) -> Setup:
   selected = [c for c in configs if c.mutation or not opts.configs or c.name in opts.configs]
   for c in selected:
     try:
-      moe_lib.check_wgmma_gate_up(cfg, pol, c.features)
+      moe_lib.check_wgmma(cfg, pol, c.features)
     except ValueError as e:
       raise StartupError(f"configuration {c.name}: {e}") from e
   return Setup(cfg=cfg, policy=pol, device_class=dev_cls, base=base, configs=configs, selected=selected, ids=ids,

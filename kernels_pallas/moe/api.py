@@ -7,7 +7,8 @@ Pipeline of `moe` (static shapes; each stage is a jit of its own, inlined under 
   1. routing.route      XLA: stable sort of the S·K routes by expert, counts/offsets, compact work list.
   2. gate_up.gate_up    Pallas: grouped W1/W3 matmul + clamped SwiGLU → h [S·K, I] (sorted rows); with
                         `Config.gate_up_kernel` "wgmma" the Mosaic GPU kernel of gate_up_wgmma.py (sm_90).
-  3. down.down          Pallas: grouped W2 matmul → out [S·K, D] f32 (sorted rows).
+  3. down.down          Pallas: grouped W2 matmul → out [S·K, D] f32 (sorted rows); with `Config.down_kernel`
+                        "wgmma" the Mosaic GPU kernel of down_wgmma.py on FP3-MIX W2 (sm_90).
   4. down.combine       Pallas (fused_combine) or XLA: y[t] = shared[t] + Σ_k w[t,k] · out[row_of_route[t,k]].
 The shared expert, when given as weights, runs through the same two grouped kernels as a single group.
 `plan` returns the static decisions (row tile, work list, grids, kernel names) that `moe` builds, for inspection.
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.moe import _schedule
 from kernels_pallas.moe import down as down_mod
+from kernels_pallas.moe import down_wgmma
 from kernels_pallas.moe import gate_up as gate_up_mod
 from kernels_pallas.moe import gate_up_wgmma
 from kernels_pallas.moe import routing as routing_mod
@@ -70,13 +72,14 @@ def plan(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermed
   if shared_intermediate is not None:
     kernels += ["moe_shared_gate_up" + suffix, "moe_shared_down" + suffix]
   kernels += [gate_up_wgmma.KERNEL_NAME if config.gate_up_kernel == "wgmma" else "moe_gate_up" + suffix,
-              "moe_down" + suffix]
+              down_wgmma.KERNEL_NAME if config.down_kernel == "wgmma" else "moe_down" + suffix]
+  wgmma_grid = (_wgmma_programs(config.num_cores, interpret),)
   if config.fused_combine:
     kernels.append("moe_combine")
   return Plan(block_m=bm, work_list="compact" if config.compact_queue else "dense", max_items=max_items,
               schedule="persistent" if config.persistent else "grid",
-              gate_up_grid=(_wgmma_programs(config.num_cores, interpret),) if config.gate_up_kernel == "wgmma"
-              else grid(max_items, I // config.block_n), down_grid=grid(max_items, D // config.down_bn),
+              gate_up_grid=wgmma_grid if config.gate_up_kernel == "wgmma" else grid(max_items, I // config.block_n),
+              down_grid=wgmma_grid if config.down_kernel == "wgmma" else grid(max_items, D // config.down_bn),
               combine="fused" if config.fused_combine else "xla",
               combine_grid=(-(-S // config.combine_block_t), D // config.combine_block_d)
               if config.fused_combine else None,
@@ -123,6 +126,8 @@ def _check(x, route_weights, route_ids, w1: ExpertWeights, w2: ExpertWeights, w3
     raise ValueError(f"intermediate size I={I} is not a multiple of down_block_k={dbk} (down reduction)")
   if config.gate_up_kernel == "wgmma":
     _check_wgmma(x, w1, w3)
+  if config.down_kernel == "wgmma":
+    _check_wgmma_down(x, w2)
   if config.fused_combine and D % config.combine_block_d:
     raise ValueError(f"hidden size D={D} is not a multiple of combine_block_d={config.combine_block_d}")
   if isinstance(shared, SharedExpert):
@@ -152,6 +157,17 @@ def _check_wgmma(x, w1: ExpertWeights, w3: ExpertWeights) -> None:
   if I % gate_up_wgmma.WGMMA_M or (mix and D % (gate_up_wgmma.META_BOX * 16)) or D % 64:
     raise ValueError(f"gate_up_kernel 'wgmma' needs I a multiple of {gate_up_wgmma.WGMMA_M} and D of "
                      f"{gate_up_wgmma.META_BOX * 16 if mix else 64}; got w1 [E, I, D] = {[E, I, D]}")
+
+
+def _check_wgmma_down(x, w2: ExpertWeights) -> None:
+  """What the Mosaic GPU down takes (down_wgmma.py): bf16 x (so bf16 h), W2 in rocmfp3_mix storage with I a multiple
+  of 256 (a TMA row of meta bytes) and D of 128 (two 64-column N tiles per unit)."""
+  E, D, I = w2.shape
+  if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16) or getattr(w2, "fmt_name", None) != "rocmfp3_mix":
+    raise ValueError(f"down_kernel 'wgmma' takes bf16 x and rocmfp3_mix W2; got x {x.dtype}, w2 "
+                     f"{getattr(w2, 'fmt_name', w2.compute_dtype)}")
+  if I % 256 or D % 128:
+    raise ValueError(f"down_kernel 'wgmma' needs I a multiple of 256 and D of 128; got w2 [E, D, I] = {[E, D, I]}")
 
 
 def moe(x, route_weights, route_ids, w1, w2, w3, *, swiglu_limit: float, shared=None,
@@ -205,6 +221,14 @@ def _gate_up_on_wgmma(x, w1, w3, r, *, swiglu_limit, num_cores, interpret):
                                      num_sms=_wgmma_programs(num_cores, interpret), interpret=interpret or None)
 
 
+@functools.partial(jax.jit, static_argnames=("num_cores", "interpret"))
+def _down_on_wgmma(h, w2, r, *, num_cores, interpret):
+  """The Mosaic GPU down on FP3-MIX storage as it is, at its measured tiling."""
+  tiling = down_wgmma.default_tiling(-(-r.num_routes // w2.shape[0]))
+  return down_wgmma.down_wgmma(h, down_wgmma.mix3_stack(w2.storage), r, tiling=tiling,
+                               num_sms=_wgmma_programs(num_cores, interpret), interpret=interpret or None)
+
+
 def _wgmma_programs(num_cores: int | None, interpret: bool) -> int:
   """The Mosaic gate/up's programs, one per SM (`Config.num_cores`, else the device's; the interpreter, which
   simulates every SM's warpgroups, gets 4)."""
@@ -230,7 +254,10 @@ def _moe(x, route_weights, route_ids, w1, w2, w3, shared, *, swiglu_limit, confi
     h = _gate_up_on_wgmma(x, w1, w3, r, swiglu_limit=swiglu_limit, num_cores=config.num_cores, interpret=interpret)
   else:
     h = _gate_up(x, w1, w3, r, swiglu_limit=swiglu_limit, config=kcfg, interpret=interpret)
-  out = _down(h, w2, r, config=kcfg, interpret=interpret)
+  if config.down_kernel == "wgmma":
+    out = _down_on_wgmma(h, w2, r, num_cores=config.num_cores, interpret=interpret)
+  else:
+    out = _down(h, w2, r, config=kcfg, interpret=interpret)
   if config.fused_combine:
     return _combine(out, route_weights, r, shared, config=config, interpret=interpret)
   return _combine_xla(out, route_weights, r, shared)

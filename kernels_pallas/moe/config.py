@@ -40,8 +40,9 @@ class Config:
                 tiles of an item run together, so its activation tile is read once) measured 14% faster than
                 "item" on the H200 at V4-Flash shapes (8192 tokens: 6.8 vs 8.0 ms; down 2.3 vs 3.2 ms).
   gate_up_kernel "triton" (gate_up.py, every platform) or "wgmma" (gate_up_wgmma.py: Mosaic GPU, sm_90; bf16
-                x, W1/W3 bf16 or FP2-MIX, at its own tiling `gate_up_wgmma.default_tiling`). The other kernels are
-                Triton's either way.
+                x, W1/W3 bf16 or FP2-MIX, at its own tiling `gate_up_wgmma.default_tiling`).
+  down_kernel   "triton" (down.py) or "wgmma" (down_wgmma.py: Mosaic GPU, sm_90; bf16 h, FP3-MIX W2, at
+                `down_wgmma.default_tiling`). The combine and the shared expert are Triton's either way.
   """
 
   block_m: int = 64
@@ -63,6 +64,7 @@ class Config:
   h_dtype: str | None = None
   tile_order: str = "n"
   gate_up_kernel: str = "triton"
+  down_kernel: str = "triton"
 
   # ---- resolved values -------------------------------------------------------------------------------------
   @property
@@ -104,6 +106,8 @@ class Config:
       raise ValueError(f"Config.tile_order={self.tile_order!r}: expected 'item' or 'n'")
     if self.gate_up_kernel not in ("triton", "wgmma"):
       raise ValueError(f"Config.gate_up_kernel={self.gate_up_kernel!r}: expected 'triton' or 'wgmma'")
+    if self.down_kernel not in ("triton", "wgmma"):
+      raise ValueError(f"Config.down_kernel={self.down_kernel!r}: expected 'triton' or 'wgmma'")
     if not is_pow2(self.num_warps):
       raise ValueError(f"Config.num_warps={self.num_warps}: must be a power of two")
     if self.num_stages < 0 or self.programs_per_core < 1:

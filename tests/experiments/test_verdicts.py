@@ -15,8 +15,9 @@ from ds4jax import config, features, model
 from experiments import mutations, verdicts
 
 DEVICE = "cpu_interpret"
-# moe_wgmma_gate_up needs D a multiple of 256, which the tiny model is not (tests/test_model_features.py runs it)
-SUPPORTED = [s for s, cap in features.CAPABILITIES[DEVICE].items() if cap.supported and s != "moe_wgmma_gate_up"]
+# the Mosaic GPU switches need D, I multiples of 256, which the tiny model is not (tests/test_model_features.py)
+SUPPORTED = [s for s, cap in features.CAPABILITIES[DEVICE].items()
+             if cap.supported and s not in features.WGMMA_SWITCHES]
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,11 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # the race detector's state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ds4jax import features
 from ds4jax.metrics import nmse
-from ds4jax.quant import rocmfp3_mix
-from kernels_pallas.moe import routing
+from ds4jax.quant import formats, rocmfp3_mix
+from kernels_pallas import moe as moe_api
+from kernels_pallas.moe import QuantizedExpertWeights, routing
 from kernels_pallas.moe.down import down_reference
 from kernels_pallas.moe.down_wgmma import (HIGH_SELECTOR, TILING, TILING_FEW_ROWS, Mix3Stack, decode_planes3, down_wgmma, mix3_stack,
                                            row_planes, spread_high_bits)
@@ -55,14 +57,16 @@ def dense_bf16(st) -> np.ndarray:
 
 
 def test_decode_planes3_is_the_canonical_decode(rng):
+  # through the values table, as the kernel decodes
   K = 64
   st = mix3_storage(rng, (3, 16, K), flagged_uniform=True)
   ms = mix3_stack(st)
   dense = dense_bf16(st).view(np.uint16)
   for e in range(3):
     hi = np.repeat(np.asarray(ms.codes_hi[e]).astype(np.int32), 2, axis=1) >> (4 * (np.arange(K // 4) % 2))
-    meta = jnp.repeat(ms.meta[e], 4, axis=-1)
-    planes = decode_planes3(ms.codes_lo[e], jnp.asarray(hi), meta, ms.levels[e], ms.zero_flagged[e])
+    meta = np.repeat(np.asarray(ms.meta[e]).astype(np.int32), 4, axis=-1)
+    values = [ms.table[e][meta, k] for k in range(8)]
+    planes = decode_planes3(ms.codes_lo[e], jnp.asarray(hi), values)
     got = np.stack([np.asarray(p).view(np.uint16) for p in planes], axis=-1).reshape(16, K)  # weight 4i + q
     np.testing.assert_array_equal(got, dense[e])
   assert np.any(dense[0] == 0x8000) and np.any(dense[0] == 0)  # mode 0: −0 (code 4, flagged) and +0
@@ -88,7 +92,7 @@ def test_the_eight_level_pick_of_a_byte_pair():
   values = np.array([0x3F80, 0xBE01, 0x0000, 0x7F7F, 0x8000, 0x4120, 0xC2FE, 0x0101], np.int64)  # distinct bytes
   table = [values[2 * h] | values[2 * h + 1] << 16 for h in range(4)]
   pairs, hb = (a.reshape(-1) for a in np.meshgrid(np.arange(1 << 16), np.arange(256), indexing="ij"))
-  pairs, hb = pairs[::7], hb[::7]  # every pair and every high byte, not every combination (time)
+  pairs, hb = pairs[::31], hb[::31]  # every pair and every high byte, not every combination (time)
   spread = spread_high_bits(hb)
   for q in range(4):
     sel = np.asarray(prmt_selectors(jnp.asarray(pairs, jnp.int32), q)).astype(np.int64)
@@ -146,7 +150,7 @@ def test_down_wgmma_rejects_bad_input(rng):
   with pytest.raises(ValueError, match="bf16 h"):
     down_wgmma(h.astype(jnp.float32), w2, r)
   with pytest.raises(ValueError, match="I a multiple of 256"):
-    down_wgmma(h[:, :128], Mix3Stack(*(a[..., :k] for a, k in zip(w2[:3], (32, 16, 8))), *w2[3:]), r)
+    down_wgmma(h[:, :128], Mix3Stack(*(a[..., :k] for a, k in zip(w2[:3], (32, 16, 8))), w2.table), r)
   with pytest.raises(ValueError, match="block_n 64"):
     down_wgmma(h, w2, r, tiling=Tiling(block_n=128))
 
@@ -155,8 +159,7 @@ def test_down_wgmma_lowers_for_sm90_at_v4_flash_shapes():
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D, I = 8192, 6, 256, 4096, 2048
   u8 = lambda k: jax.ShapeDtypeStruct((E_, D, I // k), jnp.uint8)
-  w2 = Mix3Stack(u8(4), u8(8), u8(16), jax.ShapeDtypeStruct((E_, 2, 8), jnp.float32),
-                 jax.ShapeDtypeStruct((E_,), jnp.int32))
+  w2 = Mix3Stack(u8(4), u8(8), u8(16), jax.ShapeDtypeStruct((E_, 256, 8), jnp.bfloat16))
   h = jax.ShapeDtypeStruct((S * K, I), jnp.bfloat16)
   r = jax.eval_shape(lambda i: routing.route(i, E_, 128), jax.ShapeDtypeStruct((S, K), jnp.int32))
   def lower(t):
@@ -167,3 +170,32 @@ def test_down_wgmma_lowers_for_sm90_at_v4_flash_shapes():
     assert "mosaic_gpu" in lower(t)
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     lower(dataclasses.replace(TILING, stages=6))
+
+
+def test_moe_runs_it_for_down_kernel_wgmma(rng):
+  # api.moe with Config.down_kernel "wgmma": the Triton gate/up on FP2-MIX W1/W3 (decoded in-kernel), this kernel on
+  # the FP3-MIX storage; the whole MoE against the exact reference on the same weights (bf16 operands). Then what it
+  # refuses, at the call.
+  S, K, D, I = 24, 2, 128, 256
+  x = jnp.asarray(rng.standard_normal((S, D)), jnp.bfloat16)
+  w1, w2, w3 = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-1]), jnp.float32)
+                for s in ((E, I, D), (E, D, I), (E, I, D)))
+  q = lambda fmt, w: QuantizedExpertWeights.from_storage(fmt, formats.get(fmt).quantize(w), w.shape)
+  q1, q2, q3 = q("rocmfp2_mix", w1), q("rocmfp3_mix", w2), q("rocmfp2_mix", w3)
+  ids = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(S)]), jnp.int32)
+  rw = jnp.asarray(rng.random((S, K)), jnp.float32)
+  cfg = moe_api.Config.default(num_tokens=S, top_k=K, num_experts=E, hidden=D, intermediate=I,
+                               platform="cuda" if ON_GPU else "cpu", down_kernel="wgmma")
+  run = lambda x, w=q2: moe_api.moe(x, rw, ids, q1, w, q3, swiglu_limit=3.0, config=cfg, interpret=not ON_GPU,
+                                    validate_routes=False)
+  calls = features.pallas_calls(run, x)
+  plan = moe_api.plan(num_tokens=S, top_k=K, num_experts=E, hidden=D, intermediate=I, config=cfg,
+                      interpret=not ON_GPU)
+  assert tuple(n for n, _ in calls) == plan.kernels and plan.kernels[1] == "moe_down_wgmma"
+  assert calls[1][1] == plan.down_grid
+  ref = moe_api.moe_reference(x, rw, ids, q1, q2, q3, swiglu_limit=3.0, operand_dtype=jnp.bfloat16)
+  assert float(jnp.mean(jnp.abs(ref))) > 0.1
+  err = nmse(run(x), ref)
+  assert err <= 1e-8, err
+  with pytest.raises(ValueError, match="takes bf16 x and rocmfp3_mix W2"):
+    run(x, moe_api.DenseWeights(w2.astype(jnp.bfloat16)))
