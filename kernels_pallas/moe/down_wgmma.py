@@ -13,12 +13,11 @@ FP3-MIX (lucebox_mix's down format, `rocmfp3_mix`): a weight's 3-bit level index
 FP2-MIX's codes: weight 4i + q at bits 2q of byte i) and a high bit (codes_hi: weight 8c + b at bit b of byte c), so
 the code-byte pair (2c, 2c + 1) that a thread holds in wgmma's register layout has its 8 high bits in one byte, c.
 The TMA warpgroup copies 16-byte-wide tiles of high-bit bytes (128 weights: 2 K steps) and of meta bytes (256: 4
-steps), the minimum TMA row, each copied again for every step it covers, and the expert's table of the 8 values of
-each meta byte (`values_table`, 4 KiB). Compiled, a pair's 8 values are one 16-byte load of that table (4
-registers); plane q's two weights are `prmt`s of the low and the high 4 values by the low bits (gate_up_wgmma's
-selectors), then a mask made by a sign-replicating `prmt` of the high bits picks between them. The interpreter runs
-`decode_planes3` (pure jnp) through shared memory. Both give the canonical decode's bits, summed over K in plane
-order.
+steps), the minimum TMA row, each copied again for every step it covers. Compiled, a pair's 8 values (its meta
+byte's scale times the 8 levels of its book) are packed in 4 registers; plane q's two weights are `prmt`s of the
+low and the high 4 values by the low bits (gate_up_wgmma's selectors), then a mask made by a sign-replicating
+`prmt` of the high bits picks between them (`high_bit_mask`). The interpreter runs `decode_planes3` (pure jnp)
+through shared memory. Both give the canonical decode's bits, summed over K in plane order.
 
 h comes as planes too ([4, rows, I/4], plane q column i = h column 4i + q: `row_planes`, an XLA transpose of h).
 Each warpgroup stores its f32 output tile [rows, 64] from registers (`store_transposed_rows`); the interpreter
@@ -42,7 +41,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
-                                              aligned_items, prmt_selectors_ir, table_row, values_table)
+                                              aligned_items, half_block_values, half_block_values_ir,
+                                              prmt_selectors_ir)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -64,12 +64,13 @@ def default_tiling(rows_per_expert: int) -> Tiling:
 
 class Mix3Stack(NamedTuple):
   """An FP3-MIX expert stack [E, N, K] as this kernel reads it (`mix3_stack`): codes_lo [E, N, K/4], codes_hi
-  [E, N, K/8] and meta [E, N, K/16] u8 as stored; table [E, 256, 8] bf16: the 8 values that a half-block with meta
-  byte m takes (`values_table`)."""
+  [E, N, K/8] and meta [E, N, K/16] u8 as stored; levels [E, 2, 8] f32, the books' entries or for a mode-0 expert
+  the fixed levels (rocmfp3.levels) in both; zero_flagged [E] i32, 1 where a set bit 7 zeroes the scale (mode 0)."""
   codes_lo: jax.Array
   codes_hi: jax.Array
   meta: jax.Array
-  table: jax.Array
+  levels: jax.Array
+  zero_flagged: jax.Array
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -82,8 +83,8 @@ def mix3_stack(storage: dict) -> Mix3Stack:
   uniform = jnp.asarray(storage["mode"]) == 0
   fixed = rocmfp3.levels(jnp.arange(rocmfp3_mix.LEVELS))
   levels = jnp.where(uniform[:, None, None], fixed, jnp.asarray(storage["books"]).astype(F32))
-  return Mix3Stack(*(jnp.asarray(storage[k]) for k in ("codes_lo", "codes_hi", "scales")),
-                   values_table(levels, uniform.astype(I32)))
+  return Mix3Stack(*(jnp.asarray(storage[k]) for k in ("codes_lo", "codes_hi", "scales")), levels,
+                   uniform.astype(I32))
 
 
 def row_planes(h, block_m: int) -> jax.Array:
@@ -94,11 +95,12 @@ def row_planes(h, block_m: int) -> jax.Array:
   return hp.reshape(n, -1, PLANES).transpose(2, 0, 1)
 
 
-def decode_planes3(codes_lo, high_nibbles, values) -> list[jax.Array]:
-  """codes_lo and high_nibbles [n, m] → 4 bf16 planes [n, m], plane q holding weight 4i + q of byte i.
-  high_nibbles: the high bits of byte i's 4 weights (bit q for weight 4i + q); values: 8 arrays [n, m], byte i's
-  half-block's values (from the table). Pure jnp: runs in the interpreter and in tests."""
+def decode_planes3(codes_lo, high_nibbles, meta, levels, zero_flagged) -> list[jax.Array]:
+  """codes_lo, meta (one per code byte) and high_nibbles [n, m] → 4 bf16 planes [n, m], plane q holding weight
+  4i + q of byte i. high_nibbles: the high bits of byte i's 4 weights (bit q for weight 4i + q). levels [2][8]
+  scalars. The canonical decode's products: the same bits. Pure jnp: runs in the interpreter and in tests."""
   b, hi = codes_lo.astype(I32), high_nibbles.astype(I32)
+  values = half_block_values(meta, levels, zero_flagged)
   return [rocmfp_mix.pick([(b >> 2 * q) & 1 != 0, (b >> 2 * q) & 2 != 0, (hi >> q) & 1 != 0], values)
           for q in range(PLANES)]
 
@@ -116,28 +118,33 @@ def high_bit_mask_ir(spread, q: int):
   return mgpu.utils.prmt(y, y, arith.constant(i32, HIGH_SELECTOR))
 
 
-def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, table_ref) -> list[jax.Array]:
+def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels, zero_flagged) -> list[jax.Array]:
   """decode_planes3 in wgmma's register layout, compiled (sm_90). Each code-byte pair (2c, 2c + 1) of a thread
-  reads its high-bit byte (column hi_first + c of `hi_ref`) and its meta byte m (column meta_first + c // 2 of
-  `meta_ref`), then its 8 values as 4 registers in one load of row m of `table_ref` (all three in shared memory);
-  each plane's two weights are two prmts (low and high 4 values) merged by high_bit_mask. Not in interpret mode."""
+  reads its high-bit byte (column hi_first + c of `hi_ref`) and its meta byte (column meta_first + c // 2 of
+  `meta_ref`), both shared-memory tiles; makes its 8 values once and packs them in 4 registers; each plane's two
+  weights are two prmts (low and high 4 values) merged by high_bit_mask. Not in interpret mode."""
   wg = plgpu.Layout.WGMMA
+  scalars = [hi_first, meta_first] + [levels[s][k] for s in range(2) for k in range(8)] + [zero_flagged]
 
-  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), wg, wg),
+  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(), plgpu.RefType()) + (wg,) * len(scalars),
                      return_type=[plgpu.ShapeDtypeStruct(codes_lo.shape, BF16, layout=wg)] * PLANES)
-  def planes(_, code_bytes, hi_smem, meta_smem, table_smem, hi_first, meta_first):
+  def planes(_, code_bytes, hi_smem, meta_smem, *args):
     i16, i32, index = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.IndexType.get()
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
     const = lambda v, t=i32: arith.constant(t, v)
-    hi_col, meta_col = (arith.index_cast(index, a.registers.item()) for a in (hi_first, meta_first))
+    args = [a.registers.item() for a in args]  # scalars come as splat arrays
+    hi_col, meta_col = (arith.index_cast(index, a) for a in args[:2])
+    lv, zf = [args[2:10], args[10:18]], args[18]
+    zero_flagged_set = arith.cmpi(arith.CmpIPredicate.ne, zf, const(0))
     out = [np.empty(code_bytes.registers.shape, object) for _ in range(PLANES)]
     where = code_bytes.layout.thread_idxs(code_bytes.shape)  # (row, column) of each register's first byte
     for (idx, reg), (row, col) in zip(np.ndenumerate(code_bytes.registers), where, strict=True):
       w = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
       hb = arith.extui(i32, memref.load(hi_smem, [row, arith.addi(hi_col, arith.divui(col, const(2, index)))]))
       half_block = arith.addi(meta_col, arith.divui(col, const(rocmfp_layout.HALF // PLANES, index)))
-      m = arith.index_cast(index, memref.load(meta_smem, [row, half_block]))
-      table = table_row(table_smem, m, const(0, index), rocmfp3_mix.LEVELS)
+      m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
+      vals = half_block_values_ir(m, lv, zero_flagged_set)
+      table = [mgpu.utils.bitcast(vector.from_elements(pair, vals[2 * h:2 * h + 2]), i32) for h in range(4)]
       spread = arith.ori(arith.andi(hb, const(0xF)), arith.shli(arith.andi(hb, const(0xF0)), const(4)))
       for q in range(PLANES):
         sel = prmt_selectors_ir(w, q)
@@ -147,7 +154,7 @@ def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, table_
         out[q][idx] = mgpu.utils.bitcast(picked, pair)
     return [mgpu.FragmentedArray(_registers=o, _layout=code_bytes.layout, _is_signed=None) for o in out]
 
-  return planes(codes_lo, hi_ref, meta_ref, table_ref, hi_first, meta_first)
+  return planes(codes_lo, hi_ref, meta_ref, *scalars)
 
 
 def store_transposed_rows(acc, out_ref, row0, lo, end, col0) -> None:
@@ -175,29 +182,27 @@ def store_transposed_rows(acc, out_ref, row0, lo, end, col0) -> None:
   _(acc, out_ref, row0, lo, end, col0)
 
 
-def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, hi_g, meta_g, table_g, out_g, *,
-            t: Tiling, max_items: int, n_pairs: int, k_dim: int, lhs_in_smem: bool):
-  """x_g: h's planes [4, rows, I/4]; lo/hi/meta/table: the Mix3Stack; out_g [R, D] f32."""
+def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, hi_g, meta_g, levels_g, zf_g,
+            out_g, *, t: Tiling, max_items: int, n_pairs: int, k_dim: int, lhs_in_smem: bool):
+  """x_g: h's planes [4, rows, I/4]; lo/hi/meta/levels/zf: the Mix3Stack; out_g [R, D] f32."""
   bk = t.block_k // PLANES  # code bytes (and plane columns) per row per K step
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   per_meta = META_BOX // (t.block_k // rocmfp_layout.HALF)  # K steps covered by one meta tile
   per_hi = HI_BOX // (t.block_k // 8)  # and by one high-bit tile
   x_spec = plgpu.BlockSpec((PLANES, t.block_m, bk), lambda k: (0, 0, k), transforms=tiles, memory_space=plgpu.SMEM)
-  # the expert's values table, copied again each step (4 KiB): the pipeline takes only step-dependent inputs
-  table_spec = plgpu.BlockSpec(table_g.shape[1:], lambda k: (k * 0, 0), memory_space=plgpu.SMEM)
   w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM),
              plgpu.BlockSpec((t.block_n, HI_BOX), lambda k: (0, k // per_hi), memory_space=plgpu.SMEM),
              plgpu.BlockSpec((t.block_n, META_BOX), lambda k: (0, k // per_meta), memory_space=plgpu.SMEM)] * 2
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_dim // t.block_k,), memory_registers=t.producer_registers,
-        in_specs=[x_spec, table_spec] + w_specs, wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=compute_context)
+        body, grid=(k_dim // t.block_k,), memory_registers=t.producer_registers, in_specs=[x_spec] + w_specs,
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=compute_context)
 
   def operands(e, g, x_start):  # h's rows, then each warpgroup's N tile (2g + v) of the three byte arrays
     ws = [a.at[e, pl.ds((2 * g + v) * t.block_n, t.block_n)] for v in range(2) for a in (lo_g, hi_g, meta_g)]
-    return [x_g.at[:, pl.ds(x_start, t.block_m)], table_g.at[e]] + ws
+    return [x_g.at[:, pl.ds(x_start, t.block_m)]] + ws
 
   noop = lambda *_, **__: None
   scratch = {}
@@ -231,6 +236,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
 
         first, rows = rows_in(x_start, t.block_m)
         blocks = range(t.block_m // t.mma_rows)
+        levels = [[levels_g[e, s, k] for k in range(rocmfp3_mix.LEVELS)] for s in range(2)]
+        flagged = zf_g[e]
 
         def context(run):
           @functools.partial(pl.run_scoped, accs=[plgpu.ACC((t.block_n, t.mma_rows), F32) for _ in blocks])
@@ -248,7 +255,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
             plgpu.commit_smem()
             _store_rows(out_smem, wg, first - x_start, out_g, first, rows, pl.ds(col0, t.block_n), t.block_m)
 
-        def mma(idx, x_s, table_s, *args):
+        def mma(idx, x_s, *args):
           *w_ss, accs = args
           hi_col = idx[0] % per_hi * (t.block_k // 8)  # this step's first high-bit column
           meta_col = idx[0] % per_meta * (t.block_k // rocmfp_layout.HALF)
@@ -260,17 +267,15 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
                 hi = jnp.repeat(hi_s[:, pl.ds(hi_col, t.block_k // 8)], 2, axis=1)  # byte c for code bytes 2c, 2c+1
                 odd = lax.broadcasted_iota(I32, hi.shape, 1) % 2
                 meta = jnp.repeat(meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)],
-                                  rocmfp_layout.HALF // PLANES, axis=1).astype(I32)
-                table = table_s[...]
-                values = [table[meta, k] for k in range(rocmfp3_mix.LEVELS)]
-                planes = decode_planes3(lo_s[...], hi.astype(I32) >> (4 * odd), values)
+                                  rocmfp_layout.HALF // PLANES, axis=1)
+                planes = decode_planes3(lo_s[...], hi.astype(I32) >> (4 * odd), meta, levels, flagged)
                 buf = idx[0] % 2
                 for q, plane in enumerate(planes):
                   dec[buf, v, q] = plane
                 plgpu.commit_smem()
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
               else:
-                planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, table_s)
+                planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels, flagged)
               for b in blocks:
                 def issue(b=b):
                   rows = pl.ds(b * t.mma_rows, t.mma_rows)

@@ -28,7 +28,7 @@ warpgroup's decode runs while the other's wgmmas do. Plane q of a K step holds w
 x comes as planes too (`sorted_planes`) and the MMAs sum over K in another order than gate_up.py. Warpgroup 1 hands
 its accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows.
 Compiled, the planes come from `decode_planes_prmt` (a byte permute per two weights; each code-byte pair reads its
-meta byte, then its 4 values from the expert's table of them, `values_table`, both in shared memory); the interpreter runs neither inline code nor wgmmas on register operands, so there
+meta byte from shared memory); the interpreter runs neither inline code nor wgmmas on register operands, so there
 the planes are decode_planes' and go through shared memory. Both give the canonical decode's bits.
 Tried and removed (BENCHMARKS.md has the figures): planes decoded into shared memory by each warpgroup, or half of
 them by each (`shared_decode`; 10.7 and 11.5 ms at 8192 tokens against 5.2 now); the meta byte repeated per code
@@ -150,13 +150,14 @@ def sorted_rows(x, r: Routing, block_m: int) -> jax.Array:
 
 
 class MixStack(NamedTuple):
-  """An FP2-MIX expert stack [E, N, K] as this kernel reads it (`mix_stack`). codes [E, N, K/4] and meta
+  """An FP2-MIX expert stack [E, N, K] as this kernel reads it (`mix_stack`). codes [E, N, K/4] u8 and meta
   [E, N, K/16] u8 as stored (weight 4i + q at bits 2q of code byte i; one meta byte per 16-weight half-block);
-  table [E, 128, 8] bf16: the 4 values a half-block with meta byte m takes (`values_table`), at row m // 2,
-  columns 4 (m % 2) + k (a TMA row needs 16 bytes)."""
+  levels [E, 2, 4] f32: the two books' entries, or for a mode-0 (uniform) expert the fixed levels c − 1 in both;
+  zero_flagged [E] i32: 1 where a set bit 7 zeroes the scale (mode 0) instead of selecting book 1."""
   codes: jax.Array
   meta: jax.Array
-  table: jax.Array
+  levels: jax.Array
+  zero_flagged: jax.Array
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -164,25 +165,13 @@ class MixStack(NamedTuple):
     return E, N, K4 * PLANES
 
 
-def values_table(levels, zero_flagged) -> jax.Array:
-  """[E, 256, L] bf16: for each expert and meta byte, the L values of its half-blocks (half_block_values: the
-  canonical decode's products). levels [E, 2, L] f32: the books' entries, or for a mode-0 (uniform) expert the
-  fixed levels in both; zero_flagged [E]: 1 where a set bit 7 zeroes the scale (mode 0) instead of selecting book
-  1. Why a table: a half-block's values in one shared-memory load cost the kernels' decode a fraction of making
-  them (~20-30 instructions)."""
-  meta = jnp.arange(256, dtype=I32)[None, :]
-  lv = [[levels[:, s, k][:, None] for k in range(levels.shape[-1])] for s in range(2)]
-  return jnp.stack(half_block_values(meta, lv, zero_flagged[:, None]), axis=-1)
-
-
 def mix_stack(storage: dict) -> MixStack:
-  """From rocmfp2_mix storage arrays (codes, scales, books, mode): the code and meta bytes themselves, and each
-  expert's values table (2 KiB an expert)."""
+  """From rocmfp2_mix storage arrays (codes, scales, books, mode): the codes and meta bytes themselves, and each
+  expert's 8 levels and mode flag (a few bytes an expert)."""
   uniform = jnp.asarray(storage["mode"]) == 0
   fixed = rocmfp2_mix.fixed_level(jnp.arange(rocmfp2_mix.LEVELS)).astype(F32)
   levels = jnp.where(uniform[:, None, None], fixed, jnp.asarray(storage["books"]).astype(F32))
-  table = values_table(levels, uniform.astype(I32))
-  return MixStack(jnp.asarray(storage["codes"]), jnp.asarray(storage["scales"]), table.reshape(-1, 128, 8))
+  return MixStack(jnp.asarray(storage["codes"]), jnp.asarray(storage["scales"]), levels, uniform.astype(I32))
 
 
 def half_block_values(meta, levels, zero_flagged) -> list[jax.Array]:
@@ -199,11 +188,29 @@ def half_block_values(meta, levels, zero_flagged) -> list[jax.Array]:
   return [(jnp.where(flagged, levels[1][k], levels[0][k]) * scale).astype(BF16) for k in range(len(levels[0]))]
 
 
-def decode_planes(codes, values) -> list[jax.Array]:
-  """Code bytes [n, m] → 4 bf16 planes [n, m], plane q holding weight 4i + q of byte i; values: 4 arrays [n, m],
-  byte i's half-block's values (half_block_values, or looked up in the table). Pure jnp: runs in the kernel
-  (interpreter) and in tests."""
+def half_block_values_ir(m, levels, zero_flagged_set):
+  """half_block_values in Mosaic GPU IR for one meta byte `m` (i32): the bf16 values of levels[s][k] (f32 IR
+  scalars); zero_flagged_set an i1. The same f32 products, so the same bits."""
+  i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+  const = lambda v, t=i32: arith.constant(t, v)
+  flagged = arith.cmpi(arith.CmpIPredicate.uge, m, const(rocmfp_mix.SELECT_BIT))
+  m7 = arith.andi(m, const(0x7F))
+  c = arith.bitcast(f32, arith.addi(arith.shli(m7, const(20)), const((127 - 8) << 23)))
+  low = arith.subf(arith.mulf(c, const(2.0, f32)), const(2.0**-7, f32))
+  scale = arith.select(arith.cmpi(arith.CmpIPredicate.ult, m7, const(8)), low, c)
+  zero = arith.ori(arith.cmpi(arith.CmpIPredicate.ugt, m7, const(ue4m3.MAX_BYTE)),
+                   arith.andi(flagged, zero_flagged_set))
+  scale = arith.select(zero, const(0.0, f32), scale)
+  return [arith.truncf(ir.BF16Type.get(), arith.mulf(arith.select(flagged, levels[1][k], levels[0][k]), scale))
+          for k in range(len(levels[0]))]
+
+
+def decode_planes(codes, meta, levels, zero_flagged) -> list[jax.Array]:
+  """Code bytes and meta bytes [n, m] → 4 bf16 planes [n, m], plane q holding weight 4i + q of byte i; `levels`
+  is [2][4] scalars. The canonical decode's products (book level × UE4M3 scale in f32, then bf16): the same bits.
+  Pure jnp: runs in the kernel and in tests."""
   b = codes.astype(I32)
+  values = half_block_values(meta, levels, zero_flagged)
   # code bit j of weight 4i + q tested as the sign of the byte shifted left (one shift and a compare per bit)
   return [rocmfp_mix.pick([(b << (31 - 2 * q)) < 0, (b << (30 - 2 * q)) < 0], values) for q in range(PLANES)]
 
@@ -227,43 +234,38 @@ def prmt_selectors_ir(code_pairs, q: int):
                     const(offset))
 
 
-def decode_planes_prmt(codes, meta_ref, first, table_ref, table_col: int) -> list[jax.Array]:
+def decode_planes_prmt(codes, meta_ref, first, levels, zero_flagged) -> list[jax.Array]:
   """decode_planes in wgmma's register layout, compiled (sm_90): in that layout a thread's bytes come in pairs
-  (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair reads its meta byte m, column
-  first + c // 2 of `meta_ref`, then its 4 values as two registers in one load of `table_ref` (row m // 2,
-  columns table_col + 4 (m % 2) on: the stack's table as MixStack stores it; both in shared memory), and each plane's two weights are one `prmt` of them by `prmt_selectors`: ~4 instructions per 2
-  weights. Not in interpret mode (inline Mosaic GPU code has no interpreter); its planes are decode_planes' bits."""
+  (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair reads its meta byte, column
+  first + c // 4 of `meta_ref` (a shared-memory tile of meta bytes), makes its 4 values once (the same f32
+  products, rounded to bf16 as in decode_planes), packs them in two registers, and each plane's two weights are one
+  `prmt` of them by `prmt_selectors`: ~4 instructions per 2 weights, where decode_planes spends ~12 per weight.
+  Not in interpret mode (inline Mosaic GPU code has no interpreter); its planes are decode_planes' bits."""
   wg = plgpu.Layout.WGMMA
+  scalars = [first] + [levels[s][k] for s in range(2) for k in range(4)] + [zero_flagged]
 
-  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(), plgpu.RefType(), wg),
+  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()) + (wg,) * len(scalars),
                      return_type=[plgpu.ShapeDtypeStruct(codes.shape, BF16, layout=wg)] * PLANES)
-  def planes(_, code_bytes, meta_smem, table_smem, first):
+  def planes(_, code_bytes, meta_smem, *args):
     i16, i32, index = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.IndexType.get()
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
-    first_col = arith.index_cast(index, first.registers.item())
+    const = lambda v, t=i32: arith.constant(t, v)
+    args = [a.registers.item() for a in args]  # scalars come as splat arrays
+    first_col, lv, zf = arith.index_cast(index, args[0]), [args[1:5], args[5:9]], args[9]
+    zero_flagged_set = arith.cmpi(arith.CmpIPredicate.ne, zf, const(0))
     out = [np.empty(code_bytes.registers.shape, object) for _ in range(PLANES)]
     where = code_bytes.layout.thread_idxs(code_bytes.shape)  # (row, column) of each register's first byte
     for (idx, reg), (row, col) in zip(np.ndenumerate(code_bytes.registers), where, strict=True):
       w = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
-      half_block = arith.addi(first_col, arith.divui(col, arith.constant(index, rocmfp_layout.HALF // PLANES)))
-      m = arith.index_cast(index, memref.load(meta_smem, [row, half_block]))
-      two, four = arith.constant(index, 2), arith.constant(index, rocmfp2_mix.LEVELS)
-      col = arith.addi(arith.constant(index, table_col), arith.muli(arith.remui(m, two), four))
-      table = table_row(table_smem, arith.divui(m, two), col, rocmfp2_mix.LEVELS)
+      half_block = arith.addi(first_col, arith.divui(col, const(rocmfp_layout.HALF // PLANES, index)))
+      m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
+      vals = half_block_values_ir(m, lv, zero_flagged_set)
+      table = [mgpu.utils.bitcast(vector.from_elements(pair, vals[2 * h:2 * h + 2]), i32) for h in range(2)]
       for q in range(PLANES):
         out[q][idx] = mgpu.utils.bitcast(mgpu.utils.prmt(table[0], table[1], prmt_selectors_ir(w, q)), pair)
     return [mgpu.FragmentedArray(_registers=o, _layout=code_bytes.layout, _is_signed=None) for o in out]
 
-  return planes(codes, meta_ref, table_ref, first)
-
-
-def table_row(table_smem, row, col, levels: int) -> list:
-  """`levels` bf16 values from (row, col) (indices) of a shared-memory table, as levels / 2 i32 registers of two
-  values each: one vector load."""
-  i32 = ir.IntegerType.get_signless(32)
-  vals = vector.load(ir.VectorType.get((levels,), ir.BF16Type.get()), table_smem, [row, col])
-  vals = vector.bitcast(ir.VectorType.get((levels // 2,), i32), vals)
-  return [vector.extract(vals, [], [h]) for h in range(levels // 2)]
+  return planes(codes, meta_ref, *scalars)
 
 
 def sorted_planes(x, r: Routing, block_m: int) -> jax.Array:
@@ -289,11 +291,10 @@ def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: 
 def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
             max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool):
   """x_g is x_sorted [rows, D] (bf16 weights) or its planes [4, rows, D/4] (FP2-MIX). refs: the weight arrays
-  (w1, w3 | w13 | W1's and W3's tables side by side [E, 128, 16], then codes, meta of W1, then of W3), then h."""
+  (w1, w3 | w13 | codes, meta, levels, zero_flagged of W1 then of W3), then h."""
   *w_gs, h_g = refs
   if mix:
-    table_g, w_gs = w_gs[0], w_gs[1:]
-    stacks = [w_gs[:2], w_gs[2:]]
+    stacks = [w_gs[:4], w_gs[4:]]
     n_w, w_rows, fused, bk = 2, t.block_n, False, t.block_k // PLANES
   else:
     n_w = len(w_gs)
@@ -312,11 +313,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
     code_spec = plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM, delay_release=delay)
     meta_spec = plgpu.BlockSpec((t.block_n, META_BOX), lambda k: (0, k // per_box), memory_space=plgpu.SMEM,
                                 delay_release=delay)
-    # compiled, the expert's two values tables are copied with each step (4 KiB; the pipeline takes only
-    # step-dependent inputs). Mosaic GPU's interpreter deadlocks on that pipeline (unexplained; down_wgmma's runs),
-    # so there the decode reads them from global memory.
-    table_spec = plgpu.BlockSpec(table_g.shape[1:], lambda k: (k * 0, 0), memory_space=plgpu.SMEM)
-    w_specs = ([] if lhs_in_smem else [table_spec]) + [code_spec, meta_spec] * 2
+    w_specs = [code_spec, meta_spec] * 2
   else:
     w_specs = [plgpu.BlockSpec((w_rows, bk), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM,
                                delay_release=delay)] * n_w
@@ -329,8 +326,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   def operands(e, j, x_start):  # the pipeline's arrays for one unit: x rows, then the weight tiles' rows
     cols = pl.ds(j * w_rows, w_rows)
     x = x_g.at[:, pl.ds(x_start, t.block_m)] if mix else x_g.at[pl.ds(x_start, t.block_m)]
-    ws = ([] if lhs_in_smem else [table_g.at[e]]) + [a for c, m in stacks for a in (c.at[e, cols], m.at[e, cols])] \
-        if mix else [w.at[e, cols] for w in w_gs]
+    ws = [a.at[e, cols] for c, m, _, _ in stacks for a in (c, m)] if mix else [w.at[e, cols] for w in w_gs]
     return [x] + ws
 
   noop = lambda *_, **__: None
@@ -378,6 +374,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         if mix:  # both warpgroups cover the whole row tile, one projection each
           first, rows = rows_in(x_start, t.block_m)
           blocks = range(t.block_m // t.mma_rows)
+        if mix:  # this expert's book levels and mode flag, as scalars
+          sides = [([[lv[e, s, k] for k in range(4)] for s in range(2)], zf[e]) for _, _, lv, zf in stacks]
 
         def lhs_context(run):
           @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, t.mma_rows), F32)] for _ in blocks])
@@ -410,25 +408,24 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
               _store_rows(out_smem, 0, first - x_start, h_g, first, rows, cols, t.block_m)
 
         def lhs_mma(idx, x_s, *args):
-          table_s, *w_ss, accs = (table_g.at[e],) + args if lhs_in_smem else args
+          *w_ss, accs = args
           for v in range(2):
             @pl.when(wg == v)
             def _(v=v):
-              codes_s, meta_s = w_ss[2 * v:2 * v + 2]
-              table_col = v * 2 * rocmfp2_mix.LEVELS  # this stack's columns of the two tables
+              levels, flagged = sides[v]
+              codes_s, meta_s = w_ss[2 * v], w_ss[2 * v + 1]
               meta_col = idx[0] % per_box * (t.block_k // rocmfp_layout.HALF)  # this step's first meta column
               if lhs_in_smem:
                 meta = meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)]
-                meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1).astype(I32)  # one per code byte
-                table = table_s[:, pl.ds(table_col, 2 * rocmfp2_mix.LEVELS)].reshape(-1, rocmfp2_mix.LEVELS)
-                planes = decode_planes(codes_s[...], [table[meta, k] for k in range(rocmfp2_mix.LEVELS)])
+                meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1)  # one per code byte
+                planes = decode_planes(codes_s[...], meta, levels, flagged)
                 buf = idx[0] % 2
                 for q, plane in enumerate(planes):
                   dec[buf, v, q] = plane
                 plgpu.commit_smem()
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
               else:
-                planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, table_s, table_col)
+                planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
               if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
                 plgpu.wgmma_wait(0)
               for b in blocks:
@@ -545,6 +542,5 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   if mix:
-    tables = jnp.concatenate([w1.table, w3.table], axis=-1)
-    return kernel(*items, sorted_planes(x, r, t.block_m), tables, w1.codes, w1.meta, w3.codes, w3.meta)
+    return kernel(*items, sorted_planes(x, r, t.block_m), *w1, *w3)
   return kernel(*items, x if rows_sorted else sorted_rows(x, r, t.block_m), *ws)

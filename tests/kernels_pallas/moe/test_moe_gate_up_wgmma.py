@@ -26,8 +26,8 @@ from ds4jax.quant import formats, rocmfp2_mix, ue4m3
 from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
 from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
-                                              gate_up_wgmma, half_block_values, interleave, mix_stack, prmt_selectors,
-                                              sorted_planes, sorted_rows)
+                                              gate_up_wgmma, interleave, mix_stack, prmt_selectors, sorted_planes,
+                                              sorted_rows)
 
 ON_GPU = jax.default_backend() == "gpu"
 LIMIT = 3.0
@@ -133,7 +133,8 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
   x = jax.ShapeDtypeStruct((S, D_), jnp.bfloat16)
   if weights == "mix":
     u8 = lambda k: jax.ShapeDtypeStruct((E_, I_, D_ // k), jnp.uint8)
-    stack = MixStack(u8(4), u8(16), jax.ShapeDtypeStruct((E_, 128, 8), jnp.bfloat16))
+    stack = MixStack(u8(4), u8(16), jax.ShapeDtypeStruct((E_, 2, 4), jnp.float32),
+                     jax.ShapeDtypeStruct((E_,), jnp.int32))
     ws = (stack, stack)
   elif weights == "interleaved":
     ws = (jax.ShapeDtypeStruct((E_, 2 * I_, D_), jnp.bfloat16), None)
@@ -175,9 +176,8 @@ def test_decode_planes_is_the_canonical_decode(rng):
   dense = np.asarray(jnp.asarray(rocmfp2_mix.dequantize(*(st[k] for k in ("codes", "scales", "books", "mode"))))
                      .astype(jnp.bfloat16)).view(np.uint16)  # [E, N, K] bits
   for e in range(3):
-    meta = np.repeat(np.asarray(ms.meta[e]).astype(np.int32), 4, axis=-1)  # one per code byte
-    table = ms.table[e].reshape(256, 4)  # through the table, as compiled
-    planes = decode_planes(ms.codes[e], [table[meta, k] for k in range(4)])
+    meta = jnp.repeat(ms.meta[e], 4, axis=-1)  # one per code byte
+    planes = decode_planes(ms.codes[e], meta, ms.levels[e], ms.zero_flagged[e])
     got = np.stack([np.asarray(p).view(np.uint16) for p in planes], axis=-1).reshape(16, D)  # weight 4i + q
     np.testing.assert_array_equal(got, dense[e])
   assert np.any(dense[0] == 0x8000) and np.any(dense[0] == 0)  # the flagged uniform half-blocks: −0 and +0
@@ -189,8 +189,7 @@ def test_decode_planes_every_byte_pair(zero_flagged):
   # books picked the canonical way
   meta, codes = (jnp.asarray(a, jnp.uint8) for a in np.meshgrid(np.arange(256), np.arange(256), indexing="ij"))
   levels = np.array([[-1.5, -0.25, 0.375, 2.0], [-3.0, -0.5, 0.0, 1.25]], np.float32)
-  values = half_block_values(meta, [[jnp.float32(v) for v in row] for row in levels], jnp.int32(zero_flagged))
-  planes = decode_planes(codes, values)
+  planes = decode_planes(codes, meta, [[jnp.float32(v) for v in row] for row in levels], jnp.int32(zero_flagged))
   m = np.asarray(meta).astype(np.int32)
   scale = np.asarray(ue4m3.decode(jnp.asarray(m & 0x7F))) * ~((m >= 0x80) & bool(zero_flagged))
   for q, plane in enumerate(planes):
