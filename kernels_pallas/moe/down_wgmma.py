@@ -3,7 +3,9 @@
     out[r] = h[r] · W2_e^T        h [S·K, I] bf16 in sorted-row order → out [S·K, D] f32,  e = expert of row r
 
 Why: without it W2 is decoded to bf16 before the Triton down (down.py), a copy of every expert each prompt (75 ms of
-an 8192-token V4-Flash prefill on the H200, BENCHMARKS.md). This is gate_up_wgmma.py's FP2-MIX kernel with one
+an 8192-token V4-Flash prefill on the H200, BENCHMARKS.md). Measured (bench_moe, H200, 8192 tokens): 3.45 ms plus
+0.39 for h's planes, against 4.03 for the decode plus the Triton down; at 32768 it loses (10.6 + 1.3 against 8.1),
+since each 256-row item decodes its tiles again. Its decode (~9 instructions a weight) is the limit. This is gate_up_wgmma.py's FP2-MIX kernel with one
 weight stack: a TMA warpgroup copies each K step's code bytes and h's planes into a ring of shared-memory slots, and
 each of the two compute warpgroups decodes its own N tile of W2 (64 output columns) into 4 bf16 planes held in
 registers as the wgmmas' A operand (out^T = W2 · h^T per tile), while the other's wgmmas run. Work list, row
@@ -52,9 +54,10 @@ HI_BOX = 16  # high-bit bytes per row of one TMA copy (its minimum row): 128 wei
 HIGH_SELECTOR = 0x9988  # prmt: bytes 0-1 ← the sign of byte 0, bytes 2-3 ← the sign of byte 1 (high_bit_mask)
 KERNEL_NAME = "moe_down_wgmma"
 
-# The measured tilings (bench_moe on the H200, BENCHMARKS.md): a 256-row tile (one item per expert at 8192 tokens)
-# and a 128-row one below 64 rows per expert.
-TILING = Tiling(wg_rows=128, block_n=64, stages=4, mma_rows=256)
+# bench_moe on the H200 (ea4172e, BENCHMARKS.md): a 256-row tile, 2 stages, at 8192 tokens 3.45 ms (4 stages 3.56,
+# 5 stages 3.52, 128-row wgmmas 3.50, 64 rows a warpgroup 4.77) and at 32768 10.6 ms (the others 11.2-14.7). Below
+# 64 rows per expert a 128-row tile (not measured there).
+TILING = Tiling(wg_rows=128, block_n=64, stages=2, mma_rows=256)
 TILING_FEW_ROWS = Tiling(wg_rows=64, block_n=64, stages=4, mma_rows=128)
 
 
