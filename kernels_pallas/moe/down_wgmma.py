@@ -43,8 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
-                                              aligned_items, half_block_values, half_block_values_ir,
-                                              prmt_selectors_ir)
+                                              aligned_items, as_planes, expert_levels, half_block_values,
+                                              half_block_values_ir, prmt_selectors_ir)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -83,19 +83,15 @@ class Mix3Stack(NamedTuple):
 
 def mix3_stack(storage: dict) -> Mix3Stack:
   """From rocmfp3_mix storage arrays (codes_lo, codes_hi, scales, books, mode)."""
-  uniform = jnp.asarray(storage["mode"]) == 0
-  fixed = rocmfp3.levels(jnp.arange(rocmfp3_mix.LEVELS))
-  levels = jnp.where(uniform[:, None, None], fixed, jnp.asarray(storage["books"]).astype(F32))
-  return Mix3Stack(*(jnp.asarray(storage[k]) for k in ("codes_lo", "codes_hi", "scales")), levels,
-                   uniform.astype(I32))
+  return Mix3Stack(*(jnp.asarray(storage[k]) for k in ("codes_lo", "codes_hi", "scales")),
+                   *expert_levels(storage, rocmfp3.levels(jnp.arange(rocmfp3_mix.LEVELS))))
 
 
 def row_planes(h, block_m: int) -> jax.Array:
   """h [rows, I] (sorted rows) as 4 planes [4, n, I/4], plane q column i = h column 4i + q, padded to n = rows
   rounded up to 8 plus one row tile, so that the last item's copy stays in bounds (those rows are never stored)."""
   n = -(-h.shape[0] // ROW_ALIGN) * ROW_ALIGN + block_m
-  hp = jnp.pad(h, ((0, n - h.shape[0]), (0, 0)))
-  return hp.reshape(n, -1, PLANES).transpose(2, 0, 1)
+  return as_planes(jnp.pad(h, ((0, n - h.shape[0]), (0, 0))))
 
 
 def decode_planes3(codes_lo, high_nibbles, meta, levels, zero_flagged) -> list[jax.Array]:

@@ -165,13 +165,19 @@ class MixStack(NamedTuple):
     return E, N, K4 * PLANES
 
 
+def expert_levels(storage: dict, fixed_levels) -> tuple[jax.Array, jax.Array]:
+  """(levels [E, 2, L] f32, zero_flagged [E] i32) of a MIX stack's storage: each expert's two books, or for a mode-0
+  (uniform) expert `fixed_levels` [L] in both, whose set bit 7 zeroes the scale instead."""
+  uniform = jnp.asarray(storage["mode"]) == 0
+  levels = jnp.where(uniform[:, None, None], jnp.asarray(fixed_levels, F32), jnp.asarray(storage["books"]).astype(F32))
+  return levels, uniform.astype(I32)
+
+
 def mix_stack(storage: dict) -> MixStack:
   """From rocmfp2_mix storage arrays (codes, scales, books, mode): the codes and meta bytes themselves, and each
   expert's 8 levels and mode flag (a few bytes an expert)."""
-  uniform = jnp.asarray(storage["mode"]) == 0
-  fixed = rocmfp2_mix.fixed_level(jnp.arange(rocmfp2_mix.LEVELS)).astype(F32)
-  levels = jnp.where(uniform[:, None, None], fixed, jnp.asarray(storage["books"]).astype(F32))
-  return MixStack(jnp.asarray(storage["codes"]), jnp.asarray(storage["scales"]), levels, uniform.astype(I32))
+  fixed = rocmfp2_mix.fixed_level(jnp.arange(rocmfp2_mix.LEVELS))
+  return MixStack(jnp.asarray(storage["codes"]), jnp.asarray(storage["scales"]), *expert_levels(storage, fixed))
 
 
 def half_block_values(meta, levels, zero_flagged) -> list[jax.Array]:
@@ -268,10 +274,14 @@ def decode_planes_prmt(codes, meta_ref, first, levels, zero_flagged) -> list[jax
   return planes(codes, meta_ref, *scalars)
 
 
+def as_planes(rows) -> jax.Array:
+  """[n, K] → 4 planes [4, n, K/4]: plane q, column i is column 4i + q (the MIX codes' order)."""
+  return rows.reshape(rows.shape[0], -1, PLANES).transpose(2, 0, 1)
+
+
 def sorted_planes(x, r: Routing, block_m: int) -> jax.Array:
-  """sorted_rows as 4 planes [4, rows, D/4]: plane q, column i is x's column 4i + q (the MIX codes' order)."""
-  xs = sorted_rows(x, r, block_m)
-  return xs.reshape(xs.shape[0], -1, PLANES).transpose(2, 0, 1)
+  """sorted_rows as planes (`as_planes`)."""
+  return as_planes(sorted_rows(x, r, block_m))
 
 
 def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: int):
