@@ -54,8 +54,8 @@ def define_mesh_flag(flag_values: flags.FlagValues | None = None, default: str =
 
 
 def check_model_features(program: str, cfg, policy_name: str, features: Features) -> None:
-  """Switches that need something of the model (moe_wgmma_gate_up: its gate/up format and sizes), before any
-  weights exist; a misfit ends the program with one line naming it (exit status 1)."""
+  """Switches that need something of the model (the Mosaic GPU switches: their experts' formats and sizes), before
+  any weights exist; a misfit ends the program with one line naming it (exit status 1)."""
   try:
     moe_lib.check_wgmma(cfg, quant_policy.get(policy_name), features)
   except ValueError as e:

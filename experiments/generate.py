@@ -102,7 +102,8 @@ def run() -> dict:
   if decode.decodes_every_expert(m, feats):
     print("note: every decode step dequantizes routed expert stacks of every layer first "
           f"({', '.join(moe_lib.decoded_beforehand(feats))}; several times slower on V4-Flash); decode with "
-          "--moe_sparse_gate_up and without --moe_wgmma_gate_up, whose down reads W2 decoded (docs/decode.md §6)",
+          "--moe_sparse_gate_up, and --moe_wgmma_gate_up only with --moe_wgmma_down (else its down reads W2 decoded; "
+          "docs/decode.md §6)",
           flush=True)
   say = lambda done, bands, drafted, accepted: print(
       f"\r  {done}/{n} tokens, {bands} bands" + (f", {accepted}/{drafted} drafted accepted" if drafted else ""),

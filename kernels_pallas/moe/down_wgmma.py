@@ -5,11 +5,13 @@
 Why: without it W2 is decoded to bf16 before the Triton down (down.py), a copy of every expert each prompt (75 ms of
 an 8192-token V4-Flash prefill on the H200, BENCHMARKS.md). Measured (bench_moe, H200, 8192 tokens): 3.45 ms plus
 0.39 for h's planes, against 4.03 for the decode plus the Triton down; at 32768 it loses (10.6 + 1.3 against 8.1),
-since each 256-row item decodes its tiles again. Its decode (~9 instructions a weight) is the limit. This is gate_up_wgmma.py's FP2-MIX kernel with one
-weight stack: a TMA warpgroup copies each K step's code bytes and h's planes into a ring of shared-memory slots, and
-each of the two compute warpgroups decodes its own N tile of W2 (64 output columns) into 4 bf16 planes held in
-registers as the wgmmas' A operand (out^T = W2 · h^T per tile), while the other's wgmmas run. Work list, row
-alignment are gate_up_wgmma's (`aligned_items`); a unit is (item, pair of N tiles).
+since each 256-row item decodes its tiles again. Its decode (~9 instructions a weight) is the limit.
+
+This is gate_up_wgmma.py's FP2-MIX kernel with one weight stack: a TMA warpgroup copies each K step's code bytes
+and h's planes into a ring of shared-memory slots, and each of the two compute warpgroups decodes its own N tile of
+W2 (64 output columns) into 4 bf16 planes held in registers as the wgmmas' A operand (out^T = W2 · h^T per tile),
+while the other's wgmmas run. The work list and its row alignment are gate_up_wgmma's (`aligned_items`); a unit is
+(item, pair of N tiles).
 
 FP3-MIX (lucebox_mix's down format, `rocmfp3_mix`): a weight's 3-bit level index is 2 low bits (codes_lo, as
 FP2-MIX's codes: weight 4i + q at bits 2q of byte i) and a high bit (codes_hi: weight 8c + b at bit b of byte c), so
@@ -18,12 +20,13 @@ The TMA warpgroup copies 16-byte-wide tiles of high-bit bytes (128 weights: 2 K 
 steps), the minimum TMA row, each copied again for every step it covers. Compiled, a pair's 8 values (its meta
 byte's scale times the 8 levels of its book) are packed in 4 registers; plane q's two weights are `prmt`s of the
 low and the high 4 values by the low bits (gate_up_wgmma's selectors), then a mask made by a sign-replicating
-`prmt` of the high bits picks between them (`high_bit_mask`). The interpreter runs `decode_planes3` (pure jnp)
+`prmt` of the high bits picks between them (`high_bit_mask_ir`). The interpreter runs `decode_planes3` (pure jnp)
 through shared memory. Both give the canonical decode's bits, summed over K in plane order.
 
 h comes as planes too ([4, rows, I/4], plane q column i = h column 4i + q: `row_planes`, an XLA transpose of h).
 Each warpgroup stores its f32 output tile [rows, 64] from registers (`store_transposed_rows`); the interpreter
-stages it in shared memory for TMA stores instead. sm_90 only: gfx1151 keeps down.py. `api.moe` runs it for `Config.down_kernel` "wgmma".
+stages it in shared memory for TMA stores instead. sm_90 only: gfx1151 keeps down.py. `api.moe` runs it for
+`Config.down_kernel` "wgmma" (the model's `moe_wgmma_down`).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from ds4jax.quant import formats, rocmfp3_mix
 from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, routing
 from kernels_pallas.moe.down import down_reference
-from kernels_pallas.moe.down_wgmma import (HIGH_SELECTOR, TILING, TILING_FEW_ROWS, Mix3Stack, decode_planes3, down_wgmma, mix3_stack,
-                                           row_planes, spread_high_bits)
+from kernels_pallas.moe.down_wgmma import (HIGH_SELECTOR, TILING, TILING_FEW_ROWS, Mix3Stack, decode_planes3,
+                                           down_wgmma, mix3_stack, row_planes, spread_high_bits)
 from kernels_pallas.moe.gate_up_wgmma import Tiling, prmt_selectors
 
 ON_GPU = jax.default_backend() == "gpu"
