@@ -54,7 +54,8 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # Its down counterpart (kernels_pallas/moe/down_wgmma.py): the same kernel structure on FP3-MIX W2.
     "moe_wgmma_down": ("ds4jax: Mosaic GPU sparse down",
                        "sm_90: the down projection runs as a Pallas Mosaic GPU kernel that decodes FP3-MIX W2 in "
-                       "registers next to its wgmmas, instead of the Pallas-Triton down on W2 decoded beforehand.",
+                       "registers next to its wgmmas, instead of the Pallas-Triton down (on W2 decoded beforehand "
+                       "under moe_wgmma_gate_up, else decoding FP3-MIX tiles itself).",
                        ("moe_sparse_gate_up", "bf16_matmul")),
     "moe_adaptive_tile": ("GGML_CUDA_MMQ_MOE_ADAPTIVE_X", "MoE row tile follows the rows per expert.", ()),
     "moe_compact_queue": ("AMD llama.cpp PR #63", "MoE grid over real (expert, row-tile) items only.", ()),
@@ -68,7 +69,7 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                           "Quantized experts are decoded to bf16 by a Pallas kernel before the MoE kernels (MIX "
                           "formats: each half-block's values made once, one select tree per weight) instead of XLA's "
                           "canonical decode; the same bits. Under moe_sparse_gate_up nothing is decoded beforehand, "
-                          "except W2 under moe_wgmma_gate_up.",
+                          "except W2 under moe_wgmma_gate_up without moe_wgmma_down.",
                           ()),
     "indexer_score_kernel": ("GGML_DS4_INDEXER_M32", "Tiled Pallas indexer scoring kernel with query-blocked top-k.",
                              ()),
@@ -84,8 +85,8 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "mla_stream_fast_exp": ("GGML_CUDA_MLA_STREAM_FAST_EXP", "exp2 with log2(e) folded into the softmax scale.",
                             ("mla_stream_topk", "mla_stream_f32_stage")),
     # Not an upstream switch: upstream's MMQ reads quantized experts directly, so re-reading them per band is cheap
-    # there. Here, without moe_sparse_gate_up (or for W2 under moe_wgmma_gate_up), every band decodes a layer's experts
-    # to bf16 again (docs/upstream.md §2).
+    # there. Here, without moe_sparse_gate_up (or for W2 under moe_wgmma_gate_up without moe_wgmma_down), every band
+    # decodes a layer's experts to bf16 again (docs/upstream.md §2).
     "prefill_weights_stationary": ("ds4jax: weights-stationary bands",
                                    "Each layer runs every band before the next layer starts (the streams of all "
                                    "bands stay on the device), so its experts are decoded once per prompt instead "
@@ -230,13 +231,14 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # moe_wgmma_gate_up (with moe_sparse_gate_up) stays off: all_on V4-Flash (lucebox_mix) 9755 vs 9186 tok/s at
     # 8192 tokens (one band), but 9915 vs 10291 at 32768, where the once-per-prompt decode serves four bands
     # (trace_prefill, c24545e, BENCHMARKS.md).
-    # moe_wgmma_down stays off (and is lowered only, above): its kernel is 3.45 ms + 0.39 for h's planes against
-    # 4.03 for W2's decode + the Triton down at 8192 tokens, but 11.9 against 8.1 at 32768 (bench_moe, ea4172e).
+    # moe_wgmma_down stays off: its kernel is 3.45 ms + 0.39 for h's planes against 4.03 for W2's decode + the
+    # Triton down at 8192 tokens (bench_moe, ea4172e), a kernel-level win that a whole prefill may not keep (there
+    # the decode + down took 3.72 ms a layer, c24545e), and 11.9 against 8.1 at 32768.
     # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
     # (bench_decode); all_on V4-Flash at 8192 tokens 7849 vs 6633 tok/s, at 122879 8141 vs 8006 (trace_prefill).
-    # moe_wgmma_down is lowered only on sm_90: its kernel ran compiled on the H200 (its tests; 3.45 ms against 4.03
-    # for W2's decode plus the Triton down at 8192 tokens, bench_moe ea4172e), but the model path it selects has not
-    # run there yet (the session's device time ran out), so a run is a first run.
+    # moe_wgmma_down is lowered only on sm_90: its kernel ran compiled on the H200 (its tests, bench_moe ea4172e),
+    # but the model path has run there only with a reverted kernel variant (0bc1f96, wrong results), not with this
+    # kernel (the session's device time ran out), so a run is a first run.
     "sm_90": _row(_MOE_RAN_ON_H200 | (_WGMMA - {"moe_wgmma_down"}) | _DECODE | _PRECISION | _SCHEDULE,
                   (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"},
                   lowered={"moe_wgmma_down"}),

@@ -47,7 +47,7 @@ def test_review_6_gfx1151_defaults_do_not_leak_to_other_rdna35():
 
 def test_capability_states():
   """gfx1151 advertises upstream's sparse-prefill set as lowered only (nothing ran there), and neither ds4jax's expert
-  decode kernel (its gate/up reads the quantized tiles) nor the Mosaic GPU gate/up (no ROCm backend); sm_90 and the
+  decode kernel (its gate/up reads the quantized tiles) nor the Mosaic GPU kernels (no ROCm backend); sm_90 and the
   CPU ran what they advertise, except the Mosaic GPU down on sm_90 (its kernel ran there, its model path not yet);
   other RDNA3.5 and ROCm devices advertise nothing."""
   states = lambda cls: {s: cap.state for s, cap in CAPABILITIES[cls].items()}

@@ -153,7 +153,8 @@ def test_quantized_model_fused_and_dequantize_first_paths(policy, seed):
 WGMMA_NMSE = 1e-9  # two bf16 paths on the same decoded bits: only the order of the K sums and h's rounding differ
 
 
-@pytest.mark.skipif(not CAPABILITIES[DEVICE]["moe_wgmma_gate_up"].supported, reason="moe_wgmma_gate_up not advertised")
+@pytest.mark.skipif(not all(CAPABILITIES[DEVICE][s].supported for s in features.WGMMA_SWITCHES),
+                    reason="the Mosaic GPU switches are not advertised")
 def test_wgmma_gate_up_and_down_in_the_model(seed):
   """Under moe_wgmma_gate_up and moe_wgmma_down the gate/up and the down are the Mosaic GPU kernels on the FP2-MIX
   and FP3-MIX storage: the logits match dequantize-then-matmul's (the same canonical decode, bf16 operands, the
@@ -202,6 +203,8 @@ def test_wgmma_refuses_what_it_cannot_run():
                     down)
   with pytest.raises(features.FeatureError, match="not supported on gfx1151"):
     features.resolve("gfx1151", {"moe_wgmma_down": True})
+  with pytest.raises(features.FeatureError, match="moe_wgmma_down requires --moe_sparse_gate_up"):
+    features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_wgmma_down": True})
 
 
 def test_direct_and_mask_handoffs_are_byte_identical(tiny):

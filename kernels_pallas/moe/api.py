@@ -1,5 +1,5 @@
-"""Public entry of the grouped MoE: `moe` (Pallas-Triton kernels, and a Mosaic GPU gate/up on sm_90); its exact
-reference is reference.py.
+"""Public entry of the grouped MoE: `moe` (Pallas-Triton kernels, and a Mosaic GPU gate/up and down on sm_90); its
+exact reference is reference.py.
 
     y[t] = shared(x[t]) + Σ_k w[t,k] · W2_e( silu(min(W1_e x_t, L)) · clip(W3_e x_t, −L, L) ),   e = ids[t,k]
 
@@ -230,7 +230,7 @@ def _down_on_wgmma(h, w2, r, *, num_cores, interpret):
 
 
 def _wgmma_programs(num_cores: int | None, interpret: bool) -> int:
-  """The Mosaic gate/up's programs, one per SM (`Config.num_cores`, else the device's; the interpreter, which
+  """The Mosaic kernels' programs, one per SM (`Config.num_cores`, else the device's; the interpreter, which
   simulates every SM's warpgroups, gets 4)."""
   return 4 if interpret else num_cores or getattr(jax.devices()[0], "core_count", None) or 132
 
