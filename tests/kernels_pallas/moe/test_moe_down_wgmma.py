@@ -122,7 +122,8 @@ def problem(rng, S, K, *, D, I, mask_every=0, empty=()):
 
 
 @pytest.mark.parametrize("tiling", [Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=64),
-                                    Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128, tile_order="item")])
+                                    Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128, tile_order="item"),
+                                    TILING])  # the default: 256-row tiles and wgmmas
 def test_down_wgmma_matches_reference(rng, tiling):
   # ~80 rows per expert (one expert empty, every 7th route masked): items that start inside the previous expert's
   # rows, 64-row blocks with no row of the expert (skipped), several items per expert with the 128-row tile. D = 256:
