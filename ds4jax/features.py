@@ -231,17 +231,12 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # moe_wgmma_gate_up (with moe_sparse_gate_up) stays off: all_on V4-Flash (lucebox_mix) 9755 vs 9186 tok/s at
     # 8192 tokens (one band), but 9915 vs 10291 at 32768, where the once-per-prompt decode serves four bands
     # (trace_prefill, c24545e, BENCHMARKS.md).
-    # moe_wgmma_down stays off: its kernel is 3.45 ms + 0.39 for h's planes against 4.03 for W2's decode + the
-    # Triton down at 8192 tokens (bench_moe, ea4172e), a kernel-level win that a whole prefill may not keep (there
-    # the decode + down took 3.72 ms a layer, c24545e), and 11.9 against 8.1 at 32768.
+    # moe_wgmma_down (with moe_wgmma_gate_up) stays off: all_on V4-Flash 10130 vs 9745 tok/s at 8192 tokens, but
+    # 9729 vs 10003 at 32768, where W2's once-per-prompt decode serves four bands (trace_prefill, 47a5e97).
     # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
     # (bench_decode); all_on V4-Flash at 8192 tokens 7849 vs 6633 tok/s, at 122879 8141 vs 8006 (trace_prefill).
-    # moe_wgmma_down is lowered only on sm_90: its kernel ran compiled on the H200 (its tests, bench_moe ea4172e),
-    # but the model path has run there only with a reverted kernel variant (0bc1f96, wrong results), not with this
-    # kernel (the session's device time ran out), so a run is a first run.
-    "sm_90": _row(_MOE_RAN_ON_H200 | (_WGMMA - {"moe_wgmma_down"}) | _DECODE | _PRECISION | _SCHEDULE,
-                  (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"},
-                  lowered={"moe_wgmma_down"}),
+    "sm_90": _row(_MOE_RAN_ON_H200 | _WGMMA | _DECODE | _PRECISION | _SCHEDULE,
+                  (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.
     "cpu_interpret": _row(_MOE | _WGMMA | _DECODE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
 }
