@@ -158,8 +158,8 @@ WGMMA_NMSE = 1e-9  # two bf16 paths on the same decoded bits: only the order of 
 def test_wgmma_gate_up_and_down_in_the_model(seed):
   """Under moe_wgmma_gate_up and moe_wgmma_down the gate/up and the down are the Mosaic GPU kernels on the FP2-MIX
   and FP3-MIX storage: the logits match dequantize-then-matmul's (the same canonical decode, bf16 operands, the
-  Triton kernels), which the kernels' names show did not run; two bands with weights stationary decode nothing
-  (W2 alone without moe_wgmma_down)."""
+  Triton kernels), which the kernels' names show did not run; the gate/up hands h to the down as planes; two bands
+  with weights stationary decode nothing (W2 alone without moe_wgmma_down)."""
   two = config.tiny_window(hidden_size=256, moe_intermediate_size=256)
   one = config.tiny_window(hidden_size=256, moe_intermediate_size=256, attention=two.attention[:1],
                            routing=two.routing[:1])  # one layer: the Mosaic interpreter is the cost
@@ -170,6 +170,11 @@ def test_wgmma_gate_up_and_down_in_the_model(seed):
   names = lambda f: {n for n, _ in features.pallas_calls(lambda t: m(t, features=f), jnp.asarray(TOKENS))}
   assert {"moe_gate_up_wgmma", "moe_down_wgmma"} <= names(wgmma) and not {"moe_gate_up", "moe_down"} & names(wgmma)
   assert not {"moe_gate_up_wgmma", "moe_down_wgmma"} & names(triton)
+  # with both, the gate/up writes h as the down's 4 planes [4, rows, I/4] (no transpose between them)
+  outs = lambda f: [v.aval.shape for e in features.traced_eqns(lambda t: m(t, features=f), jnp.asarray(TOKENS))
+                    if e.params.get("name") == "moe_gate_up_wgmma" for v in e.outvars]
+  assert [len(s) for s in outs(wgmma)] == [3] and outs(wgmma)[0][::2] == (4, 64)
+  assert [len(s) for s in outs(dataclasses.replace(wgmma, moe_wgmma_down=False))] == [2]
   logits = lambda f: np.asarray(prefill.prefill(m, TOKENS, f, all_logits=True))
   err = nmse(logits(wgmma), logits(triton))
   print(f"{DEVICE} moe_wgmma_gate_up + moe_wgmma_down against dequantize-then-matmul: NMSE {err:.2e}")

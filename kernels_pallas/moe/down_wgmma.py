@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
                                               aligned_items, as_planes, expert_levels, half_block_values,
-                                              half_block_values_ir, prmt_selectors_ir)
+                                              half_block_values_ir, padded_rows, prmt_selectors_ir)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -91,10 +91,9 @@ def mix3_stack(storage: dict) -> Mix3Stack:
 
 
 def row_planes(h, block_m: int) -> jax.Array:
-  """h [rows, I] (sorted rows) as 4 planes [4, n, I/4], plane q column i = h column 4i + q, padded to n = rows
-  rounded up to 8 plus one row tile, so that the last item's copy stays in bounds (those rows are never stored)."""
-  n = -(-h.shape[0] // ROW_ALIGN) * ROW_ALIGN + block_m
-  return as_planes(jnp.pad(h, ((0, n - h.shape[0]), (0, 0))))
+  """h [rows, I] (sorted rows) as 4 planes [4, padded_rows, I/4], plane q column i = h column 4i + q. The Mosaic
+  gate/up writes this order itself (gate_up_wgmma's `planes_rows`)."""
+  return as_planes(jnp.pad(h, ((0, padded_rows(h.shape[0], block_m) - h.shape[0]), (0, 0))))
 
 
 def decode_planes3(codes_lo, high_nibbles, meta, levels, zero_flagged) -> list[jax.Array]:
@@ -296,15 +295,17 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def check(h, w2: Mix3Stack, t: Tiling) -> None:
+def check(h, w2: Mix3Stack, r: Routing, t: Tiling) -> None:
   """What this kernel takes (ValueError otherwise)."""
   if not isinstance(w2, Mix3Stack):
     raise ValueError(f"the wgmma down takes an FP3-MIX Mix3Stack W2, got {type(w2).__name__}")
-  if jnp.dtype(h.dtype) != jnp.dtype(BF16) or h.ndim != 2:
-    raise ValueError(f"the wgmma down takes bf16 h [rows, I], got {h.dtype} {tuple(h.shape)}")
   E, D, I = w2.shape
-  if h.shape[1] != I:
-    raise ValueError(f"h {tuple(h.shape)} and W2 [E, D, I] = {[E, D, I]} disagree on I")
+  rows_ok = h.ndim == 2 and h.shape[1] == I
+  planes_ok = h.ndim == 3 and tuple(h.shape) == (PLANES, padded_rows(r.num_routes, t.block_m), I // PLANES)
+  if jnp.dtype(h.dtype) != jnp.dtype(BF16) or not (rows_ok or planes_ok):
+    n = padded_rows(r.num_routes, t.block_m)
+    raise ValueError(f"the wgmma down takes bf16 h [rows, I] or its planes [4, {n}, I/4] (row_planes) with W2 "
+                     f"[E, D, I] = {[E, D, I]}; got h {h.dtype} {tuple(h.shape)}")
   if I % (META_BOX * rocmfp_layout.HALF) or D % (2 * WGMMA_M):
     raise ValueError(f"the wgmma down needs I a multiple of {META_BOX * rocmfp_layout.HALF} (a TMA row of meta "
                      f"bytes) and D of {2 * WGMMA_M} (two N tiles); got W2 [E, D, I] = {[E, D, I]}")
@@ -318,10 +319,10 @@ def check(h, w2: Mix3Stack, t: Tiling) -> None:
 def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms: int = 132,
                interpret=None) -> jax.Array:
   """out [S·K, D] f32 in sorted-row order (rows >= num_rows unspecified), as down.down: h [S·K, I] bf16 in sorted
-  rows (the gate/up's output), W2 an FP3-MIX stack decoded in the kernel (the canonical decode's bits, summed in
+  rows (the gate/up's output), or already as row_planes(h, tiling.block_m), W2 an FP3-MIX stack decoded in the kernel (the canonical decode's bits, summed in
   plane order). `interpret`: None (compiled), True or an InterpretGPUParams."""
   t = tiling
-  check(h, w2, t)
+  check(h, w2, r, t)
   E, D, I = w2.shape
   if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
     interpret = plgpu.InterpretGPUParams()
@@ -332,4 +333,4 @@ def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms
       out_type=jax.ShapeDtypeStruct((r.num_routes, D), F32), grid=(num_sms,), grid_names=("sm",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(*items, row_planes(h, t.block_m), *w2)
+  return kernel(*items, h if h.ndim == 3 else row_planes(h, t.block_m), *w2)

@@ -59,6 +59,7 @@ from jax._src.lib.mlir.dialects import arith, memref, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plt
 
 from ds4jax.quant import rocmfp2_mix, rocmfp_layout, rocmfp_mix, ue4m3
 from kernels_pallas.moe.gate_up import clamped_swiglu
@@ -142,11 +143,15 @@ def aligned_items(r: Routing, block_m: int) -> Items:
                jnp.where(ok, offsets[e + 1], 0), tile_ends[E - 1].reshape(1))
 
 
+def padded_rows(rows: int, block_m: int) -> int:
+  """`rows` rounded up to 8 plus one row tile: the last item's copy then stays in bounds (those rows are never
+  stored). The length of sorted_rows, and of h's planes for the down (down_wgmma.row_planes)."""
+  return -(-rows // ROW_ALIGN) * ROW_ALIGN + block_m
+
+
 def sorted_rows(x, r: Routing, block_m: int) -> jax.Array:
-  """x_sorted [rows, D]: row r holds x[token_of_row[r]]; then x[0] up to a whole number of 8-row tiles plus one
-  row tile, so the last item's copy stays in bounds (those rows are never stored)."""
-  n = -(-r.num_routes // ROW_ALIGN) * ROW_ALIGN + block_m
-  return x[jnp.pad(r.token_of_row, (0, n - r.num_routes))]
+  """x_sorted [padded_rows, D]: row r holds x[token_of_row[r]], then x[0]."""
+  return x[jnp.pad(r.token_of_row, (0, padded_rows(r.num_routes, block_m) - r.num_routes))]
 
 
 class MixStack(NamedTuple):
@@ -279,9 +284,46 @@ def as_planes(rows) -> jax.Array:
   return rows.reshape(rows.shape[0], -1, PLANES).transpose(2, 0, 1)
 
 
+def by_plane(a) -> jax.Array:
+  """[E, I, m] → [E, I/4, 4, m]: row 4i + q at [:, i, q] (a reshape, no copy)."""
+  E, I, m = a.shape
+  return a.reshape(E, I // PLANES, PLANES, m)
+
+
 def sorted_planes(x, r: Routing, block_m: int) -> jax.Array:
-  """sorted_rows as planes (`as_planes`)."""
+  """sorted_rows as planes (`as_planes`), in XLA. The kernel's input is `gather_planes`, the same array."""
   return as_planes(sorted_rows(x, r, block_m))
+
+
+GATHER_NAME = "moe_gather_rows"
+GATHER_ROWS = 8  # rows per program: padded_rows is a multiple of 8
+
+
+def _gather_kernel(token_ref, x_ref, out_ref, *, cols: int, planes: int):
+  rows = pl.ds(pl.program_id(0) * GATHER_ROWS, GATHER_ROWS)
+  tokens = plt.load(token_ref.at[rows])
+  c = pl.program_id(1) * cols + jnp.arange(cols, dtype=I32)
+  for q in range(planes):  # stride-4 reads of the same rows: the planes after the first come from L1
+    plt.store(out_ref.at[pl.ds(q, 1), rows, pl.ds(pl.program_id(1) * cols, cols)],
+              plt.load(x_ref.at[tokens[:, None], (planes * c + q)[None, :]])[None])
+
+
+def gather_planes(x, r: Routing, block_m: int, *, planes: int = PLANES, cols: int = 512,
+                  interpret: bool = False) -> jax.Array:
+  """sorted_planes (`planes` 4) or sorted_rows[None] (`planes` 1) as one Pallas-Triton kernel: each program reads
+  8 gathered rows of x and writes `cols` columns of each plane. XLA's gather (+ transpose) writes the ~0.4 GB of a
+  V4-Flash layer at ~1 TB/s (BENCHMARKS.md, "The x planes' gather")."""
+  n = padded_rows(r.num_routes, block_m)
+  S, D = x.shape
+  cols = min(cols, D // planes)
+  if D % (planes * cols):
+    raise ValueError(f"gather_planes needs D a multiple of {planes * cols}, got {D}")
+  tokens = jnp.pad(r.token_of_row, (0, n - r.num_routes))
+  return pl.pallas_call(
+      functools.partial(_gather_kernel, cols=cols, planes=planes),
+      out_shape=jax.ShapeDtypeStruct((planes, n, D // planes), x.dtype), grid=(n // GATHER_ROWS, D // planes // cols),
+      interpret=interpret, name=GATHER_NAME,
+      compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))(tokens, x)
 
 
 def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: int):
@@ -299,9 +341,10 @@ def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: 
 
 
 def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
-            max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool):
+            max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool, planes_out: bool):
   """x_g is x_sorted [rows, D] (bf16 weights) or its planes [4, rows, D/4] (FP2-MIX). refs: the weight arrays
-  (w1, w3 | w13 | codes, meta, levels, zero_flagged of W1 then of W3), then h."""
+  (w1, w3 | w13 | codes, meta, levels, zero_flagged of W1 then of W3), then h. With `planes_out` the code and meta
+  arrays come as [E, I/4, 4, ·] and h as planes [4, rows, I/4]: N tile j holds the rows 4i + q of plane q."""
   *w_gs, h_g = refs
   if mix:
     stacks = [w_gs[:4], w_gs[4:]]
@@ -333,10 +376,19 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         body, grid=(d // t.block_k,), memory_registers=t.producer_registers, in_specs=[x_spec] + w_specs,
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=compute_context)
 
+  per_plane = n_tiles // PLANES
+
+  def tile_of(j):  # (h's plane or None, the N tile's first column in it)
+    if planes_out:
+      return j // per_plane, j % per_plane * t.block_n
+    return None, j * t.block_n
+
   def operands(e, j, x_start):  # the pipeline's arrays for one unit: x rows, then the weight tiles' rows
-    cols = pl.ds(j * w_rows, w_rows)
+    q, first_col = tile_of(j)
+    cols = pl.ds(first_col // t.block_n * w_rows, w_rows)  # an interleaved stack's tile has both projections
     x = x_g.at[:, pl.ds(x_start, t.block_m)] if mix else x_g.at[pl.ds(x_start, t.block_m)]
-    ws = [a.at[e, cols] for c, m, _, _ in stacks for a in (c, m)] if mix else [w.at[e, cols] for w in w_gs]
+    at = (lambda a: a.at[e, cols, q]) if planes_out else (lambda a: a.at[e, cols])
+    ws = [at(a) for c, m, _, _ in stacks for a in (c, m)] if mix else [at(w) for w in w_gs]
     return [x] + ws
 
   noop = lambda *_, **__: None
@@ -371,7 +423,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
       @pl.when(w < count * groups)
       def _():
         e, x_start = item_expert[i], pl.multiple_of(item_x_start[i], ROW_ALIGN)
-        cols = pl.ds(j * t.block_n, t.block_n)
+        plane, col = tile_of(j)
+        cols, h_out = pl.ds(col, t.block_n), (h_g if plane is None else h_g.at[plane])
         lo, end = item_lo[i], item_end[i]
 
         def rows_in(first_row, n):  # (first stored row, count) of rows [first_row, first_row + n)
@@ -415,7 +468,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                   out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
               plgpu.barrier_arrive(up_free)
               plgpu.commit_smem()
-              _store_rows(out_smem, 0, first - x_start, h_g, first, rows, cols, t.block_m)
+              _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.block_m)
 
         def lhs_mma(idx, x_s, *args):
           *w_ss, accs = args
@@ -501,12 +554,14 @@ def interleave(w1, w3, block_n: int) -> jax.Array:
 
 
 def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling = Tiling(), num_sms: int = 132,
-                  rows_sorted: bool = False, interpret=None) -> jax.Array:
+                  rows_sorted: bool = False, planes_rows: int | None = None, interpret=None) -> jax.Array:
   """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up. w1/w3: dense [E, I, D]; or
   w3=None and w1 = interleave(w1, w3, tiling.block_n); or two FP2-MIX `MixStack`s (decoded in the kernel, the
   canonical decode's bits). x [S, D], or with `rows_sorted` already sorted_rows(x, r, tiling.block_m) (dense
-  weights; to time the kernel without the gather). The routing's own row tile and work list are not used (see
-  aligned_items). `interpret`: None (compiled), True or an InterpretGPUParams."""
+  weights; to time the kernel without the gather). With `planes_rows` (FP2-MIX, I a multiple of 4 · block_n) h
+  comes as the down's planes, [4, planes_rows, I/4] with plane q column i = h column 4i + q (down_wgmma.row_planes
+  without its transpose: each unit reads the weight rows of one plane's columns). The routing's own row tile and
+  work list are not used (see aligned_items). `interpret`: None (compiled), True or an InterpretGPUParams."""
   t = tiling
   mix = isinstance(w1, MixStack)
   ws = (w1,) if w3 is None else (w1, w3)
@@ -541,16 +596,25 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if D % t.block_k or I % (t.block_n * t.cluster):
     raise ValueError(f"D={D} / I={I} must be multiples of block_k={t.block_k} / block_n × cluster="
                      f"{t.block_n * t.cluster}")
+  planes_out = planes_rows is not None
+  if planes_out and (not mix or I % (PLANES * t.block_n) or planes_rows < r.num_routes):
+    raise ValueError(f"h as planes takes FP2-MIX weights with I a multiple of {PLANES * t.block_n} and planes_rows "
+                     f">= {r.num_routes} routes; got I={I}, planes_rows={planes_rows}")
   if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
     interpret = plgpu.InterpretGPUParams()
   items = aligned_items(r, t.block_m)
+  out_shape = (PLANES, planes_rows, I // PLANES) if planes_out else (r.num_routes, I)
   kernel = plgpu.kernel(
       functools.partial(_kernel, t=t, limit=float(swiglu_limit), max_items=items.expert.shape[0],
-                        n_tiles=I // t.block_n, d=D, mix=mix, lhs_in_smem=interpret not in (None, False)),
-      out_type=jax.ShapeDtypeStruct((r.num_routes, I), x.dtype), grid=(num_sms // t.cluster,), grid_names=("sm",),
+                        n_tiles=I // t.block_n, d=D, mix=mix, lhs_in_smem=interpret not in (None, False),
+                        planes_out=planes_out),
+      out_type=jax.ShapeDtypeStruct(out_shape, x.dtype), grid=(num_sms // t.cluster,), grid_names=("sm",),
       cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  gather = functools.partial(gather_planes, x, r, t.block_m, interpret=interpret is not None)
   if mix:
-    return kernel(*items, sorted_planes(x, r, t.block_m), *w1, *w3)
-  return kernel(*items, x if rows_sorted else sorted_rows(x, r, t.block_m), *ws)
+    if planes_out:  # [E, I/4, 4, ·]: a unit's weight rows 4i + q are then one TMA box (q squeezed)
+      w1, w3 = (w._replace(codes=by_plane(w.codes), meta=by_plane(w.meta)) for w in (w1, w3))
+    return kernel(*items, gather(), *w1, *w3)
+  return kernel(*items, x if rows_sorted else gather(planes=1)[0], *ws)

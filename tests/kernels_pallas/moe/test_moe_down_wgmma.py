@@ -148,6 +148,8 @@ def test_down_wgmma_rejects_bad_input(rng):
     down_wgmma(h, jnp.zeros((E, 128, 256), jnp.bfloat16), r)
   with pytest.raises(ValueError, match="bf16 h"):
     down_wgmma(h.astype(jnp.float32), w2, r)
+  with pytest.raises(ValueError, match=r"its planes \[4, "):  # planes one row short of the last item's copy
+    down_wgmma(row_planes(h, 128)[:, :-1], w2, r, tiling=Tiling(wg_rows=64, block_n=64, mma_rows=64))
   with pytest.raises(ValueError, match="I a multiple of 256"):
     down_wgmma(h[:, :128], Mix3Stack(*(a[..., :k] for a, k in zip(w2[:3], (32, 16, 8))), *w2[3:]), r)
   with pytest.raises(ValueError, match="block_n 64"):

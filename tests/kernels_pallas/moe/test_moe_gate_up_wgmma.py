@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # the race detector's state
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from ds4jax import features
 from ds4jax.metrics import nmse
@@ -26,10 +27,12 @@ from ds4jax.quant import formats, rocmfp2_mix, ue4m3
 from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
 from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
-                                              gate_up_wgmma, interleave, mix_stack, prmt_selectors, sorted_planes,
-                                              sorted_rows)
+                                              gate_up_wgmma, gather_planes, interleave, mix_stack, padded_rows,
+                                              prmt_selectors, sorted_planes, sorted_rows)
 
 ON_GPU = jax.default_backend() == "gpu"
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                                                 platform="cuda"))
 LIMIT = 3.0
 E, D, I = 8, 128, 256
 
@@ -126,12 +129,13 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
 
 
 @pytest.mark.parametrize("wg_rows,block_n,cluster,weights", [(128, 64, 1, "dense"), (64, 128, 2, "dense"),
-                                                             (128, 64, 2, "interleaved"), (128, 64, 1, "mix")])
+                                                             (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
+                                                             (128, 64, 1, "mix planes")])
 def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
   x = jax.ShapeDtypeStruct((S, D_), jnp.bfloat16)
-  if weights == "mix":
+  if weights.startswith("mix"):
     u8 = lambda k: jax.ShapeDtypeStruct((E_, I_, D_ // k), jnp.uint8)
     stack = MixStack(u8(4), u8(16), jax.ShapeDtypeStruct((E_, 2, 4), jnp.float32),
                      jax.ShapeDtypeStruct((E_,), jnp.int32))
@@ -143,12 +147,15 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
   r = jax.eval_shape(lambda i: routing.route(i, E_, 128), jax.ShapeDtypeStruct((S, K), jnp.int32))
 
   def lower(t):
-    f = lambda x, a, b, r: gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
-    return jax.jit(f).trace(x, *ws, r).lower(lowering_platforms=("cuda",)).as_text()
+    rows = padded_rows(S * K, 256) if weights == "mix planes" else None
+    f = lambda x, a, b, r: gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t, planes_rows=rows)
+    with use_abstract_mesh(H200):  # the row gather is a Pallas-Triton kernel: it lowers for a named GPU
+      return jax.jit(f).trace(x, *ws, r).lower(lowering_platforms=("cuda",)).as_text()
 
-  mix = weights == "mix"
+  mix = weights.startswith("mix")
   t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=3 if mix else 4, mma_rows=256 if mix else 64)
-  assert "mosaic_gpu" in lower(t)
+  text = lower(t)
+  assert "mosaic_gpu" in text and "xla.gpu.triton" in text  # the kernel and the row gather in front of it
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     lower(dataclasses.replace(t, stages=t.stages + 1 if mix else 6))
 
@@ -213,11 +220,14 @@ def test_prmt_selectors_pick_each_plane_of_a_byte_pair():
 
 
 def test_sorted_planes_match_sorted_rows(rng):
-  x, _, _, ids = problem(rng, 24, 2)
+  # and the Pallas gather the kernel's x comes from makes the same array (D = 256: two column blocks of 32)
+  x, _, _, ids = problem(rng, 24, 2, d=256, mask_every=5)
   r = routing.route(ids, E, 32)
   xs, xp = np.asarray(sorted_rows(x, r, 128)), np.asarray(sorted_planes(x, r, 128))
+  assert xs.shape == (padded_rows(48, 128), 256)
   for q in range(4):
     np.testing.assert_array_equal(xp[q], xs[:, q::4])
+  np.testing.assert_array_equal(np.asarray(gather_planes(x, r, 128, cols=32, interpret=not ON_GPU)), xp)
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
@@ -245,6 +255,29 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   assert err <= 2e-5, err
 
 
+def test_gate_up_wgmma_writes_h_in_the_down_planes_order(rng):
+  # With planes_rows, h comes as down_wgmma's planes [4, rows, I/4] (plane q column i = h column 4i + q): each unit
+  # reads the W1/W3 rows of one plane's columns. FP2-MIX, I = 512: two N tiles per plane, on 3 SMs.
+  D_, I_ = 256, 512
+  x, w1, w3, ids = problem(rng, 40, 4, inter=I_, d=D_)
+  st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
+  q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, I_, D_)) for st in (st1, st3))
+  r = routing.route(ids, E, 32)
+  rows = padded_rows(r.num_routes, 128)
+  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128)
+  hp = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=3,
+                     planes_rows=rows, interpret=interpret())
+  assert_no_races()
+  assert hp.shape == (4, rows, I_ // 4)
+  ref = gate_up.gate_up_reference(x, dequantize_to_dense(q1).w, dequantize_to_dense(q3).w, r, swiglu_limit=LIMIT)
+  n = int(r.num_rows[0])
+  assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1
+  errs = [float(nmse(hp[q, :n].astype(jnp.float32), ref[:n, q::4])) for q in range(4)]
+  assert max(errs) <= 2e-5, errs
+  with pytest.raises(ValueError, match="planes_rows"):
+    gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, planes_rows=n - 1)
+
+
 def test_moe_runs_it_for_gate_up_kernel_wgmma(rng):
   # api.moe with Config.gate_up_kernel "wgmma": this kernel on the FP2-MIX storage, the Triton down on bf16 W2; the
   # whole MoE against the exact reference on the same weights (bf16 operands). Then what it refuses, at the call.
@@ -264,8 +297,8 @@ def test_moe_runs_it_for_gate_up_kernel_wgmma(rng):
   calls = features.pallas_calls(run, x)
   plan = moe_api.plan(num_tokens=S, top_k=K, num_experts=E, hidden=D_, intermediate=I_, config=cfg,
                       interpret=not ON_GPU)
-  assert tuple(n for n, _ in calls) == plan.kernels and plan.kernels[0] == "moe_gate_up_wgmma"
-  assert calls[0][1] == plan.gate_up_grid
+  assert tuple(n for n, _ in calls) == plan.kernels and plan.kernels[:2] == ("moe_gather_rows", "moe_gate_up_wgmma")
+  assert calls[1][1] == plan.gate_up_grid
   ref = moe_api.moe_reference(x, rw, ids, q1, d2, q3, swiglu_limit=LIMIT, operand_dtype=jnp.bfloat16)
   assert float(jnp.mean(jnp.abs(ref))) > 0.1
   err = nmse(run(x), ref)
