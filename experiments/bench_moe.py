@@ -187,6 +187,11 @@ def main(argv):
               xs, a, b, r, swiglu_limit=10.0, tiling=t, rows_sorted=True), xs, *ws, r)
           del ws, xs
         measure("wgmma sorted_rows", lambda x, r: gate_up_wgmma.sorted_rows(x, r, 128), x, r)
+        # x's rows for the Mosaic gate/up: XLA's gather (+ transpose into planes) against the Pallas one it runs
+        measure("wgmma sorted_planes", lambda x, r: gate_up_wgmma.sorted_planes(x, r, 256), x, r)
+        for p in (1, 4):
+          measure(f"wgmma gather_planes planes={p}", lambda x, r, p=p: gate_up_wgmma.gather_planes(x, r, 256, planes=p),
+                  x, r)
         m1, m3 = (jax.jit(gate_up_wgmma.mix_stack)(q.storage) for q in (q1, q3))  # made once, as weights stationary
         h_mix = jax.jit(gu)(x, q1, q3, r)
         for tname, t in WGMMA_MIX_TILINGS.items():

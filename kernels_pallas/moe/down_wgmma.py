@@ -23,7 +23,8 @@ low and the high 4 values by the low bits (gate_up_wgmma's selectors), then a ma
 `prmt` of the high bits picks between them (`high_bit_mask_ir`). The interpreter runs `decode_planes3` (pure jnp)
 through shared memory. Both give the canonical decode's bits, summed over K in plane order.
 
-h comes as planes too ([4, rows, I/4], plane q column i = h column 4i + q: `row_planes`, an XLA transpose of h).
+h comes as planes too ([4, rows, I/4], plane q column i = h column 4i + q): written so by the Mosaic gate/up
+(its `planes_rows`), or `row_planes`, an XLA transpose of h.
 Each warpgroup stores its f32 output tile [rows, 64] from registers (`store_transposed_rows`); the interpreter
 stages it in shared memory for TMA stores instead. sm_90 only: gfx1151 keeps down.py. `api.moe` runs it for
 `Config.down_kernel` "wgmma" (the model's `moe_wgmma_down`).
@@ -319,8 +320,9 @@ def check(h, w2: Mix3Stack, r: Routing, t: Tiling) -> None:
 def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms: int = 132,
                interpret=None) -> jax.Array:
   """out [S·K, D] f32 in sorted-row order (rows >= num_rows unspecified), as down.down: h [S·K, I] bf16 in sorted
-  rows (the gate/up's output), or already as row_planes(h, tiling.block_m), W2 an FP3-MIX stack decoded in the kernel (the canonical decode's bits, summed in
-  plane order). `interpret`: None (compiled), True or an InterpretGPUParams."""
+  rows (the gate/up's output) or already as row_planes(h, tiling.block_m); W2 an FP3-MIX stack decoded in the
+  kernel (the canonical decode's bits, summed in plane order). `interpret`: None (compiled), True or an
+  InterpretGPUParams."""
   t = tiling
   check(h, w2, r, t)
   E, D, I = w2.shape

@@ -9,12 +9,13 @@ ring of `stages` shared-memory slots, and two compute warpgroups issue wgmmas on
 row tile. On bf16 weights it is measured against gate_up.py and torch._grouped_mm; on FP2-MIX weights (below) it
 decodes next to the MMAs, not in front of them.
 
-TMA cannot gather rows, so the rows come pre-gathered in sorted-row order (`x_sorted`, an XLA gather of S·K rows
-before the kernel). A TMA copy into the swizzled shared-memory layout wgmma reads must start at a multiple of 8
-rows, so the work list is this kernel's own (`aligned_items`): an expert's first tile starts at its first row
-rounded down to 8, and the up to 7 rows of the previous expert that it holds are computed and not stored. A
-warpgroup issues its wgmmas per 64-row block and skips a block that holds no row of the expert (at 8192 tokens an
-expert has ~192 rows: a 256-row tile then issues 3 of its 4 blocks).
+TMA cannot gather rows, so the rows come pre-gathered in sorted-row order (`x_sorted`: `gather_planes`, a
+Pallas-Triton kernel of S·K rows before this one; XLA's gather was ~1.6× slower). A TMA copy into the swizzled
+shared-memory layout wgmma reads must start at a multiple of 8 rows, so the work list is this kernel's own
+(`aligned_items`): an expert's first tile starts at its first row rounded down to 8, and the up to 7 rows of the
+previous expert that it holds are computed and not stored. A warpgroup issues its wgmmas per 64-row block and
+skips a block that holds no row of the expert (at 8192 tokens an expert has ~192 rows: a 256-row tile then issues
+3 of its 4 blocks).
 Each SM loops over (item, N tile) units. With `tile_order` "n" the SMs running together cover all N tiles of a few
 items: each x tile is read from HBM once, and an expert's items run together, so its weight tiles are too.
 The store of a variable number of rows is a few power-of-two TMA copies.
@@ -26,7 +27,8 @@ bytes and a 16-byte-wide tile of meta bytes (a TMA row needs ≥ 16 bytes; it co
 as the wgmmas' A operand (h^T = W · x^T per tile): no shared-memory planes, one decode per weight per tile, and one
 warpgroup's decode runs while the other's wgmmas do. Plane q of a K step holds weights 4i + q (the codes' order), so
 x comes as planes too (`sorted_planes`) and the MMAs sum over K in another order than gate_up.py. Warpgroup 1 hands
-its accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows.
+its accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows, or,
+with `planes_rows`, as the Mosaic down's planes: unit (q, c) then reads W1/W3 rows 4i + q, i in [c, c + 64).
 Compiled, the planes come from `decode_planes_prmt` (a byte permute per two weights; each code-byte pair reads its
 meta byte from shared memory); the interpreter runs neither inline code nor wgmmas on register operands, so there
 the planes are decode_planes' and go through shared memory. Both give the canonical decode's bits.
@@ -308,14 +310,15 @@ def _gather_kernel(token_ref, x_ref, out_ref, *, cols: int, planes: int):
               plt.load(x_ref.at[tokens[:, None], (planes * c + q)[None, :]])[None])
 
 
-def gather_planes(x, r: Routing, block_m: int, *, planes: int = PLANES, cols: int = 512,
+def gather_planes(x, r: Routing, block_m: int, *, planes: int = PLANES, cols: int | None = None,
                   interpret: bool = False) -> jax.Array:
   """sorted_planes (`planes` 4) or sorted_rows[None] (`planes` 1) as one Pallas-Triton kernel: each program reads
-  8 gathered rows of x and writes `cols` columns of each plane. XLA's gather (+ transpose) writes the ~0.4 GB of a
-  V4-Flash layer at ~1 TB/s (BENCHMARKS.md, "The x planes' gather")."""
+  8 gathered rows of x and writes `cols` columns of each plane (by default 512 columns of x, the fastest measured
+  on the H200: BENCHMARKS.md, "x's rows gathered by a Pallas kernel"), where XLA's gather (+ transpose) writes
+  at ~1 TB/s."""
   n = padded_rows(r.num_routes, block_m)
   S, D = x.shape
-  cols = min(cols, D // planes)
+  cols = min(cols or 512 // planes, D // planes)
   if D % (planes * cols):
     raise ValueError(f"gather_planes needs D a multiple of {planes * cols}, got {D}")
   tokens = jnp.pad(r.token_of_row, (0, n - r.num_routes))
