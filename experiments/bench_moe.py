@@ -5,10 +5,11 @@
 Per (tokens, routing): our bf16 gate/up and whole MoE, our rocmfp2_mix gate/up and rocmfp3_mix down
 (quantized tiles dequantized in-kernel), `jax.lax.ragged_dot` gate/up (where memory allows),
 `torch._grouped_mm` gate/up (when torch with CUDA is importable), our sm_90 Mosaic GPU gate/up at a few tilings (on
-a GPU; timed with the row gather it needs, the gather alone, and "presorted": the kernel alone on rows sorted
-before, as torch is timed; and on rocmfp2_mix weights decoded in the kernel), the decode kernel followed by our bf16
-gate/up (what the model runs on sm_90); our bf16 down, W2 decoded then our bf16 down, and the sm_90 Mosaic GPU
-FP3-MIX down at a few tilings (with h's planes timed alone); and a dense bf16 GEMM with the same FLOPs as the gate/up, all in one run.
+a GPU; timed with the row gather it needs, the gathers alone (XLA's and the Pallas one it runs), and "presorted":
+the kernel alone on rows sorted before, as torch is timed; and on rocmfp2_mix weights decoded in the kernel), the
+decode kernel followed by our bf16 gate/up (what the model runs on sm_90); our bf16 down, W2 decoded then our bf16
+down, and the sm_90 Mosaic GPU FP3-MIX down at a few tilings (with h's planes timed alone); and a dense bf16 GEMM
+with the same FLOPs as the gate/up, all in one run.
 Every number is also given as a fraction of that dense GEMM. `--only=prefix,...` runs a subset of the contenders.
 `--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
 Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.
