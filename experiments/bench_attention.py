@@ -6,7 +6,8 @@
 Per context L (the query chunk is the last `--queries` tokens of an L-token prefill: q_start = L − T, raw rows
 from q_start − 127, R = L // 4 compressed rows, top-512): the grouped baseline, the streaming kernel unstaged,
 with the f32 stage, and with f32 stage + fast exp (`--precision` selects the dot precision; default = the
-platform's Config.default; `--config` overrides its fields), plus the dense XLA reference where it fits; the indexer
+platform's Config.default; `--config` overrides its fields), on a GPU with bf16 q/KV also sm_90's Mosaic GPU kernel
+(`stream_wgmma`), plus the dense XLA reference where it fits; the indexer
 (`kernels_pallas.indexer.topk`, scoring + top-k by sort, and by radix selection: ids checked equal) and the mask
 path (`mask_from_topk` + `rows_from_mask`) against the direct handoff (time and compiled peak memory); per-CSA-layer indexer + attention ms and the indexer's share. NMSE of every variant
 against the precise streaming path (exp, f32 stage) and of that against the dense reference on a query slice.
@@ -24,6 +25,7 @@ from absl import app, flags
 from ds4jax.metrics import nmse
 from experiments import attention_problem, run_record, timing
 from kernels_pallas import indexer, mla
+from kernels_pallas.mla import stream_wgmma
 
 _QUERIES = flags.DEFINE_integer("queries", 8192, "Queries per chunk (T).")
 _CONTEXTS = flags.DEFINE_list("contexts", ["8192", "32768", "131072"], "Context lengths L (chunk ends at L).")
@@ -145,6 +147,17 @@ def main(argv):
                          keys_per_stage=cfg.keys_per_stage))
       except Exception as e:  # noqa: BLE001 -- one failing contender must not stop the others
         save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+    if not interpret and (H, D) == (64, 512) and q.dtype == jnp.bfloat16:
+      # sm_90's Mosaic GPU kernel (first version, docs/mla_mosaic.md): 64 heads a CTA, rows gathered by cp.async
+      f = jax.jit(lambda a, b, c, d, e, s: stream_wgmma.sparse_mla_wgmma(
+          a, b, c, d, q_start=s, raw_start=jnp.maximum(s - (W - 1), 0), kind="csa", ratio=ratio, window=W,
+          inv_freq=freqs, indices=e))
+      try:
+        outs["stream_wgmma"] = f(q, raw_kv, comp_kv, sink, indices, qs)
+        save(base | dict(contender="stream_wgmma", kernel=stream_wgmma.KERNEL_NAME,
+                         ms=timeit(f, q, raw_kv, comp_kv, sink, indices, qs, n=n)))
+      except Exception as e:  # noqa: BLE001
+        save(base | dict(contender="stream_wgmma", error=f"{type(e).__name__}: {str(e)[:300]}"))
     if PRECISE in outs:
       for name, o in outs.items():
         save(base | dict(contender=name, nmse_vs_precise=nmse(o, outs[PRECISE]),

@@ -1,0 +1,192 @@
+"""Head-batched streaming sparse MLA for Hopper (sm_90) as a Pallas Mosaic GPU kernel: a first version (issue #19;
+the plan and what it rests on: docs/mla_mosaic.md). Not yet run on a GPU, and behind no switch.
+
+One CTA per query. Its 64 heads are the wgmma M, so each selected KV row is read once for all of them. Three
+warpgroups:
+- warpgroup 2 gathers the query's key rows, 64 per stage, into two shared-memory slots (`row_gather.gather_rows`,
+  per-thread cp.async into the swizzled tiles wgmma reads);
+- warpgroups 0 and 1 each compute the same scores s = q·Kᵀ [64 heads, 64 keys] (q resident in shared memory) and
+  the online softmax with the sink, then add p·K into their own half of the 512 value columns ([64, 256] f32
+  each, 128 registers a thread). The score dot is done twice (1.5× the MMA work of one pass); in exchange the
+  two warpgroups never wait for each other.
+
+The key set of each query is one list of row ids into concat(raw_kv, comp_kv) (`key_slots`, in XLA, −1 = masked):
+its window rows, then its selected (CSA) or visible (HCA) compressed rows. The kernel masks −1 slots and gathers
+row 0 for them. The output's inverse RoPE (the last rope_dim columns) is applied in XLA after the kernel.
+The interpreter runs no inline code, so there the rows come pre-gathered by XLA ([T, slots, D]) and go in by TMA.
+bf16 operands, f32 softmax and accumulation, exp2 with log2 e folded into the scale (fast exp).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas.mla import row_gather
+from kernels_pallas.mla.keyset import clean_indices
+from kernels_pallas.mla.reference import apply_rope, check_inputs
+
+F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
+KEYS = row_gather.ROWS  # keys per stage
+HEADS = 64  # all heads of a query: one warpgroup's wgmma M
+HALF = 256  # value columns per compute warpgroup
+KERNEL_NAME = "mla_stream_wgmma"
+LOG2E = math.log2(math.e)
+
+
+def key_slots(T: int, q_start, raw_start, N: int, R: int, *, kind: str, ratio: int, window: int,
+              indices=None) -> jax.Array:
+  """[T, n] int32: query t's keys as rows of concat(raw_kv, comp_kv), −1 where masked, n a multiple of 64.
+  Window slots first (positions p − window + 1 … p), then the compressed rows: CSA's cleaned indices (keyset's
+  `clean_indices`), or for HCA every row, masked unless visible at p."""
+  p = jnp.asarray(q_start, I32) + jnp.arange(T, dtype=I32)
+  j = p[:, None] - window + 1 + jnp.arange(window, dtype=I32)[None, :]  # key positions
+  i = j - jnp.asarray(raw_start, I32)
+  parts = [jnp.where((i >= 0) & (i < N) & (j >= 0), i, -1)]
+  if kind == "csa":
+    w = clean_indices(indices, q_start, ratio, R)
+    parts.append(jnp.where(w >= 0, N + w, -1))
+  elif kind == "hca":
+    w = jnp.arange(R, dtype=I32)[None, :]
+    parts.append(jnp.where(w < jnp.minimum((p[:, None] + 1) // ratio, R), N + w, -1))
+  slots = jnp.concatenate(parts, axis=1)
+  return jnp.pad(slots, ((0, 0), (0, -slots.shape[1] % KEYS)), constant_values=-1)
+
+
+def _kernel(slots_g, q_g, keys_g, sink_g, out_g, q_s, k_s, slots_s, sink_s, p_s, bars, *, stages: int,
+            scale: float, gathered: bool):
+  """keys_g: the key table [N + R, D] (compiled) or, in the interpreter (`gathered`), the rows already gathered
+  [T, slots, D]; there p also goes through shared memory (p_s), since the interpreter takes wgmma operands from
+  refs only."""
+  t = lax.axis_index("t")
+  wg = lax.axis_index("wg")
+  in_bars, ready, free, done = bars
+
+  def wait_inputs():
+    for i in range(4):
+      plgpu.barrier_wait(in_bars.at[i])
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    halves = [(q_g.at[t, :, pl.ds(v * HALF, HALF)], q_s.at[v]) for v in range(2)]
+    for i, (src, dst) in enumerate(halves + [(slots_g.at[t], slots_s), (sink_g, sink_s)]):
+      plgpu.copy_gmem_to_smem(src, dst, in_bars.at[i])
+    wait_inputs()
+
+    @pl.loop(0, stages)
+    def _stage(s):
+      slot = lax.rem(s, 2)
+
+      @pl.when(s >= 2)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+
+      if gathered:
+        plgpu.copy_gmem_to_smem(keys_g.at[t, pl.ds(s * KEYS, KEYS)], k_s.at[slot], ready.at[slot])
+      else:
+        row_gather.gather_rows(keys_g, slots_s.at[s], k_s.at[slot])
+        row_gather.wait_gathered()
+        plgpu.barrier_arrive(ready.at[slot])
+
+    for slot in range(min(stages, 2)):  # observe the last frees (every phase of a barrier is seen before its end)
+      plgpu.barrier_wait(free.at[slot])
+
+  def consume(v: int):
+    plgpu.set_max_registers(232, action="increase")
+    wait_inputs()
+    sink = plgpu.load(sink_s, (), layout=plgpu.Layout.WGMMA.reduce(1)) * LOG2E
+
+    def stage(s, carry):
+      m, l, acc = carry
+      slot = lax.rem(s, 2)
+      plgpu.barrier_wait(ready.at[slot])
+
+      def scores(s_ref):  # q · Kᵀ over both column halves of q
+        for h in range(2):
+          plgpu.wgmma(s_ref, q_s.at[h], k_s.at[slot, :, pl.ds(h * HALF, HALF)].T)
+        return s_ref[...]
+
+      x = pl.run_scoped(scores, plgpu.ACC((HEADS, KEYS), F32))
+      live = plgpu.load(slots_s.at[s], (), layout=plgpu.Layout.WGMMA.reduce(0)) >= 0
+      x = jnp.where(lax.broadcast_in_dim(live, x.shape, [1]), x * (scale * LOG2E), -jnp.inf)
+      m_new = jnp.maximum(m, x.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(BF16)
+      v_tile = k_s.at[slot, :, pl.ds(v * HALF, HALF)]
+      if gathered:  # the interpreter: p through shared memory, and p·V into a fresh accumulator added after
+        p_s[v] = p16
+        plgpu.commit_smem()
+
+        def values(acc_ref):
+          plgpu.wgmma(acc_ref, p_s.at[v], v_tile)
+          return acc_ref[...]
+
+        acc = acc + pl.run_scoped(values, plgpu.ACC((HEADS, HALF), F32))
+      else:
+        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(free.at[slot])
+      return m_new, p.sum(axis=1) + l * alpha, acc
+
+    # the sink joins the running max: no −inf − −inf, even for a query with every key masked
+    acc = plgpu.layout_cast(jnp.zeros((HEADS, HALF), F32), plgpu.Layout.WGMMA)
+    l0 = plgpu.layout_cast(jnp.zeros((HEADS,), F32), plgpu.Layout.WGMMA.reduce(1))
+    m, l, acc = lax.fori_loop(0, stages, stage, (sink, l0, acc))
+    o = acc / lax.broadcast_in_dim(l + jnp.exp2(sink - m), acc.shape, [0])
+    plgpu.barrier_arrive(done)  # both warpgroups' score dots have read q: its buffer takes the output
+    plgpu.barrier_wait(done)
+    out_s = q_s.at[v]
+    out_s[...] = o.astype(out_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s, out_g.at[t, :, pl.ds(v * HALF, HALF)])
+    plgpu.wait_smem_to_gmem(0)
+
+  for v in range(2):
+    pl.when(wg == v)(functools.partial(consume, v))
+
+
+def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio: int, window: int,
+                     inv_freq, indices=None, scale: float | None = None, interpret: bool = False) -> jax.Array:
+  """sparse_mla's semantics (reference.py) → [T, H, D] bf16, for H = 64 heads of dim D = 512 and bf16 q / KV (the
+  kernel's dots take bf16 operands). `interpret`: Mosaic GPU's interpreter, on rows gathered by XLA."""
+  s = check_inputs(q, raw_kv, comp_kv, sink, q_start=q_start, raw_start=raw_start, kind=kind, ratio=ratio,
+                   window=window, inv_freq=inv_freq, indices=indices)
+  T, H, D, N, R = s["T"], s["H"], s["D"], s["N"], s["R"]
+  if H != HEADS or D != 2 * HALF or any(a is not None and a.dtype != BF16 for a in (q, raw_kv, comp_kv)):
+    raise ValueError(f"the wgmma MLA takes {HEADS} heads of dim {2 * HALF} (V4-Flash's) and bf16 q / KV; got "
+                     f"H={H}, D={D}, q {q.dtype}, raw_kv {raw_kv.dtype}")
+  slots = key_slots(T, q_start, raw_start, N, R, kind=kind, ratio=ratio, window=window, indices=indices)
+  table = raw_kv if comp_kv is None or kind == "window" else jnp.concatenate([raw_kv, comp_kv])
+  keys = table[jnp.maximum(slots, 0)] if interpret else table
+  out = _call(slots, q, keys, jnp.asarray(sink, F32), scale=float(D ** -0.5 if scale is None else scale),
+              gathered=bool(interpret))
+  positions = jnp.asarray(q_start, I32) + jnp.arange(T, dtype=I32)
+  return apply_rope(out.astype(F32), positions, inv_freq, inverse=True).astype(BF16)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gathered"))
+def _call(slots, q, keys, sink, *, scale: float, gathered: bool):
+  T, n = slots.shape
+  D = q.shape[-1]
+  tiled = row_gather.TILED
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, stages=n // KEYS, scale=scale, gathered=gathered),
+      out_type=jax.ShapeDtypeStruct((T, HEADS, D), BF16), grid=(T,), grid_names=("t",),
+      num_threads=3, thread_name="wg", kernel_name=KERNEL_NAME,
+      scratch_types=[plgpu.SMEM((2, HEADS, HALF), BF16, transforms=tiled),  # q's column halves, then the output's
+                     plgpu.SMEM((2, KEYS, D), BF16, transforms=tiled),
+                     plgpu.SMEM((n // KEYS, KEYS), I32), plgpu.SMEM((HEADS,), F32),
+                     plgpu.SMEM((2, HEADS, KEYS), BF16, transforms=tiled) if gathered else None,
+                     (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=2),
+                      plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier(num_arrivals=2))],
+      interpret=plgpu.InterpretGPUParams() if gathered else None,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return kernel(slots.reshape(T, n // KEYS, KEYS), q, keys, sink)  # a TMA box holds <= 256 slots a row
