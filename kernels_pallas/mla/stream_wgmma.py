@@ -169,7 +169,7 @@ def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str,
   out = _call(slots, q, keys, jnp.asarray(sink, F32), scale=float(D ** -0.5 if scale is None else scale),
               gathered=bool(interpret))
   positions = jnp.asarray(q_start, I32) + jnp.arange(T, dtype=I32)
-  return apply_rope(out.astype(F32), positions, inv_freq, inverse=True).astype(BF16)
+  return apply_rope(out, positions, inv_freq, inverse=True)  # the rope columns in f32, the rest as they are
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gathered"))
