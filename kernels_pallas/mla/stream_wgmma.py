@@ -1,10 +1,10 @@
 """Head-batched streaming sparse MLA for Hopper (sm_90) as a Pallas Mosaic GPU kernel: a first version (issue #19;
 the plan and what it rests on: docs/mla_mosaic.md). Not yet run on a GPU, and behind no switch.
 
-One CTA per query. Its 64 heads are the wgmma M, so each selected KV row is read once for all of them. Three
-warpgroups:
+A CTA loops over queries (one per SM, persistent). A query's 64 heads are the wgmma M, so each selected KV row is
+read once for all of them. Three warpgroups:
 - warpgroup 2 gathers the query's key rows, 64 per stage, into two shared-memory slots (`row_gather.gather_rows`,
-  per-thread cp.async into the swizzled tiles wgmma reads);
+  per-thread cp.async into the swizzled tiles wgmma reads), running ahead into the next query;
 - warpgroups 0 and 1 each compute the same scores s = q·Kᵀ [64 heads, 64 keys] (q resident in shared memory) and
   the online softmax with the sink, then add p·K into their own half of the 512 value columns ([64, 256] f32
   each, 128 registers a thread). The score dot is done twice (1.5× the MMA work of one pass); in exchange the
@@ -59,104 +59,132 @@ def key_slots(T: int, q_start, raw_start, N: int, R: int, *, kind: str, ratio: i
   return jnp.pad(slots, ((0, 0), (0, -slots.shape[1] % KEYS)), constant_values=-1)
 
 
-def _kernel(slots_g, q_g, keys_g, sink_g, out_g, q_s, k_s, slots_s, sink_s, p_s, bars, *, stages: int,
-            scale: float, gathered: bool):
-  """keys_g: the key table [N + R, D] (compiled) or, in the interpreter (`gathered`), the rows already gathered
-  [T, slots, D]; there p also goes through shared memory (p_s), since the interpreter takes wgmma operands from
-  refs only."""
-  t = lax.axis_index("t")
-  wg = lax.axis_index("wg")
-  in_bars, ready, free, done = bars
+def _kernel(slots_g, q_g, keys_g, sink_g, out_g, q_s, k_s, slots_s, sink_s, p_s, bars, *, queries: int,
+            stages: int, scale: float, gathered: bool):
+  """One CTA takes queries sm, sm + P, … (P CTAs). keys_g: the key table [N + R, D] (compiled) or, in the
+  interpreter (`gathered`), the rows already gathered [T, slots, D]; there p also goes through shared memory (p_s),
+  since the interpreter takes wgmma operands from refs only.
 
-  def wait_inputs():
-    for i in range(4):
-      plgpu.barrier_wait(in_bars.at[i])
+  Shared memory: q (two column halves, which then hold the output), two key slots, the slot lists of two queries.
+  The gathering warpgroup runs ahead across queries: the next query's first stages are gathered while the compute
+  warpgroups finish the previous one, and its q is loaded once their output has left q's buffer (`q_free`)."""
+  sm, P = lax.axis_index("sm"), lax.axis_size("sm")
+  wg = lax.axis_index("wg")
+  count = (queries - 1 - sm) // P + 1  # this CTA's queries (P <= queries)
+  sink_bar, slots_bar, q_bar, ready, free, done, q_free = bars
 
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
-    halves = [(q_g.at[t, :, pl.ds(v * HALF, HALF)], q_s.at[v]) for v in range(2)]
-    for i, (src, dst) in enumerate(halves + [(slots_g.at[t], slots_s), (sink_g, sink_s)]):
-      plgpu.copy_gmem_to_smem(src, dst, in_bars.at[i])
-    wait_inputs()
+    plgpu.copy_gmem_to_smem(sink_g, sink_s, sink_bar)
 
-    @pl.loop(0, stages)
-    def _stage(s):
-      slot = lax.rem(s, 2)
+    @pl.loop(0, count)
+    def _query(j):
+      t, par = sm + j * P, lax.rem(j, 2)
+      # the list of query j − 2 is free: its compute warpgroups were done before q_free, waited for at j − 1
+      plgpu.copy_gmem_to_smem(slots_g.at[t], slots_s.at[par], slots_bar.at[par])
+      plgpu.barrier_wait(slots_bar.at[par])
 
-      @pl.when(s >= 2)
-      def _():
-        plgpu.barrier_wait(free.at[slot])
+      @pl.loop(0, stages)
+      def _stage(s):
+        g = j * stages + s
+        slot = lax.rem(g, 2)
 
-      if gathered:
-        plgpu.copy_gmem_to_smem(keys_g.at[t, pl.ds(s * KEYS, KEYS)], k_s.at[slot], ready.at[slot])
-      else:
-        row_gather.gather_rows(keys_g, slots_s.at[s], k_s.at[slot])
-        row_gather.wait_gathered()
-        plgpu.barrier_arrive(ready.at[slot])
+        @pl.when(g >= 2)
+        def _():
+          plgpu.barrier_wait(free.at[slot])
 
-    for slot in range(min(stages, 2)):  # observe the last frees (every phase of a barrier is seen before its end)
-      plgpu.barrier_wait(free.at[slot])
+        if gathered:
+          plgpu.copy_gmem_to_smem(keys_g.at[t, pl.ds(s * KEYS, KEYS)], k_s.at[slot], ready.at[slot])
+        else:
+          row_gather.gather_rows(keys_g, slots_s.at[par, s], k_s.at[slot])
+          row_gather.wait_gathered()
+          plgpu.barrier_arrive(ready.at[slot])
+
+        @pl.when(s == 0)  # q after the first stage's rows: they overlap the previous query's output store
+        def _():
+          @pl.when(j >= 1)
+          def _():
+            plgpu.barrier_wait(q_free)
+
+          for v in range(2):
+            plgpu.copy_gmem_to_smem(q_g.at[t, :, pl.ds(v * HALF, HALF)], q_s.at[v], q_bar.at[v])
+
+    # observe the last phases (every phase of a barrier is seen before it is freed)
+    plgpu.barrier_wait(sink_bar)
+    plgpu.barrier_wait(q_free)
+    for slot in range(2):
+      pl.when(count * stages > slot)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
 
   def consume(v: int):
     plgpu.set_max_registers(232, action="increase")
-    wait_inputs()
+    plgpu.barrier_wait(sink_bar)
     sink = plgpu.load(sink_s, (), layout=plgpu.Layout.WGMMA.reduce(1)) * LOG2E
 
-    def stage(s, carry):
-      m, l, acc = carry
-      slot = lax.rem(s, 2)
-      plgpu.barrier_wait(ready.at[slot])
+    @pl.loop(0, count)
+    def _query(j):
+      t, par = sm + j * P, lax.rem(j, 2)
+      plgpu.barrier_wait(slots_bar.at[par])
+      for h in range(2):
+        plgpu.barrier_wait(q_bar.at[h])
 
-      def scores(s_ref):  # q · Kᵀ over both column halves of q
-        for h in range(2):
-          plgpu.wgmma(s_ref, q_s.at[h], k_s.at[slot, :, pl.ds(h * HALF, HALF)].T)
-        return s_ref[...]
+      def stage(s, carry):
+        m, l, acc = carry
+        slot = lax.rem(j * stages + s, 2)
+        plgpu.barrier_wait(ready.at[slot])
 
-      x = pl.run_scoped(scores, plgpu.ACC((HEADS, KEYS), F32))
-      live = plgpu.load(slots_s.at[s], (), layout=plgpu.Layout.WGMMA.reduce(0)) >= 0
-      x = jnp.where(lax.broadcast_in_dim(live, x.shape, [1]), x * (scale * LOG2E), -jnp.inf)
-      m_new = jnp.maximum(m, x.max(axis=1))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p16 = p.astype(BF16)
-      v_tile = k_s.at[slot, :, pl.ds(v * HALF, HALF)]
-      if gathered:  # the interpreter: p through shared memory, and p·V into a fresh accumulator added after
-        p_s[v] = p16
-        plgpu.commit_smem()
+        def scores(s_ref):  # q · Kᵀ over both column halves of q
+          for h in range(2):
+            plgpu.wgmma(s_ref, q_s.at[h], k_s.at[slot, :, pl.ds(h * HALF, HALF)].T)
+          return s_ref[...]
 
-        def values(acc_ref):
-          plgpu.wgmma(acc_ref, p_s.at[v], v_tile)
-          return acc_ref[...]
+        x = pl.run_scoped(scores, plgpu.ACC((HEADS, KEYS), F32))
+        live = plgpu.load(slots_s.at[par, s], (), layout=plgpu.Layout.WGMMA.reduce(0)) >= 0
+        x = jnp.where(lax.broadcast_in_dim(live, x.shape, [1]), x * (scale * LOG2E), -jnp.inf)
+        m_new = jnp.maximum(m, x.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p16 = p.astype(BF16)
+        v_tile = k_s.at[slot, :, pl.ds(v * HALF, HALF)]
+        if gathered:  # the interpreter: p through shared memory, and p·V into a fresh accumulator added after
+          p_s[v] = p16
+          plgpu.commit_smem()
 
-        acc = acc + pl.run_scoped(values, plgpu.ACC((HEADS, HALF), F32))
-      else:
-        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(free.at[slot])
-      return m_new, p.sum(axis=1) + l * alpha, acc
+          def values(acc_ref):
+            plgpu.wgmma(acc_ref, p_s.at[v], v_tile)
+            return acc_ref[...]
 
-    # the sink joins the running max: no −inf − −inf, even for a query with every key masked
-    acc = plgpu.layout_cast(jnp.zeros((HEADS, HALF), F32), plgpu.Layout.WGMMA)
-    l0 = plgpu.layout_cast(jnp.zeros((HEADS,), F32), plgpu.Layout.WGMMA.reduce(1))
-    m, l, acc = lax.fori_loop(0, stages, stage, (sink, l0, acc))
-    o = acc / lax.broadcast_in_dim(l + jnp.exp2(sink - m), acc.shape, [0])
-    plgpu.barrier_arrive(done)  # both warpgroups' score dots have read q: its buffer takes the output
-    plgpu.barrier_wait(done)
-    out_s = q_s.at[v]
-    out_s[...] = o.astype(out_s.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, out_g.at[t, :, pl.ds(v * HALF, HALF)])
-    plgpu.wait_smem_to_gmem(0)
+          acc = acc + pl.run_scoped(values, plgpu.ACC((HEADS, HALF), F32))
+        else:
+          acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(free.at[slot])
+        return m_new, p.sum(axis=1) + l * alpha, acc
+
+      # the sink joins the running max: no −inf − −inf, even for a query with every key masked
+      acc = plgpu.layout_cast(jnp.zeros((HEADS, HALF), F32), plgpu.Layout.WGMMA)
+      l0 = plgpu.layout_cast(jnp.zeros((HEADS,), F32), plgpu.Layout.WGMMA.reduce(1))
+      m, l, acc = lax.fori_loop(0, stages, stage, (sink, l0, acc))
+      o = acc / lax.broadcast_in_dim(l + jnp.exp2(sink - m), acc.shape, [0])
+      plgpu.barrier_arrive(done)  # both warpgroups' score dots have read q: its buffer takes the output
+      plgpu.barrier_wait(done)
+      out_s = q_s.at[v]
+      out_s[...] = o.astype(out_s.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_s, out_g.at[t, :, pl.ds(v * HALF, HALF)])
+      plgpu.wait_smem_to_gmem(0)
+      plgpu.barrier_arrive(q_free)
 
   for v in range(2):
     pl.when(wg == v)(functools.partial(consume, v))
 
 
 def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio: int, window: int,
-                     inv_freq, indices=None, scale: float | None = None, interpret: bool = False) -> jax.Array:
+                     inv_freq, indices=None, scale: float | None = None, num_sms: int | None = None,
+                     interpret: bool = False) -> jax.Array:
   """sparse_mla's semantics (reference.py) → [T, H, D] bf16, for H = 64 heads of dim D = 512 and bf16 q / KV (the
-  kernel's dots take bf16 operands). `interpret`: Mosaic GPU's interpreter, on rows gathered by XLA."""
+  kernel's dots take bf16 operands). `num_sms`: CTAs (default: the device's SMs), each looping over queries.
+  `interpret`: Mosaic GPU's interpreter, on rows gathered by XLA."""
   s = check_inputs(q, raw_kv, comp_kv, sink, q_start=q_start, raw_start=raw_start, kind=kind, ratio=ratio,
                    window=window, inv_freq=inv_freq, indices=indices)
   T, H, D, N, R = s["T"], s["H"], s["D"], s["N"], s["R"]
@@ -167,26 +195,27 @@ def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str,
   table = raw_kv if comp_kv is None or kind == "window" else jnp.concatenate([raw_kv, comp_kv])
   keys = table[jnp.maximum(slots, 0)] if interpret else table
   out = _call(slots, q, keys, jnp.asarray(sink, F32), scale=float(D ** -0.5 if scale is None else scale),
-              gathered=bool(interpret))
+              gathered=bool(interpret), num_sms=num_sms or getattr(jax.devices()[0], "core_count", None) or 132)
   positions = jnp.asarray(q_start, I32) + jnp.arange(T, dtype=I32)
   return apply_rope(out, positions, inv_freq, inverse=True)  # the rope columns in f32, the rest as they are
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gathered"))
-def _call(slots, q, keys, sink, *, scale: float, gathered: bool):
+@functools.partial(jax.jit, static_argnames=("scale", "gathered", "num_sms"))
+def _call(slots, q, keys, sink, *, scale: float, gathered: bool, num_sms: int):
   T, n = slots.shape
   D = q.shape[-1]
   tiled = row_gather.TILED
   kernel = plgpu.kernel(
-      functools.partial(_kernel, stages=n // KEYS, scale=scale, gathered=gathered),
-      out_type=jax.ShapeDtypeStruct((T, HEADS, D), BF16), grid=(T,), grid_names=("t",),
+      functools.partial(_kernel, queries=T, stages=n // KEYS, scale=scale, gathered=gathered),
+      out_type=jax.ShapeDtypeStruct((T, HEADS, D), BF16), grid=(min(T, num_sms),), grid_names=("sm",),
       num_threads=3, thread_name="wg", kernel_name=KERNEL_NAME,
       scratch_types=[plgpu.SMEM((2, HEADS, HALF), BF16, transforms=tiled),  # q's column halves, then the output's
                      plgpu.SMEM((2, KEYS, D), BF16, transforms=tiled),
-                     plgpu.SMEM((n // KEYS, KEYS), I32), plgpu.SMEM((HEADS,), F32),
+                     plgpu.SMEM((2, n // KEYS, KEYS), I32), plgpu.SMEM((HEADS,), F32),
                      plgpu.SMEM((2, HEADS, KEYS), BF16, transforms=tiled) if gathered else None,
-                     (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=2),
-                      plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier(num_arrivals=2))],
-      interpret=plgpu.InterpretGPUParams() if gathered else None,
+                     (plgpu.Barrier(), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),  # sink, lists, q
+                      plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=2, num_barriers=2),  # ready, free
+                      plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2))],  # done, q_free
+      interpret=plgpu.InterpretGPUParams(detect_races=True) if gathered else None,  # tests read the verdict
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(slots.reshape(T, n // KEYS, KEYS), q, keys, sink)  # a TMA box holds <= 256 slots a row

@@ -1,6 +1,7 @@
 """The Hopper (sm_90) Mosaic GPU MLA kernel (kernels_pallas/mla/stream_wgmma.py) against the exact reference: its
-key lists against the reference's key sets, the kernel in Mosaic GPU's interpreter (rows gathered by XLA) on CPU and
-compiled on a GPU (rows gathered in the kernel), and its lowering for sm_90 at V4-Flash shapes, offline.
+key lists against the reference's key sets; the kernel in Mosaic GPU's interpreter on CPU (rows gathered by XLA,
+the race detector on) and compiled on a GPU (rows gathered in the kernel); its lowering for sm_90 at V4-Flash
+shapes, offline.
 
 64 heads of dim 512 (the only shape it takes), bf16 q / KV, bf16 softmax weights and output: the bound is bf16's
 rounding (NMSE ≤ 2e-5, measured ~5e-6)."""
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # the race detector's state
 
 from ds4jax.metrics import nmse
 from kernels_pallas.mla.reference import selected_bias, sparse_mla_reference, visible_rows, window_bias
@@ -64,10 +66,13 @@ def test_key_slots_are_the_reference_key_sets(rng, kind, q_start):
 
 @pytest.mark.parametrize("kind,q_start", [("csa", 300), ("hca", 250), ("window", 3)])
 def test_stream_wgmma_matches_reference(rng, kind, q_start):
-  # 3 queries (3 CTAs) in the interpreter: the window stages (some positions before 0 at q_start 3), then the
-  # compressed rows (CSA: 64 slots, 8 empty and some not visible; HCA: every row, the unseen masked)
-  args, kw = problem(rng, kind, 3, q_start)
-  out = sparse_mla_wgmma(*args, interpret=not ON_GPU, **kw)
+  # 5 queries on 2 CTAs (3 and 2 queries each: the gathering warpgroup runs ahead into the next query, whose q
+  # waits for the previous output): the window stages (some positions before 0 at q_start 3), then the compressed
+  # rows (CSA: 64 slots, 8 empty and some not visible; HCA: every row, the unseen masked)
+  args, kw = problem(rng, kind, 5, q_start)
+  out = sparse_mla_wgmma(*args, num_sms=2, interpret=not ON_GPU, **kw)
+  if not ON_GPU:
+    assert not interpret_pallas_call.get_races().races_found
   ref = sparse_mla_reference(*(None if a is None else a.astype(jnp.float32) for a in args[:3]), args[3], **kw)
   assert out.dtype == jnp.bfloat16 and float(jnp.mean(jnp.abs(ref))) > 0.02
   err = nmse(out.astype(jnp.float32), ref)
