@@ -35,6 +35,7 @@ from ds4jax.layers import F32, RESIDUAL_GAIN, Linear, RMSNorm, dense, normal, rm
 from ds4jax.quant.policy import POLICIES, QuantPolicy
 from kernels_pallas import mla
 from kernels_pallas.indexer import handoff
+from kernels_pallas.mla import stream_wgmma
 from kernels_pallas.mla.reference import apply_rope, selected_bias, sink_attention, visible_rows, window_bias
 from kernels_pallas.precision import einsum
 
@@ -74,6 +75,14 @@ def kernel_row_list(indices: jnp.ndarray, n_rows: int, features: Features) -> jn
   big = jnp.iinfo(jnp.int32).max
   ordered = jnp.sort(jnp.where(indices < 0, big, indices), axis=1)
   return jnp.where(ordered == big, -1, ordered)
+
+
+def check_wgmma(cfg: DeepseekV4Config, features: Features) -> None:
+  """Start-up check of `mla_wgmma` against the model (ValueError naming what does not fit): its kernel takes
+  V4-Flash's 64 heads of dim 512 only (kernels_pallas/mla/stream_wgmma.py)."""
+  if features.mla_wgmma and (cfg.num_heads, cfg.head_dim) != (stream_wgmma.HEADS, 2 * stream_wgmma.HALF):
+    raise ValueError(f"--mla_wgmma needs {stream_wgmma.HEADS} heads of dim {2 * stream_wgmma.HALF}; {cfg.name} has "
+                     f"{cfg.num_heads} of dim {cfg.head_dim}")
 
 
 class Attention(nnx.Module):
@@ -192,6 +201,11 @@ class Attention(nnx.Module):
 
     def one_chunk(args):
       qc, pc, ic = args
+      if features.mla_wgmma:  # sm_90's Mosaic GPU kernel (docs/mla_mosaic.md): bf16 in, bf16 out
+        cast = lambda a: None if a is None else a.astype(dt)
+        return stream_wgmma.sparse_mla_wgmma(cast(qc), cast(raw), cast(rows), self.attn_sink[...], q_start=pc[0],
+                                             raw_start=raw_start, kind=kind, ratio=ratio, window=W, inv_freq=freqs,
+                                             indices=ic, interpret=features.interpret)
       if features.mla_stream_topk:
         cast = lambda a: None if a is None else a.astype(dt)
         return mla.sparse_mla(cast(qc), cast(raw), cast(rows), self.attn_sink[...], q_start=pc[0],

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ds4jax import attention as attention_lib
 from ds4jax import layer_cache
 from ds4jax import model as model_lib
 from ds4jax import moe as moe_lib
@@ -198,6 +199,7 @@ def start(m: model_lib.DeepseekV4, prompt, features: Features = REFERENCE, capac
   """
   t = model_lib.check_tokens(prompt, m.cfg)
   moe_lib.check_wgmma(m.cfg, m.policy, features)
+  attention_lib.check_wgmma(m.cfg, features)
   capacity = capacity or m.cfg.max_position_embeddings
   bands = prompt_bands(t.shape[0], features)
   state = dataclasses.replace(empty_state(m, capacity, max([widest, *bands]), features, cache_dtype), length=offset)

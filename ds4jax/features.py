@@ -21,6 +21,7 @@ one field of the frozen `Features` that the model receives. Library code and tes
     mla_stream_topk        GGML_CUDA_MLA_STREAM_TOPK                      streaming sparse MLA attention kernel
     mla_stream_f32_stage   GGML_CUDA_MLA_STREAM_F32_STAGE                 stage each KV row in f32 once for all heads
     mla_stream_fast_exp    GGML_CUDA_MLA_STREAM_FAST_EXP                  exp2 with log2(e) folded into the scale
+    mla_wgmma              (ds4jax, sm_90)                                the streaming MLA as a Mosaic GPU kernel (64 heads a CTA)
     long_context_chunk     DFLASH_DS4_LONG_CONTEXT_CHUNK                  attention query chunk inside a band (bounds masks at 128K)
     prefill_band_tokens    (#684 layer-major bands, cap 10240)            tokens per layer-major band (ds4jax/prefill.py)
     prefill_weights_stationary  (ds4jax)                                  each layer runs every band before the next layer
@@ -84,6 +85,14 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                              ("mla_stream_topk",)),
     "mla_stream_fast_exp": ("GGML_CUDA_MLA_STREAM_FAST_EXP", "exp2 with log2(e) folded into the softmax scale.",
                             ("mla_stream_topk", "mla_stream_f32_stage")),
+    # Not an upstream switch: the Triton streaming kernel spends its time in each stage's fixed cost, so sm_90 also
+    # has it in Mosaic GPU (kernels_pallas/mla/stream_wgmma.py, docs/mla_mosaic.md). It stages each row once for all
+    # heads and uses exp2, as the two switches it requires ask.
+    "mla_wgmma": ("ds4jax: Mosaic GPU streaming MLA",
+                  "sm_90: the streaming MLA runs as a Pallas Mosaic GPU kernel: a query's 64 heads in one CTA, its "
+                  "selected KV rows gathered once by cp.async, two warpgroups with half the value columns each "
+                  "(V4-Flash's 64 heads of dim 512 only).",
+                  ("mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp", "bf16_matmul")),
     # Not an upstream switch: upstream's MMQ reads quantized experts directly, so re-reading them per band is cheap
     # there. Here, without moe_sparse_gate_up (or for W2 under moe_wgmma_gate_up without moe_wgmma_down), every band
     # decodes a layer's experts to bf16 again (docs/upstream.md §2).
@@ -122,6 +131,7 @@ class Features:
   mla_stream_topk: bool = False
   mla_stream_f32_stage: bool = False
   mla_stream_fast_exp: bool = False
+  mla_wgmma: bool = False
   prefill_weights_stationary: bool = False
   moe_tile_rows: int = 0
   moe_programs_per_core: int = 32
@@ -197,7 +207,7 @@ def _row(ran: set[str], default_on: set[str], lowered: set[str] = frozenset()) -
 _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent", "moe_fused_combine"}
 # Mosaic GPU: sm_90 (and its CPU interpreter) only; Mosaic GPU has no ROCm backend. Their kernels need D and I
 # multiples of 256 (a TMA row of meta bytes), which the tiny test models are not: tests run them on their own.
-WGMMA_SWITCHES = ("moe_wgmma_gate_up", "moe_wgmma_down")
+WGMMA_SWITCHES = ("moe_wgmma_gate_up", "moe_wgmma_down", "mla_wgmma")
 _WGMMA = set(WGMMA_SWITCHES)
 _DECODE = {"moe_decode_kernel"}  # ran on the H200; not in gfx1151's lowering check (its gate/up reads quantized tiles)
 _ATTENTION = {"indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
@@ -235,8 +245,10 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # 9729 vs 10003 at 32768, where W2's once-per-prompt decode serves four bands (trace_prefill, 47a5e97).
     # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
     # (bench_decode); all_on V4-Flash at 8192 tokens 7849 vs 6633 tok/s, at 122879 8141 vs 8006 (trace_prefill).
-    "sm_90": _row(_MOE_RAN_ON_H200 | _WGMMA | _DECODE | _PRECISION | _SCHEDULE,
-                  (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
+    # mla_wgmma is lowered only on sm_90: its kernel has not run on a GPU yet (docs/mla_mosaic.md).
+    "sm_90": _row(_MOE_RAN_ON_H200 | (_WGMMA - {"mla_wgmma"}) | _DECODE | _PRECISION | _SCHEDULE,
+                  (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"},
+                  lowered={"mla_wgmma"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.
     "cpu_interpret": _row(_MOE | _WGMMA | _DECODE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
 }

@@ -9,6 +9,7 @@ import sys
 
 from absl import flags
 
+from ds4jax import attention as attention_lib
 from ds4jax import features as features_lib
 from ds4jax import mesh as mesh_lib
 from ds4jax import moe as moe_lib
@@ -58,6 +59,7 @@ def check_model_features(program: str, cfg, policy_name: str, features: Features
   any weights exist; a misfit ends the program with one line naming it (exit status 1)."""
   try:
     moe_lib.check_wgmma(cfg, quant_policy.get(policy_name), features)
+    attention_lib.check_wgmma(cfg, features)
   except ValueError as e:
     sys.exit(f"{program}: {e}")
 

@@ -11,7 +11,7 @@ from jax.extend import core
 import pytest
 from flax import nnx
 
-from ds4jax import config, features, model, moe, prefill
+from ds4jax import attention, config, features, model, moe, prefill
 from ds4jax.quant import policy as quant_policy
 from ds4jax.features import CAPABILITIES, SWITCHES, Features
 from ds4jax.metrics import nmse
@@ -186,6 +186,26 @@ def test_wgmma_gate_up_and_down_in_the_model(seed):
     assert [type(getattr(copy.ffn.experts, n)).__name__ for n in ("w1", "w2", "w3")] == want
 
 
+@pytest.mark.skipif(not CAPABILITIES[DEVICE]["mla_wgmma"].supported, reason="mla_wgmma is not advertised")
+def test_mla_wgmma_in_the_model(seed):
+  """Under mla_wgmma the window, CSA and HCA layers run the Mosaic GPU MLA kernel (its name shows it, and not the
+  Triton one's): the logits match the exact path's at bf16 operands (bf16 softmax weights too), within bf16's
+  rounding of the attention output. 64 heads of dim 512, as the kernel takes."""
+  base = config.tiny(num_heads=64, head_dim=512, rope_head_dim=64)
+  cfg = config.tiny(num_heads=64, head_dim=512, rope_head_dim=64, attention=base.attention[:3],
+                    routing=base.routing[:3])
+  m = model.init_random(cfg, seed=seed, dtype=jnp.float32)
+  on = lambda *s: features.resolve(DEVICE, {k: k in s for k in SWITCHES} | {"prefill_band_tokens": 0})
+  fast = on("bf16_matmul", "mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp", "mla_wgmma")
+  names = {n for n, _ in features.pallas_calls(lambda t: m(t, features=fast), jnp.asarray(TOKENS))}
+  assert "mla_stream_wgmma" in names and not any(n.startswith("mla_stream_") and n != "mla_stream_wgmma"
+                                                  for n in names)
+  logits = lambda f: np.asarray(prefill.prefill(m, TOKENS, f, all_logits=True))
+  err = nmse(logits(fast), logits(on("bf16_matmul")))
+  print(f"{DEVICE} mla_wgmma against the exact path at bf16 operands: NMSE {err:.2e}")
+  assert err < 1e-5
+
+
 def test_wgmma_refuses_what_it_cannot_run():
   """At start-up, with the reason: a D (gate/up) or I (down) that is not a multiple of 256, a format it does not
   decode, and a device or feature set without it."""
@@ -199,6 +219,12 @@ def test_wgmma_refuses_what_it_cannot_run():
     features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_wgmma_gate_up": True})
   with pytest.raises(features.FeatureError, match="not supported on gfx1151"):
     features.resolve("gfx1151", {"moe_wgmma_gate_up": True})
+  mla_switches = ("bf16_matmul", "mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp", "mla_wgmma")
+  mla_on = features.resolve("cpu_interpret", dict.fromkeys(mla_switches, True))
+  with pytest.raises(ValueError, match="mla_wgmma needs 64 heads of dim 512"):
+    attention.check_wgmma(config.tiny(), mla_on)
+  with pytest.raises(features.FeatureError, match="mla_wgmma requires --mla_stream_f32_stage, --mla_stream_fast_exp"):
+    features.resolve("cpu_interpret", {"bf16_matmul": True, "mla_stream_topk": True, "mla_wgmma": True})
   down = dataclasses.replace(f, moe_wgmma_gate_up=False, moe_wgmma_down=True)
   with pytest.raises(ValueError, match="moe_wgmma_down needs moe_intermediate_size a multiple of 256"):
     moe.check_wgmma(config.tiny_window(hidden_size=256, moe_intermediate_size=64), quant_policy.get("lucebox_mix"),

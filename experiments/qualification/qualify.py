@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ds4jax import attention as attention_lib
 from ds4jax import config as config_lib
 from ds4jax import features as features_lib
 from ds4jax import moe as moe_lib
@@ -81,6 +82,7 @@ def start_up(opts: Options) -> Setup:
   for c in selected:
     try:
       moe_lib.check_wgmma(cfg, pol, c.features)
+      attention_lib.check_wgmma(cfg, c.features)
     except ValueError as e:
       raise StartupError(f"configuration {c.name}: {e}") from e
   return Setup(cfg=cfg, policy=pol, device_class=dev_cls, base=base, configs=configs, selected=selected, ids=ids,

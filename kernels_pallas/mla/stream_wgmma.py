@@ -1,5 +1,5 @@
 """Head-batched streaming sparse MLA for Hopper (sm_90) as a Pallas Mosaic GPU kernel: a first version (issue #19;
-the plan and what it rests on: docs/mla_mosaic.md). Not yet run on a GPU, and behind no switch.
+the plan and what it rests on: docs/mla_mosaic.md). Not yet run on a GPU; the model's `mla_wgmma` runs it.
 
 A CTA loops over queries (one per SM, persistent). A query's 64 heads are the wgmma M, so each selected KV row is
 read once for all of them. Three warpgroups:
@@ -183,7 +183,7 @@ def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str,
                      inv_freq, indices=None, scale: float | None = None, num_sms: int | None = None,
                      interpret: bool = False) -> jax.Array:
   """sparse_mla's semantics (reference.py) → [T, H, D] bf16, for H = 64 heads of dim D = 512 and bf16 q / KV (the
-  kernel's dots take bf16 operands). `num_sms`: CTAs (default: the device's SMs), each looping over queries.
+  kernel's dots take bf16 operands). `num_sms`: CTAs (default `_sms`), each looping over queries.
   `interpret`: Mosaic GPU's interpreter, on rows gathered by XLA."""
   s = check_inputs(q, raw_kv, comp_kv, sink, q_start=q_start, raw_start=raw_start, kind=kind, ratio=ratio,
                    window=window, inv_freq=inv_freq, indices=indices)
@@ -195,9 +195,14 @@ def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str,
   table = raw_kv if comp_kv is None or kind == "window" else jnp.concatenate([raw_kv, comp_kv])
   keys = table[jnp.maximum(slots, 0)] if interpret else table
   out = _call(slots, q, keys, jnp.asarray(sink, F32), scale=float(D ** -0.5 if scale is None else scale),
-              gathered=bool(interpret), num_sms=num_sms or getattr(jax.devices()[0], "core_count", None) or 132)
+              gathered=bool(interpret), num_sms=num_sms or _sms(interpret))
   positions = jnp.asarray(q_start, I32) + jnp.arange(T, dtype=I32)
   return apply_rope(out, positions, inv_freq, inverse=True)  # the rope columns in f32, the rest as they are
+
+
+def _sms(interpret: bool) -> int:
+  """CTAs by default: one per SM (the interpreter, which simulates each CTA's warpgroups, gets 4)."""
+  return 4 if interpret else getattr(jax.devices()[0], "core_count", None) or 132
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gathered", "num_sms"))
