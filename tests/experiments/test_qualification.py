@@ -167,7 +167,7 @@ def test_matrix_kills_dependents_and_knobs_and_plants_bugs():
   assert (confs["mutant_index_topk_minus_one"].mutation_layer, confs["mutant_dropped_sink"].mutation_layer) == (1, 0)
   assert confs["mutant_dropped_sink"].features == EXACT
   assert matrix.dependents("mla_stream_topk") == ["direct_indexer_topk", "mla_stream_f32_stage",
-                                                  "mla_stream_fast_exp"]
+                                                  "mla_stream_fast_exp", "mla_wgmma"]
 
 
 # ---- full runs (stand-in runner) ----
