@@ -1,5 +1,6 @@
 """Head-batched streaming sparse MLA for Hopper (sm_90) as a Pallas Mosaic GPU kernel: a first version (issue #19;
-the plan and what it rests on: docs/mla_mosaic.md). Not yet run on a GPU; the model's `mla_wgmma` runs it.
+the plan and what it rests on: docs/mla_mosaic.md). Its tests pass compiled on an H200; in the model (`mla_wgmma`)
+the qualification still fails (docs/mla_mosaic.md, status).
 
 A CTA loops over queries (one per SM, persistent). A query's 64 heads are the wgmma M, so each selected KV row is
 read once for all of them. Three warpgroups:
@@ -12,8 +13,10 @@ read once for all of them. Three warpgroups:
 
 The key set of each query is one list of row ids into concat(raw_kv, comp_kv) (`key_slots`, in XLA, −1 = masked):
 its window rows, then its selected (CSA) or visible (HCA) compressed rows. The kernel masks −1 slots and gathers
-row 0 for them. The output's inverse RoPE (the last rope_dim columns) is applied in XLA after the kernel.
-The interpreter runs no inline code, so there the rows come pre-gathered by XLA ([T, slots, D]) and go in by TMA.
+row 0 for them. The output's inverse RoPE (its last 64 columns) is applied in the kernel, in f32 before the bf16
+store, from a table of the query's cos / sin made by XLA (`rope_table`).
+The interpreter runs no inline code, so there the rows come pre-gathered by XLA ([T, slots, D]) and go in by TMA,
+and the rotation is written in jnp (`rotate_back_jnp`; compiled: `rotate_back`, in registers).
 bf16 operands, f32 softmax and accumulation, exp2 with log2 e folded into the scale (fast exp).
 """
 
@@ -24,18 +27,23 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.mla import row_gather
 from kernels_pallas.mla.keyset import clean_indices
-from kernels_pallas.mla.reference import apply_rope, check_inputs
+from kernels_pallas.mla.reference import check_inputs
 
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
 KEYS = row_gather.ROWS  # keys per stage
 HEADS = 64  # all heads of a query: one warpgroup's wgmma M
 HALF = 256  # value columns per compute warpgroup
+ROPE = 64  # the rope dims: the last columns of warpgroup 1's half
 KERNEL_NAME = "mla_stream_wgmma"
 LOG2E = math.log2(math.e)
 
@@ -59,8 +67,51 @@ def key_slots(T: int, q_start, raw_start, N: int, R: int, *, kind: str, ratio: i
   return jnp.pad(slots, ((0, 0), (0, -slots.shape[1] % KEYS)), constant_values=-1)
 
 
-def _kernel(slots_g, q_g, keys_g, sink_g, out_g, q_s, k_s, slots_s, sink_s, p_s, bars, *, queries: int,
-            stages: int, scale: float, gathered: bool):
+def rope_table(T: int, q_start, inv_freq) -> jax.Array:
+  """[T, 64] f32: cos then sin of each query's inverse-rotation angles −p·f_i, as reference.apply_rope makes them."""
+  p = (jnp.asarray(q_start, I32) + jnp.arange(T, dtype=I32)).astype(F32)
+  angle = -(p[:, None] * jnp.asarray(inv_freq, F32)[None, :])
+  return jnp.concatenate([jnp.cos(angle), jnp.sin(angle)], axis=1)
+
+
+def rotate_back_jnp(o, rope):
+  """o [64, 256] f32 (warpgroup 1's value columns) with its last 64 columns, pairs (2i, 2i + 1), rotated by the
+  angles whose cos / sin are rope [64] (reference.apply_rope's f32 arithmetic). For the interpreter."""
+  c, s = rope[:ROPE // 2], rope[ROPE // 2:]
+  pairs = o[:, HALF - ROPE:].reshape(HEADS, ROPE // 2, 2)
+  even, odd = pairs[..., 0], pairs[..., 1]
+  rotated = jnp.stack([even * c - odd * s, odd * c + even * s], axis=-1).reshape(HEADS, ROPE)
+  return jnp.concatenate([o[:, :HALF - ROPE], rotated], axis=1)
+
+
+def rotate_back(o, rope_ref):
+  """rotate_back_jnp in wgmma's register layout, compiled (sm_90): a thread's f32 registers hold column pairs
+  (2i, 2i + 1), so each rope pair rotates in place, with its cos / sin read from rope_ref [64] f32 (shared memory).
+  Which registers hold rope columns depends on the lane, so every register computes the rotation and selects."""
+  wg = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()), return_type=plgpu.ShapeDtypeStruct(o.shape, F32, layout=wg))
+  def rotate(_, acc, rope):
+    index = ir.IndexType.get()
+    const = lambda v: arith.constant(index, v)
+    out = np.empty(acc.registers.shape, object)
+    where = acc.layout.thread_idxs(acc.shape)  # (row, column) of each register's first element
+    for (idx, reg), (_, col) in zip(np.ndenumerate(acc.registers), where, strict=True):
+      assert ir.VectorType(reg.type).shape == [2], reg.type  # one column pair per register
+      live = arith.cmpi(arith.CmpIPredicate.uge, col, const(HALF - ROPE))
+      pair = arith.select(live, arith.divui(arith.subi(col, const(HALF - ROPE)), const(2)), const(0))
+      c, s = memref.load(rope, [pair]), memref.load(rope, [arith.addi(pair, const(ROPE // 2))])
+      even, odd = vector.extract(reg, [], [0]), vector.extract(reg, [], [1])
+      rotated = vector.from_elements(reg.type, [arith.subf(arith.mulf(even, c), arith.mulf(odd, s)),
+                                                arith.addf(arith.mulf(odd, c), arith.mulf(even, s))])
+      out[idx] = arith.select(live, rotated, reg)
+    return mgpu.FragmentedArray(_registers=out, _layout=acc.layout, _is_signed=None)
+
+  return rotate(o, rope_ref)
+
+
+def _kernel(slots_g, q_g, keys_g, sink_g, rope_g, out_g, q_s, k_s, slots_s, sink_s, rope_s, p_s, bars, *,
+            queries: int, stages: int, scale: float, gathered: bool):
   """One CTA takes queries sm, sm + P, … (P CTAs). keys_g: the key table [N + R, D] (compiled) or, in the
   interpreter (`gathered`), the rows already gathered [T, slots, D]; there p also goes through shared memory (p_s),
   since the interpreter takes wgmma operands from refs only.
@@ -71,7 +122,7 @@ def _kernel(slots_g, q_g, keys_g, sink_g, out_g, q_s, k_s, slots_s, sink_s, p_s,
   sm, P = lax.axis_index("sm"), lax.axis_size("sm")
   wg = lax.axis_index("wg")
   count = (queries - 1 - sm) // P + 1  # this CTA's queries (P <= queries)
-  sink_bar, slots_bar, q_bar, ready, free, done, q_free = bars
+  sink_bar, slots_bar, q_bar, rope_bar, ready, free, done, q_free = bars
 
   @pl.when(wg == 2)
   def _producer():
@@ -109,6 +160,7 @@ def _kernel(slots_g, q_g, keys_g, sink_g, out_g, q_s, k_s, slots_s, sink_s, p_s,
 
           for v in range(2):
             plgpu.copy_gmem_to_smem(q_g.at[t, :, pl.ds(v * HALF, HALF)], q_s.at[v], q_bar.at[v])
+          plgpu.copy_gmem_to_smem(rope_g.at[t], rope_s, rope_bar)  # read by warpgroup 1 before q_free
 
     # observe the last phases (every phase of a barrier is seen before it is freed)
     plgpu.barrier_wait(sink_bar)
@@ -166,6 +218,9 @@ def _kernel(slots_g, q_g, keys_g, sink_g, out_g, q_s, k_s, slots_s, sink_s, p_s,
       l0 = plgpu.layout_cast(jnp.zeros((HEADS,), F32), plgpu.Layout.WGMMA.reduce(1))
       m, l, acc = lax.fori_loop(0, stages, stage, (sink, l0, acc))
       o = acc / lax.broadcast_in_dim(l + jnp.exp2(sink - m), acc.shape, [0])
+      if v == 1:  # the rope columns
+        plgpu.barrier_wait(rope_bar)
+        o = rotate_back_jnp(o, rope_s[...]) if gathered else rotate_back(o, rope_s)
       plgpu.barrier_arrive(done)  # both warpgroups' score dots have read q: its buffer takes the output
       plgpu.barrier_wait(done)
       out_s = q_s.at[v]
@@ -194,10 +249,11 @@ def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str,
   slots = key_slots(T, q_start, raw_start, N, R, kind=kind, ratio=ratio, window=window, indices=indices)
   table = raw_kv if comp_kv is None or kind == "window" else jnp.concatenate([raw_kv, comp_kv])
   keys = table[jnp.maximum(slots, 0)] if interpret else table
-  out = _call(slots, q, keys, jnp.asarray(sink, F32), scale=float(D ** -0.5 if scale is None else scale),
-              gathered=bool(interpret), num_sms=num_sms or _sms(interpret))
-  positions = jnp.asarray(q_start, I32) + jnp.arange(T, dtype=I32)
-  return apply_rope(out, positions, inv_freq, inverse=True)  # the rope columns in f32, the rest as they are
+  if len(inv_freq) != ROPE // 2:
+    raise ValueError(f"the wgmma MLA rotates the last {ROPE} dims; got {2 * len(inv_freq)} rope dims")
+  return _call(slots, q, keys, jnp.asarray(sink, F32), rope_table(T, q_start, inv_freq),
+               scale=float(D ** -0.5 if scale is None else scale), gathered=bool(interpret),
+               num_sms=num_sms or _sms(interpret))
 
 
 def _sms(interpret: bool) -> int:
@@ -206,7 +262,7 @@ def _sms(interpret: bool) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gathered", "num_sms"))
-def _call(slots, q, keys, sink, *, scale: float, gathered: bool, num_sms: int):
+def _call(slots, q, keys, sink, rope, *, scale: float, gathered: bool, num_sms: int):
   T, n = slots.shape
   D = q.shape[-1]
   tiled = row_gather.TILED
@@ -216,11 +272,12 @@ def _call(slots, q, keys, sink, *, scale: float, gathered: bool, num_sms: int):
       num_threads=3, thread_name="wg", kernel_name=KERNEL_NAME,
       scratch_types=[plgpu.SMEM((2, HEADS, HALF), BF16, transforms=tiled),  # q's column halves, then the output's
                      plgpu.SMEM((2, KEYS, D), BF16, transforms=tiled),
-                     plgpu.SMEM((2, n // KEYS, KEYS), I32), plgpu.SMEM((HEADS,), F32),
+                     plgpu.SMEM((2, n // KEYS, KEYS), I32), plgpu.SMEM((HEADS,), F32), plgpu.SMEM((ROPE,), F32),
                      plgpu.SMEM((2, HEADS, KEYS), BF16, transforms=tiled) if gathered else None,
                      (plgpu.Barrier(), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),  # sink, lists, q
+                      plgpu.Barrier(),  # the rope table
                       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=2, num_barriers=2),  # ready, free
                       plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2))],  # done, q_free
       interpret=plgpu.InterpretGPUParams(detect_races=True) if gathered else None,  # tests read the verdict
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(slots.reshape(T, n // KEYS, KEYS), q, keys, sink)  # a TMA box holds <= 256 slots a row
+  return kernel(slots.reshape(T, n // KEYS, KEYS), q, keys, sink, rope)  # a TMA box holds <= 256 slots a row
