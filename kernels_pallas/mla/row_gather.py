@@ -12,7 +12,9 @@ call issues 4 · D/64 copies per thread. `wait_gathered` then waits for this thr
 the async proxy (wgmma, TMA) before the thread arrives on a barrier (one that counts all 128 arrivals).
 
 `chunk_offsets` is the address arithmetic, written once for Python ints (tests) and for the kernel's IR.
-`gather_check` is a kernel that gathers rows and stores them back by TMA: on a GPU it must equal kv[idx].
+A negative id gathers a zero row (a masked key slot): cp.async's source size is 0 there, so nothing is read.
+`gather_check` is a kernel that gathers rows and stores them back by TMA: on a GPU it must equal kv[idx], with zero
+rows for negative ids.
 Compiled only: inline code has no interpreter (a kernel built on this takes pre-gathered rows there).
 """
 
@@ -61,8 +63,9 @@ def _ir_ops():
 
 @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(transforms=TILED)))
 def gather_rows(_, kv, idx, dst):
-  """dst [64, d] (TILED, shared memory) ← kv[idx] (kv [n, d] bf16 in global memory, idx [64] int32 in bounds).
-  Issued by every thread of one warpgroup; the copies are in flight until `wait_gathered`."""
+  """dst [64, d] (TILED, shared memory) ← kv[idx] (kv [n, d] bf16 in global memory, idx [64] int32 < n), with
+  zero rows where idx < 0. Issued by every thread of one warpgroup; the copies are in flight until
+  `wait_gathered`."""
   i32, index, bf16 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.BF16Type.get()
   d = ir.MemRefType(kv.type).shape[1]
   ops = _ir_ops()
@@ -70,14 +73,19 @@ def gather_rows(_, kv, idx, dst):
   # cp.async takes a global-space pointer; the memref's is generic (as Mosaic's own cp.async copy casts it)
   src_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(kv))
   dst_base = mgpu_utils.memref_ptr(dst)
+  zero = arith.constant(i32, 0)
   for k in range(ROWS * GROUP // THREADS):
     row = ops["add"](ops["div"](thread, GROUP), THREADS // GROUP * k)
     token = memref.load(idx, [arith.index_cast(index, row)])
+    # a negative id is a masked key: its chunks are zero-filled (cp.async reads 0 of the 16 bytes, from row 0's
+    # address), so whatever lies at or before the table cannot reach p·V as 0 × NaN
+    live = arith.cmpi(arith.CmpIPredicate.sge, token, zero)
+    token, read = arith.select(live, token, zero), arith.select(live, arith.constant(i32, 16), zero)
     for j in range(d // TILE[1]):
       _, src, dst_off = chunk_offsets(thread, k, j, token, d, ops)
       nvvm.cp_async_shared_global(mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
                                   mgpu_utils.getelementptr(src_base, [src], bf16), 16,
-                                  nvvm.LoadCacheModifierKind.CG)
+                                  nvvm.LoadCacheModifierKind.CG, cp_size=read)
   nvvm.cp_async_commit_group()
 
 
@@ -89,8 +97,9 @@ def wait_gathered(_):
 
 
 def gather_check(kv, idx) -> jax.Array:
-  """kv[idx] through shared memory: gather_rows 64 rows at a time into a TILED buffer, then TMA copies out (which
-  un-swizzle). kv [n, d] bf16 with d a multiple of 64, idx [m] int32 in bounds with m a multiple of 64."""
+  """kv[idx] through shared memory, zero rows where idx < 0: gather_rows 64 rows at a time into a TILED buffer,
+  then TMA copies out (which un-swizzle). kv [n, d] bf16 with d a multiple of 64, idx [m] int32 < n with m a
+  multiple of 64."""
   n, d = kv.shape
   m = idx.shape[0]
   if kv.dtype != jnp.bfloat16 or d % TILE[1] or m % ROWS:

@@ -1,6 +1,6 @@
 """Head-batched streaming sparse MLA for Hopper (sm_90) as a Pallas Mosaic GPU kernel: a first version (issue #19;
-the plan and what it rests on: docs/mla_mosaic.md). Its tests pass compiled on an H200; in the model (`mla_wgmma`)
-the qualification still fails (docs/mla_mosaic.md, status).
+the plan and what it rests on: docs/mla_mosaic.md). Its tests pass compiled on an H200, and V4-Flash with it
+(`mla_wgmma`) passes the qualification at 8192 tokens.
 
 A CTA loops over queries (one per SM, persistent). A query's 64 heads are the wgmma M, so each selected KV row is
 read once for all of them. Three warpgroups:
@@ -13,8 +13,9 @@ read once for all of them. Three warpgroups:
 
 The key set of each query is one list of row ids into concat(raw_kv, comp_kv) (`key_slots`, in XLA, −1 = masked):
 its window rows, then its selected (CSA) or visible (HCA) compressed rows. The kernel masks −1 slots and gathers
-row 0 for them. The output's inverse RoPE (its last 64 columns) is applied in the kernel, in f32 before the bf16
-store, from a table of the query's cos / sin made by XLA (`rope_table`).
+zero rows for them: p is 0 there, but 0 × NaN is not 0, so no masked slot may read memory it does not own. The
+output's inverse RoPE (its last 64 columns) is applied in the kernel, in f32 before the bf16 store, from a table of
+the query's cos / sin made by XLA (`rope_table`).
 The interpreter runs no inline code, so there the rows come pre-gathered by XLA ([T, slots, D]) and go in by TMA,
 and the rotation is written in jnp (`rotate_back_jnp`; compiled: `rotate_back`, in registers).
 bf16 operands, f32 softmax and accumulation, exp2 with log2 e folded into the scale (fast exp).
@@ -248,7 +249,7 @@ def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str,
                      f"H={H}, D={D}, q {q.dtype}, raw_kv {raw_kv.dtype}")
   slots = key_slots(T, q_start, raw_start, N, R, kind=kind, ratio=ratio, window=window, indices=indices)
   table = raw_kv if comp_kv is None or kind == "window" else jnp.concatenate([raw_kv, comp_kv])
-  keys = table[jnp.maximum(slots, 0)] if interpret else table
+  keys = jnp.where(slots[..., None] >= 0, table[jnp.maximum(slots, 0)], 0) if interpret else table
   if len(inv_freq) != ROPE // 2:
     raise ValueError(f"the wgmma MLA rotates the last {ROPE} dims; got {2 * len(inv_freq)} rope dims")
   return _call(slots, q, keys, jnp.asarray(sink, F32), rope_table(T, q_start, inv_freq),

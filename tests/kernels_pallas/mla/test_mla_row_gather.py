@@ -72,3 +72,13 @@ def test_gather_check_is_kv_of_idx(rng, d):
   kv = jnp.asarray(rng.standard_normal((4096, d)), jnp.bfloat16)
   idx = jnp.asarray(rng.permutation(4096)[:192], jnp.int32)  # three 64-row calls, repeats of none
   np.testing.assert_array_equal(np.asarray(gather_check(kv, idx)), np.asarray(kv)[np.asarray(idx)])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="inline Mosaic GPU code runs compiled only (no interpreter)")
+def test_gather_check_zero_fills_negative_ids(rng):
+  # a masked key slot (id -1) must not read memory: its row is zeros, whatever the table or what lies before it
+  kv = jnp.asarray(rng.standard_normal((4096, 512)) + 3.0, jnp.bfloat16)  # no zero rows
+  idx = np.asarray(rng.permutation(4096)[:128], np.int32)
+  idx[rng.permutation(128)[:40]] = -1
+  want = np.where(idx[:, None] >= 0, np.asarray(kv)[np.maximum(idx, 0)], 0)
+  np.testing.assert_array_equal(np.asarray(gather_check(kv, jnp.asarray(idx))), want)

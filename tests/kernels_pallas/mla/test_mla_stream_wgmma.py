@@ -80,6 +80,19 @@ def test_stream_wgmma_matches_reference(rng, kind, q_start):
   assert err <= 2e-5, err
 
 
+def test_stream_wgmma_masked_rows_do_not_reach_the_output(rng):
+  # the first raw rows lie before position 0 (q_start 3): masked for every query, so NaN there must not matter.
+  # A masked slot that reads any row (p = 0, but 0 × NaN = NaN) or memory outside the table fails this.
+  args, kw = problem(rng, "window", 5, 3)
+  q, raw, comp, sink = args
+  dead = W - 1 - 3  # rows at positions < 0
+  poisoned = raw.at[:dead].set(jnp.nan)
+  out = sparse_mla_wgmma(q, poisoned, comp, sink, num_sms=2, interpret=not ON_GPU, **kw)
+  ref = sparse_mla_reference(q.astype(jnp.float32), raw.astype(jnp.float32), None, sink, **kw)
+  assert bool(jnp.isfinite(out).all())
+  assert nmse(out.astype(jnp.float32), ref) <= 2e-5
+
+
 def test_stream_wgmma_lowers_for_sm90_at_v4_flash_shapes():
   # the last 8192 queries of a 128K prompt on a CSA layer (top-512: 2 window + 8 selected stages of 64 keys):
   # Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering
