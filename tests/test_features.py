@@ -48,15 +48,16 @@ def test_review_6_gfx1151_defaults_do_not_leak_to_other_rdna35():
 def test_capability_states():
   """gfx1151 advertises upstream's sparse-prefill set as lowered only (nothing ran there), and neither ds4jax's expert
   decode kernel (its gate/up reads the quantized tiles) nor the Mosaic GPU kernels (no ROCm backend); sm_90 and the
-  CPU ran what they advertise, except the Mosaic GPU MLA on sm_90 (lowered, not yet run); other RDNA3.5 and ROCm
-  devices advertise nothing."""
+  CPU ran what they advertise (the Mosaic GPU MLA on sm_90 too, off by default); other RDNA3.5 and ROCm devices
+  advertise nothing."""
   states = lambda cls: {s: cap.state for s, cap in CAPABILITIES[cls].items()}
   not_lowered = {"moe_decode_kernel", *features.WGMMA_SWITCHES}
   assert {s for s, st in states("gfx1151").items() if st != features.LOWERED} == not_lowered
   assert {states("gfx1151")[s] for s in not_lowered} == {features.UNSUPPORTED}
   assert set(states("rdna35_other").values()) == set(states("rocm_other").values()) == {features.UNSUPPORTED}
   assert features.RAN in set(states("sm_90").values())
-  assert {s for s, st in states("sm_90").items() if st == features.LOWERED} == {"mla_wgmma"}
+  assert features.LOWERED not in set(states("sm_90").values())
+  assert states("sm_90")["mla_wgmma"] == features.RAN and not CAPABILITIES["sm_90"]["mla_wgmma"].default
   g51 = features.resolve("gfx1151")
   assert g51.on() == ["bf16_matmul", "moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent",
                       "moe_fused_combine", "indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk",
