@@ -148,26 +148,31 @@ def main(argv):
       except Exception as e:  # noqa: BLE001 -- one failing contender must not stop the others
         save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
     if not interpret and (H, D) == (64, 512) and q.dtype == jnp.bfloat16:
-      # sm_90's Mosaic GPU kernel (first version, docs/mla_mosaic.md): 64 heads a CTA, rows gathered by cp.async
-      f = jax.jit(lambda a, b, c, d, e, s: stream_wgmma.sparse_mla_wgmma(
-          a, b, c, d, q_start=s, raw_start=jnp.maximum(s - (W - 1), 0), kind="csa", ratio=ratio, window=W,
-          inv_freq=freqs, indices=e))
-      try:
-        outs["stream_wgmma"] = f(q, raw_kv, comp_kv, sink, indices, qs)
-        save(base | dict(contender="stream_wgmma", kernel=stream_wgmma.KERNEL_NAME,
-                         ms=timeit(f, q, raw_kv, comp_kv, sink, indices, qs, n=n)))
-      except Exception as e:  # noqa: BLE001
-        save(base | dict(contender="stream_wgmma", error=f"{type(e).__name__}: {str(e)[:300]}"))
+      # sm_90's Mosaic GPU kernel (docs/mla_mosaic.md): 64 heads a CTA, rows gathered by cp.async; "split" takes the
+      # softmax weights in three bf16 parts and stores f32
+      for name, precision in (("stream_wgmma", "bf16"), ("stream_wgmma_split", "split")):
+        f = jax.jit(lambda a, b, c, d, e, s, precision=precision: stream_wgmma.sparse_mla_wgmma(
+            a, b, c, d, q_start=s, raw_start=jnp.maximum(s - (W - 1), 0), kind="csa", ratio=ratio, window=W,
+            inv_freq=freqs, indices=e, precision=precision))
+        try:
+          outs[name] = f(q, raw_kv, comp_kv, sink, indices, qs)
+          save(base | dict(contender=name, kernel=stream_wgmma.KERNEL_NAME, precision=precision,
+                           ms=timeit(f, q, raw_kv, comp_kv, sink, indices, qs, n=n)))
+        except Exception as e:  # noqa: BLE001
+          save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
     if PRECISE in outs:
       for name, o in outs.items():
         save(base | dict(contender=name, nmse_vs_precise=nmse(o, outs[PRECISE]),
                          max_abs_vs_precise=float(jnp.max(jnp.abs(o - outs[PRECISE])))))
+    if outs:
       # The dense reference on the last ref_queries queries (its [T, N + R] scores do not fit at full T).
       m = min(_REF_QUERIES.value, Tq)
       sl = slice(Tq - m, Tq)
       want = mla.sparse_mla_reference(q[sl], raw_kv, comp_kv, sink, q_start=q_start + Tq - m, raw_start=raw_start,
                                       kind="csa", ratio=ratio, window=W, inv_freq=freqs, indices=indices[sl])
-      save(base | dict(contender=PRECISE, ref_queries=m, nmse_vs_dense_reference=nmse(outs[PRECISE][sl], want)))
+      for name in (PRECISE, "stream_wgmma", "stream_wgmma_split"):
+        if name in outs:
+          save(base | dict(contender=name, ref_queries=m, nmse_vs_dense_reference=nmse(outs[name][sl], want)))
     dense = jax.jit(lambda a, b, c, d, e: mla.sparse_mla_reference(
         a, b, c, d, q_start=q_start, raw_start=raw_start, kind="csa", ratio=ratio, window=W, inv_freq=freqs,
         indices=e))

@@ -18,7 +18,11 @@ output's inverse RoPE (its last 64 columns) is applied in the kernel, in f32 bef
 the query's cos / sin made by XLA (`rope_table`).
 The interpreter runs no inline code, so there the rows come pre-gathered by XLA ([T, slots, D]) and go in by TMA,
 and the rotation is written in jnp (`rotate_back_jnp`; compiled: `rotate_back`, in registers).
-bf16 operands, f32 softmax and accumulation, exp2 with log2 e folded into the scale (fast exp).
+bf16 operands, f32 softmax and accumulation, exp2 with log2 e folded into the scale (fast exp). Two precisions:
+- "bf16" (the model's): p·V takes p rounded to bf16, and the output is stored bf16 through q's buffer by TMA;
+- "split" (the f32 parity path on bf16 rows): p·V takes p as three bf16 parts whose sum is p exactly (`split3`, three
+  wgmmas into one accumulator), and the output is stored f32 straight from registers. Triton's "split" takes two
+  parts (~16 of f32's 24 bits: NMSE ~1e-11 against the exact reference); three take all of them.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ HEADS = 64  # all heads of a query: one warpgroup's wgmma M
 HALF = 256  # value columns per compute warpgroup
 ROPE = 64  # the rope dims: the last columns of warpgroup 1's half
 KERNEL_NAME = "mla_stream_wgmma"
+PRECISIONS = ("bf16", "split")
 LOG2E = math.log2(math.e)
 
 
@@ -73,6 +78,17 @@ def rope_table(T: int, q_start, inv_freq) -> jax.Array:
   p = (jnp.asarray(q_start, I32) + jnp.arange(T, dtype=I32)).astype(F32)
   angle = -(p[:, None] * jnp.asarray(inv_freq, F32)[None, :])
   return jnp.concatenate([jnp.cos(angle), jnp.sin(angle)], axis=1)
+
+
+def split3(p) -> list[jax.Array]:
+  """p (f32) as three bf16 arrays whose f32 sum is p exactly: its top 8 significant bits, the top 8 of the rest,
+  then the at most 8 left. Truncation by a mask, not by rounding: XLA may drop an f32 → bf16 → f32 round trip
+  (excess precision), never a mask."""
+  top = lambda x: lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
+  hi = top(p)
+  rest = p - hi  # exact: hi is p with its low mantissa bits cleared
+  mid = top(rest)
+  return [part.astype(BF16) for part in (hi, mid, rest - mid)]
 
 
 def rotate_back_jnp(o, rope):
@@ -112,10 +128,11 @@ def rotate_back(o, rope_ref):
 
 
 def _kernel(slots_g, q_g, keys_g, sink_g, rope_g, out_g, q_s, k_s, slots_s, sink_s, rope_s, p_s, bars, *,
-            queries: int, stages: int, scale: float, gathered: bool):
+            queries: int, stages: int, scale: float, gathered: bool, split: bool):
   """One CTA takes queries sm, sm + P, … (P CTAs). keys_g: the key table [N + R, D] (compiled) or, in the
   interpreter (`gathered`), the rows already gathered [T, slots, D]; there p also goes through shared memory (p_s),
-  since the interpreter takes wgmma operands from refs only.
+  since the interpreter takes wgmma operands from refs only. `split`: p in three parts, the output f32 from
+  registers (module docstring).
 
   Shared memory: q (two column halves, which then hold the output), two key slots, the slot lists of two queries.
   The gathering warpgroup runs ahead across queries: the next query's first stages are gathered while the compute
@@ -198,19 +215,24 @@ def _kernel(slots_g, q_g, keys_g, sink_g, rope_g, out_g, q_s, k_s, slots_s, sink
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(BF16)
+        parts = split3(p) if split else [p.astype(BF16)]
         v_tile = k_s.at[slot, :, pl.ds(v * HALF, HALF)]
         if gathered:  # the interpreter: p through shared memory, and p·V into a fresh accumulator added after
-          p_s[v] = p16
-          plgpu.commit_smem()
+          for part in parts:  # reading each accumulator waits for its wgmma: p_s is free again
+            p_s[v] = part
+            plgpu.commit_smem()
 
-          def values(acc_ref):
-            plgpu.wgmma(acc_ref, p_s.at[v], v_tile)
-            return acc_ref[...]
+            def values(acc_ref):
+              plgpu.wgmma(acc_ref, p_s.at[v], v_tile)
+              return acc_ref[...]
 
-          acc = acc + pl.run_scoped(values, plgpu.ACC((HEADS, HALF), F32))
+            acc = acc + pl.run_scoped(values, plgpu.ACC((HEADS, HALF), F32))
         else:
-          acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(plgpu.ACC.init(acc))
+          def values(acc_ref):
+            for part in parts:
+              plgpu.wgmma(acc_ref, part, v_tile)
+
+          acc = pl.run_state(values)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(free.at[slot])
         return m_new, p.sum(axis=1) + l * alpha, acc
 
@@ -222,14 +244,19 @@ def _kernel(slots_g, q_g, keys_g, sink_g, rope_g, out_g, q_s, k_s, slots_s, sink
       if v == 1:  # the rope columns
         plgpu.barrier_wait(rope_bar)
         o = rotate_back_jnp(o, rope_s[...]) if gathered else rotate_back(o, rope_s)
-      plgpu.barrier_arrive(done)  # both warpgroups' score dots have read q: its buffer takes the output
+      plgpu.barrier_arrive(done)  # both warpgroups' score dots have read q
       plgpu.barrier_wait(done)
-      out_s = q_s.at[v]
-      out_s[...] = o.astype(out_s.dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_s, out_g.at[t, :, pl.ds(v * HALF, HALF)])
-      plgpu.wait_smem_to_gmem(0)
-      plgpu.barrier_arrive(q_free)
+      if split:  # f32 from registers: q's buffer may take the next query's at once
+        plgpu.commit_smem()  # the reads of the slot list and the rope table before TMA overwrites them
+        plgpu.barrier_arrive(q_free)
+        out_g[t, :, pl.ds(v * HALF, HALF)] = o
+      else:  # q's buffer takes the output
+        out_s = q_s.at[v]
+        out_s[...] = o.astype(out_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_s, out_g.at[t, :, pl.ds(v * HALF, HALF)])
+        plgpu.wait_smem_to_gmem(0)
+        plgpu.barrier_arrive(q_free)
 
   for v in range(2):
     pl.when(wg == v)(functools.partial(consume, v))
@@ -237,10 +264,13 @@ def _kernel(slots_g, q_g, keys_g, sink_g, rope_g, out_g, q_s, k_s, slots_s, sink
 
 def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio: int, window: int,
                      inv_freq, indices=None, scale: float | None = None, num_sms: int | None = None,
-                     interpret: bool = False) -> jax.Array:
-  """sparse_mla's semantics (reference.py) → [T, H, D] bf16, for H = 64 heads of dim D = 512 and bf16 q / KV (the
-  kernel's dots take bf16 operands). `num_sms`: CTAs (default `_sms`), each looping over queries.
+                     precision: str = "bf16", interpret: bool = False) -> jax.Array:
+  """sparse_mla's semantics (reference.py) → [T, H, D], for H = 64 heads of dim D = 512 and bf16 q / KV (the
+  kernel's dots take bf16 operands). `precision` "bf16" (bf16 p, bf16 output) or "split" (p in three bf16 parts,
+  f32 output; module docstring). `num_sms`: CTAs (default `_sms`), each looping over queries.
   `interpret`: Mosaic GPU's interpreter, on rows gathered by XLA."""
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision={precision!r}: the wgmma MLA takes one of {PRECISIONS}")
   s = check_inputs(q, raw_kv, comp_kv, sink, q_start=q_start, raw_start=raw_start, kind=kind, ratio=ratio,
                    window=window, inv_freq=inv_freq, indices=indices)
   T, H, D, N, R = s["T"], s["H"], s["D"], s["N"], s["R"]
@@ -254,7 +284,7 @@ def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str,
     raise ValueError(f"the wgmma MLA rotates the last {ROPE} dims; got {2 * len(inv_freq)} rope dims")
   return _call(slots, q, keys, jnp.asarray(sink, F32), rope_table(T, q_start, inv_freq),
                scale=float(D ** -0.5 if scale is None else scale), gathered=bool(interpret),
-               num_sms=num_sms or _sms(interpret))
+               split=precision == "split", num_sms=num_sms or _sms(interpret))
 
 
 def _sms(interpret: bool) -> int:
@@ -262,14 +292,14 @@ def _sms(interpret: bool) -> int:
   return 4 if interpret else getattr(jax.devices()[0], "core_count", None) or 132
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gathered", "num_sms"))
-def _call(slots, q, keys, sink, rope, *, scale: float, gathered: bool, num_sms: int):
+@functools.partial(jax.jit, static_argnames=("scale", "gathered", "split", "num_sms"))
+def _call(slots, q, keys, sink, rope, *, scale: float, gathered: bool, split: bool, num_sms: int):
   T, n = slots.shape
   D = q.shape[-1]
   tiled = row_gather.TILED
   kernel = plgpu.kernel(
-      functools.partial(_kernel, queries=T, stages=n // KEYS, scale=scale, gathered=gathered),
-      out_type=jax.ShapeDtypeStruct((T, HEADS, D), BF16), grid=(min(T, num_sms),), grid_names=("sm",),
+      functools.partial(_kernel, queries=T, stages=n // KEYS, scale=scale, gathered=gathered, split=split),
+      out_type=jax.ShapeDtypeStruct((T, HEADS, D), F32 if split else BF16), grid=(min(T, num_sms),), grid_names=("sm",),
       num_threads=3, thread_name="wg", kernel_name=KERNEL_NAME,
       scratch_types=[plgpu.SMEM((2, HEADS, HALF), BF16, transforms=tiled),  # q's column halves, then the output's
                      plgpu.SMEM((2, KEYS, D), BF16, transforms=tiled),

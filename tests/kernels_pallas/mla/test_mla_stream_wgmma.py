@@ -3,8 +3,9 @@ key lists against the reference's key sets; the kernel in Mosaic GPU's interpret
 the race detector on) and compiled on a GPU (rows gathered in the kernel); its lowering for sm_90 at V4-Flash
 shapes, offline.
 
-64 heads of dim 512 (the only shape it takes), bf16 q / KV, bf16 softmax weights and output: the bound is bf16's
-rounding (NMSE ≤ 2e-5, measured ~5e-6)."""
+64 heads of dim 512 (the only shape it takes), bf16 q / KV. Precision "bf16" (bf16 softmax weights and output): the
+bound is bf16's rounding (NMSE ≤ 2e-5, measured ~5e-6). Precision "split" (the weights in three bf16 parts, f32
+output): NMSE ≤ 1e-12 (measured 2e-14 to 1.2e-13; two parts, as Triton's "split", give ~1e-11)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # the ra
 
 from ds4jax.metrics import nmse
 from kernels_pallas.mla.reference import selected_bias, sparse_mla_reference, visible_rows, window_bias
-from kernels_pallas.mla.stream_wgmma import key_slots, sparse_mla_wgmma
+from kernels_pallas.mla.stream_wgmma import key_slots, sparse_mla_wgmma, split3
 
 ON_GPU = jax.default_backend() == "gpu"
 H, D, W = 64, 512, 128
@@ -64,20 +65,34 @@ def test_key_slots_are_the_reference_key_sets(rng, kind, q_start):
   assert (slots >= 0).sum() > T  # real key sets, not empty
 
 
+BOUND = {"bf16": (jnp.bfloat16, 2e-5), "split": (jnp.float32, 1e-12)}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "split"])
 @pytest.mark.parametrize("kind,q_start", [("csa", 300), ("hca", 250), ("window", 3)])
-def test_stream_wgmma_matches_reference(rng, kind, q_start):
+def test_stream_wgmma_matches_reference(rng, kind, q_start, precision):
   # 5 queries on 2 CTAs (3 and 2 queries each: the gathering warpgroup runs ahead into the next query, whose q
   # waits for the previous output): the window stages (some positions before 0 at q_start 3), then the compressed
   # rows (CSA: 64 slots, 8 empty and some not visible; HCA: every row, the unseen masked)
   args, kw = problem(rng, kind, 5, q_start)
-  out = sparse_mla_wgmma(*args, num_sms=2, interpret=not ON_GPU, **kw)
+  out = sparse_mla_wgmma(*args, num_sms=2, precision=precision, interpret=not ON_GPU, **kw)
   if not ON_GPU:
     assert not interpret_pallas_call.get_races().races_found
   ref = sparse_mla_reference(*(None if a is None else a.astype(jnp.float32) for a in args[:3]), args[3], **kw)
-  assert out.dtype == jnp.bfloat16 and float(jnp.mean(jnp.abs(ref))) > 0.02
+  dtype, bound = BOUND[precision]
+  assert out.dtype == dtype and float(jnp.mean(jnp.abs(ref))) > 0.02
   err = nmse(out.astype(jnp.float32), ref)
-  print(f"{kind} q_start {q_start}: NMSE {err:.2e}")
-  assert err <= 2e-5, err
+  print(f"{kind} q_start {q_start} {precision}: NMSE {err:.2e}")
+  assert err <= bound, err
+
+
+def test_split3_parts_sum_to_p_exactly(rng):
+  # softmax weights over many binades (down to ~1e-13), plus 1 and 0: the three bf16 parts carry all 24 bits
+  p = jnp.asarray(rng.random((64, 64)) * np.exp2(-rng.integers(0, 44, (64, 64))), jnp.float32).at[0, :2].set([1, 0])
+  parts = split3(p)
+  assert all(a.dtype == jnp.bfloat16 for a in parts) and float(jnp.abs(parts[2]).max()) > 0
+  total = parts[0].astype(jnp.float32) + parts[1].astype(jnp.float32) + parts[2].astype(jnp.float32)
+  np.testing.assert_array_equal(np.asarray(total), np.asarray(p))
 
 
 def test_stream_wgmma_masked_rows_do_not_reach_the_output(rng):
@@ -93,15 +108,17 @@ def test_stream_wgmma_masked_rows_do_not_reach_the_output(rng):
   assert nmse(out.astype(jnp.float32), ref) <= 2e-5
 
 
-def test_stream_wgmma_lowers_for_sm90_at_v4_flash_shapes():
+@pytest.mark.parametrize("precision", ["bf16", "split"])
+def test_stream_wgmma_lowers_for_sm90_at_v4_flash_shapes(precision):
   # the last 8192 queries of a 128K prompt on a CSA layer (top-512: 2 window + 8 selected stages of 64 keys):
-  # Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering
+  # Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering (split: the f32 output
+  # stored from registers)
   T, k, q_start = 8192, 512, 122880 - 8192
   sds = jax.ShapeDtypeStruct
 
   def f(q, raw, comp, sink, idx):
     return sparse_mla_wgmma(q, raw, comp, sink, q_start=q_start, raw_start=q_start - (W - 1), kind="csa", ratio=4,
-                            window=W, inv_freq=FREQS, indices=idx)
+                            window=W, inv_freq=FREQS, indices=idx, precision=precision)
 
   args = (sds((T, H, D), jnp.bfloat16), sds((T + W - 1, D), jnp.bfloat16), sds((122880 // 4, D), jnp.bfloat16),
           sds((H,), jnp.float32), sds((T, k), jnp.int32))
@@ -114,3 +131,5 @@ def test_stream_wgmma_refuses_other_shapes(rng):
     sparse_mla_wgmma(q[:, :16], raw, comp, sink[:16], **kw)
   with pytest.raises(ValueError, match="bf16 q / KV"):
     sparse_mla_wgmma(q.astype(jnp.float32), raw, comp, sink, **kw)
+  with pytest.raises(ValueError, match="precision='tf32'"):
+    sparse_mla_wgmma(q, raw, comp, sink, precision="tf32", **kw)
