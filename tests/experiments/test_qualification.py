@@ -657,7 +657,9 @@ def test_qual_cfg():
   o = parse([f"--flagfile={REPO}/qual.cfg"])
   assert (o.preset, o.quant_policy, o.dtype) == ("v4_flash", "lucebox_mix", "bf16")
   assert o.lengths == (8192, 32768, 122879) and o.warmups >= 2 and o.repeats >= 3 and o.append
-  assert 0 < o.max_cold_s <= 120  # the f32 path is recorded too slow, never timed for minutes per call
+  # the f32 path (92 s cold at 8192) is recorded too slow, never timed for minutes per call; all_on with the Mosaic
+  # GPU switches (62 s cold at 8192, their kernels compiling at load) is timed
+  assert 62 < o.max_cold_s < 92
   assert o.out == "experiments/results/qual_v4flash_h200_wave2c.json"
   assert 0 < o.parity_prefix_tokens <= o.exact_max_tokens < 8192 and o.verdict_tokens <= o.exact_max_tokens
   assert len(o.mutations) >= 3
