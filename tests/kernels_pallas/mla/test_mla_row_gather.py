@@ -56,6 +56,8 @@ def test_gather_check_lowers_for_sm90():
   text = mosaic_module_text(gather_check, jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16),
                             jax.ShapeDtypeStruct((128,), jnp.int32))
   assert text.count("nvvm.cp.async.shared.global") == 2 * 4 * 8
+  # every copy takes a source size (0 for a negative id: a zero row, nothing read)
+  assert text.count("(!llvm.ptr<3>, !llvm.ptr<1>, i32) -> ()") == 2 * 4 * 8
   assert text.count("nvvm.cp.async.wait.group") == 2 and text.count("nvvm.fence.proxy") >= 2
 
 
