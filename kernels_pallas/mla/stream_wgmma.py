@@ -134,7 +134,8 @@ def _kernel(slots_g, q_g, keys_g, sink_g, rope_g, out_g, q_s, k_s, slots_s, sink
   since the interpreter takes wgmma operands from refs only. `split`: p in three parts, the output f32 from
   registers (module docstring).
 
-  Shared memory: q (two column halves, which then hold the output), two key slots, the slot lists of two queries.
+  Shared memory: q (two column halves, which then hold the bf16 output), two key slots, the slot lists of two
+  queries.
   The gathering warpgroup runs ahead across queries: the next query's first stages are gathered while the compute
   warpgroups finish the previous one, and its q is loaded once their output has left q's buffer (`q_free`)."""
   sm, P = lax.axis_index("sm"), lax.axis_size("sm")
@@ -244,13 +245,13 @@ def _kernel(slots_g, q_g, keys_g, sink_g, rope_g, out_g, q_s, k_s, slots_s, sink
       if v == 1:  # the rope columns
         plgpu.barrier_wait(rope_bar)
         o = rotate_back_jnp(o, rope_s[...]) if gathered else rotate_back(o, rope_s)
-      plgpu.barrier_arrive(done)  # both warpgroups' score dots have read q
-      plgpu.barrier_wait(done)
-      if split:  # f32 from registers: q's buffer may take the next query's at once
+      if split:  # f32 from registers: q's buffer may take the next query's once both warpgroups are here
         plgpu.commit_smem()  # the reads of the slot list and the rope table before TMA overwrites them
         plgpu.barrier_arrive(q_free)
         out_g[t, :, pl.ds(v * HALF, HALF)] = o
-      else:  # q's buffer takes the output
+      else:  # q's buffer takes the output once both warpgroups' score dots have read q
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
         out_s = q_s.at[v]
         out_s[...] = o.astype(out_s.dtype)
         plgpu.commit_smem()
