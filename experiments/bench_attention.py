@@ -7,7 +7,8 @@ Per context L (the query chunk is the last `--queries` tokens of an L-token pref
 from q_start − 127, R = L // 4 compressed rows, top-512): the grouped baseline, the streaming kernel unstaged,
 with the f32 stage, and with f32 stage + fast exp (`--precision` selects the dot precision; default = the
 platform's Config.default; `--config` overrides its fields), on a GPU with bf16 q/KV also sm_90's Mosaic GPU kernel
-(`stream_wgmma`), plus the dense XLA reference where it fits; the indexer
+(`stream_wgmma`; `--wgmma_split_chunks` adds split contenders with other accumulator chunks), plus the dense XLA
+reference where it fits; the indexer
 (`kernels_pallas.indexer.topk`, scoring + top-k by sort, and by radix selection: ids checked equal) and the mask
 path (`mask_from_topk` + `rows_from_mask`) against the direct handoff (time and compiled peak memory); per-CSA-layer indexer + attention ms and the indexer's share. NMSE of every variant
 against the precise streaming path (exp, f32 stage) and of that against the dense reference on a query slice.
@@ -34,6 +35,9 @@ _CONFIG = flags.DEFINE_list("config", [], "Config overrides name=value (e.g. hea
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (median).")
 _REF_QUERIES = flags.DEFINE_integer("ref_queries", 256, "Queries of the dense-reference NMSE slice.")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_SPLIT_CHUNKS = flags.DEFINE_list(
+    "wgmma_split_chunks", [], "More stream_wgmma split contenders, as SCORExVALUE accumulator columns (e.g. 512x256: "
+    "one chain each, as before the chunks; kernels_pallas/mla/stream_wgmma.py).")
 _INDEXER_ONLY = flags.DEFINE_boolean("indexer_only", False, "Time the indexer and the handoffs only.")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes, interpret mode (CPU check of the script).")
 
@@ -150,13 +154,18 @@ def main(argv):
     if not interpret and (H, D) == (64, 512) and q.dtype == jnp.bfloat16:
       # sm_90's Mosaic GPU kernel (docs/mla_mosaic.md): 64 heads a CTA, rows gathered by cp.async; "split" takes the
       # softmax weights in three bf16 parts and stores f32
-      for name, precision in (("stream_wgmma", "bf16"), ("stream_wgmma_split", "split")):
-        f = jax.jit(lambda a, b, c, d, e, s, precision=precision: stream_wgmma.sparse_mla_wgmma(
+      chunks = [tuple(int(c) for c in item.split("x")) for item in _SPLIT_CHUNKS.value]
+      wgmma = [("stream_wgmma", "bf16", (None, None)), ("stream_wgmma_split", "split", (None, None))]
+      wgmma += [(f"stream_wgmma_split_{sc}x{vc}", "split", (sc, vc)) for sc, vc in chunks]
+      for name, precision, (sc, vc) in wgmma:
+        f = jax.jit(lambda a, b, c, d, e, s, precision=precision, sc=sc, vc=vc: stream_wgmma.sparse_mla_wgmma(
             a, b, c, d, q_start=s, raw_start=jnp.maximum(s - (W - 1), 0), kind="csa", ratio=ratio, window=W,
-            inv_freq=freqs, indices=e, precision=precision))
+            inv_freq=freqs, indices=e, precision=precision, score_columns=sc, value_columns=vc))
         try:
           outs[name] = f(q, raw_kv, comp_kv, sink, indices, qs)
           save(base | dict(contender=name, kernel=stream_wgmma.KERNEL_NAME, precision=precision,
+                           score_columns=sc or (stream_wgmma.SPLIT_SCORE_COLUMNS if precision == "split" else D),
+                           value_columns=vc or (stream_wgmma.SPLIT_VALUE_COLUMNS if precision == "split" else D // 2),
                            ms=timeit(f, q, raw_kv, comp_kv, sink, indices, qs, n=n)))
         except Exception as e:  # noqa: BLE001
           save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
@@ -170,8 +179,8 @@ def main(argv):
       sl = slice(Tq - m, Tq)
       want = mla.sparse_mla_reference(q[sl], raw_kv, comp_kv, sink, q_start=q_start + Tq - m, raw_start=raw_start,
                                       kind="csa", ratio=ratio, window=W, inv_freq=freqs, indices=indices[sl])
-      for name in (PRECISE, "stream_wgmma", "stream_wgmma_split"):
-        if name in outs:
+      for name in outs:
+        if name == PRECISE or name.startswith("stream_wgmma"):
           save(base | dict(contender=name, ref_queries=m, nmse_vs_dense_reference=nmse(outs[name][sl], want)))
     dense = jax.jit(lambda a, b, c, d, e: mla.sparse_mla_reference(
         a, b, c, d, q_start=q_start, raw_start=raw_start, kind="csa", ratio=ratio, window=W, inv_freq=freqs,

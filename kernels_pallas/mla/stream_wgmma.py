@@ -21,8 +21,12 @@ and the rotation is written in jnp (`rotate_back_jnp`; compiled: `rotate_back`, 
 bf16 operands, f32 softmax and accumulation, exp2 with log2 e folded into the scale (fast exp). Two precisions:
 - "bf16" (the model's): p·V takes p rounded to bf16, and the output is stored bf16 through q's buffer by TMA;
 - "split" (the f32 parity path on bf16 rows): p·V takes p as three bf16 parts whose sum is p exactly (`split3`, three
-  wgmmas into one accumulator), and the output is stored f32 straight from registers. Triton's "split" takes two
-  parts (~16 of f32's 24 bits: NMSE ~1e-11 against the exact reference); three take all of them.
+  wgmmas), and the output is stored f32 straight from registers. Triton's "split" takes two parts (~16 of f32's
+  24 bits: NMSE ~1e-11 against the exact reference); three take all of them. Hopper's wgmma adds into its f32
+  accumulator with truncation (on an H200, q·Kᵀ over 512 columns in one accumulator: ~4 ulps of bias, 5× XLA's
+  error), so the split path keeps every accumulator chain short: the score dot in fresh accumulators of SPLIT_SCORE_COLUMNS
+  columns, each stage's p·V in fresh accumulators of SPLIT_VALUE_COLUMNS value columns, all joined by f32 adds in
+  registers, which round to nearest (docs/mla_mosaic.md).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ HALF = 256  # value columns per compute warpgroup
 ROPE = 64  # the rope dims: the last columns of warpgroup 1's half
 KERNEL_NAME = "mla_stream_wgmma"
 PRECISIONS = ("bf16", "split")
+SPLIT_SCORE_COLUMNS = 256  # q·Kᵀ columns (of D) per fresh accumulator, split path (bf16: all D in one)
+SCORE_ACCUMULATORS = 2  # score accumulators in flight (32 registers each): one wait for the pair
+SPLIT_VALUE_COLUMNS = 64  # value columns per fresh p·V accumulator a stage, split path (bf16: HALF, one chain)
 LOG2E = math.log2(math.e)
 
 
@@ -92,13 +99,14 @@ def split3(p) -> list[jax.Array]:
 
 
 def rotate_back_jnp(o, rope):
-  """o [64, 256] f32 (warpgroup 1's value columns) with its last 64 columns, pairs (2i, 2i + 1), rotated by the
-  angles whose cos / sin are rope [64] (reference.apply_rope's f32 arithmetic). For the interpreter."""
+  """o [64, w] f32 (the last w of warpgroup 1's value columns) with its last 64 columns, pairs (2i, 2i + 1), rotated
+  by the angles whose cos / sin are rope [64] (reference.apply_rope's f32 arithmetic). For the interpreter."""
   c, s = rope[:ROPE // 2], rope[ROPE // 2:]
-  pairs = o[:, HALF - ROPE:].reshape(HEADS, ROPE // 2, 2)
+  first = o.shape[1] - ROPE
+  pairs = o[:, first:].reshape(HEADS, ROPE // 2, 2)
   even, odd = pairs[..., 0], pairs[..., 1]
   rotated = jnp.stack([even * c - odd * s, odd * c + even * s], axis=-1).reshape(HEADS, ROPE)
-  return jnp.concatenate([o[:, :HALF - ROPE], rotated], axis=1)
+  return jnp.concatenate([o[:, :first], rotated], axis=1) if first else rotated
 
 
 def rotate_back(o, rope_ref):
@@ -111,12 +119,13 @@ def rotate_back(o, rope_ref):
   def rotate(_, acc, rope):
     index = ir.IndexType.get()
     const = lambda v: arith.constant(index, v)
+    first = o.shape[1] - ROPE
     out = np.empty(acc.registers.shape, object)
     where = acc.layout.thread_idxs(acc.shape)  # (row, column) of each register's first element
     for (idx, reg), (_, col) in zip(np.ndenumerate(acc.registers), where, strict=True):
       assert ir.VectorType(reg.type).shape == [2], reg.type  # one column pair per register
-      live = arith.cmpi(arith.CmpIPredicate.uge, col, const(HALF - ROPE))
-      pair = arith.select(live, arith.divui(arith.subi(col, const(HALF - ROPE)), const(2)), const(0))
+      live = arith.cmpi(arith.CmpIPredicate.uge, col, const(first))
+      pair = arith.select(live, arith.divui(arith.subi(col, const(first)), const(2)), const(0))
       c, s = memref.load(rope, [pair]), memref.load(rope, [arith.addi(pair, const(ROPE // 2))])
       even, odd = vector.extract(reg, [], [0]), vector.extract(reg, [], [1])
       rotated = vector.from_elements(reg.type, [arith.subf(arith.mulf(even, c), arith.mulf(odd, s)),
@@ -128,11 +137,13 @@ def rotate_back(o, rope_ref):
 
 
 def _kernel(slots_g, q_g, keys_g, sink_g, rope_g, out_g, q_s, k_s, slots_s, sink_s, rope_s, p_s, bars, *,
-            queries: int, stages: int, scale: float, gathered: bool, split: bool):
+            queries: int, stages: int, scale: float, gathered: bool, split: bool, score_columns: int,
+            value_columns: int):
   """One CTA takes queries sm, sm + P, … (P CTAs). keys_g: the key table [N + R, D] (compiled) or, in the
   interpreter (`gathered`), the rows already gathered [T, slots, D]; there p also goes through shared memory (p_s),
   since the interpreter takes wgmma operands from refs only. `split`: p in three parts, the output f32 from
-  registers (module docstring).
+  registers (module docstring). `score_columns`: columns of D per score accumulator (D: one); `value_columns`: value
+  columns per p·V accumulator (HALF: one chain through all stages; fewer: fresh ones each stage).
 
   Shared memory: q (two column halves, which then hold the bf16 output), two key slots, the slot lists of two
   queries.
@@ -199,57 +210,76 @@ def _kernel(slots_g, q_g, keys_g, sink_g, rope_g, out_g, q_s, k_s, slots_s, sink
       for h in range(2):
         plgpu.barrier_wait(q_bar.at[h])
 
+      def score_dot(slot, groups):  # q · Kᵀ, an accumulator per group of (half, first column, width) pieces of D
+        def dot(*refs):  # all issued before the first read, which waits for them all
+          for ref, group in zip(refs, groups, strict=True):
+            for h, c, w in group:
+              q_piece = q_s.at[h] if w == HALF else q_s.at[h, :, pl.ds(c, w)]
+              plgpu.wgmma(ref, q_piece, k_s.at[slot, :, pl.ds(h * HALF + c, w)].T)
+          return functools.reduce(jnp.add, [ref[...] for ref in refs])
+        return pl.run_scoped(dot, *[plgpu.ACC((HEADS, KEYS), F32)] * len(groups))
+
       def stage(s, carry):
-        m, l, acc = carry
+        m, l, accs = carry
         slot = lax.rem(j * stages + s, 2)
         plgpu.barrier_wait(ready.at[slot])
-
-        def scores(s_ref):  # q · Kᵀ over both column halves of q
-          for h in range(2):
-            plgpu.wgmma(s_ref, q_s.at[h], k_s.at[slot, :, pl.ds(h * HALF, HALF)].T)
-          return s_ref[...]
-
-        x = pl.run_scoped(scores, plgpu.ACC((HEADS, KEYS), F32))
+        w = min(score_columns, HALF)
+        pieces = [(h, c, w) for h in range(2) for c in range(0, HALF, w)]
+        per_acc = score_columns // w
+        groups = [pieces[i:i + per_acc] for i in range(0, len(pieces), per_acc)]
+        x = functools.reduce(jnp.add, [score_dot(slot, groups[i:i + SCORE_ACCUMULATORS])
+                                       for i in range(0, len(groups), SCORE_ACCUMULATORS)])
         live = plgpu.load(slots_s.at[par, s], (), layout=plgpu.Layout.WGMMA.reduce(0)) >= 0
         x = jnp.where(lax.broadcast_in_dim(live, x.shape, [1]), x * (scale * LOG2E), -jnp.inf)
         m_new = jnp.maximum(m, x.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        accs = [a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs]
         parts = split3(p) if split else [p.astype(BF16)]
-        v_tile = k_s.at[slot, :, pl.ds(v * HALF, HALF)]
-        if gathered:  # the interpreter: p through shared memory, and p·V into a fresh accumulator added after
+        tiles = [k_s.at[slot, :, pl.ds(v * HALF + c * value_columns, value_columns)] for c in range(len(accs))]
+        if gathered:  # the interpreter: p through shared memory, and p·V into fresh accumulators added after
           for part in parts:  # reading each accumulator waits for its wgmma: p_s is free again
             p_s[v] = part
             plgpu.commit_smem()
+            for c, tile in enumerate(tiles):
+              def values(acc_ref, tile=tile):
+                plgpu.wgmma(acc_ref, p_s.at[v], tile)
+                return acc_ref[...]
 
-            def values(acc_ref):
-              plgpu.wgmma(acc_ref, p_s.at[v], v_tile)
+              accs[c] = accs[c] + pl.run_scoped(values, plgpu.ACC((HEADS, value_columns), F32))
+        elif len(accs) == 1:  # one chain through every stage (bf16)
+          def chain(acc_ref):
+            for part in parts:
+              plgpu.wgmma(acc_ref, part, tiles[0])
+
+          accs = [pl.run_state(chain)(plgpu.ACC.init(accs[0]))]
+        else:  # a fresh accumulator per value chunk, added in registers
+          for c, tile in enumerate(tiles):
+            def values(acc_ref, tile=tile):
+              for part in parts:
+                plgpu.wgmma(acc_ref, part, tile)
               return acc_ref[...]
 
-            acc = acc + pl.run_scoped(values, plgpu.ACC((HEADS, HALF), F32))
-        else:
-          def values(acc_ref):
-            for part in parts:
-              plgpu.wgmma(acc_ref, part, v_tile)
-
-          acc = pl.run_state(values)(plgpu.ACC.init(acc))
+            accs[c] = accs[c] + pl.run_scoped(values, plgpu.ACC((HEADS, value_columns), F32))
         plgpu.barrier_arrive(free.at[slot])
-        return m_new, p.sum(axis=1) + l * alpha, acc
+        return m_new, p.sum(axis=1) + l * alpha, tuple(accs)
 
       # the sink joins the running max: no −inf − −inf, even for a query with every key masked
-      acc = plgpu.layout_cast(jnp.zeros((HEADS, HALF), F32), plgpu.Layout.WGMMA)
+      zero = plgpu.layout_cast(jnp.zeros((HEADS, value_columns), F32), plgpu.Layout.WGMMA)
       l0 = plgpu.layout_cast(jnp.zeros((HEADS,), F32), plgpu.Layout.WGMMA.reduce(1))
-      m, l, acc = lax.fori_loop(0, stages, stage, (sink, l0, acc))
-      o = acc / lax.broadcast_in_dim(l + jnp.exp2(sink - m), acc.shape, [0])
-      if v == 1:  # the rope columns
+      m, l, accs = lax.fori_loop(0, stages, stage, (sink, l0, (zero,) * (HALF // value_columns)))
+      norm = l + jnp.exp2(sink - m)
+      outs = [a / lax.broadcast_in_dim(norm, a.shape, [0]) for a in accs]
+      if v == 1:  # the rope columns: the last chunk's last 64
         plgpu.barrier_wait(rope_bar)
-        o = rotate_back_jnp(o, rope_s[...]) if gathered else rotate_back(o, rope_s)
+        outs[-1] = rotate_back_jnp(outs[-1], rope_s[...]) if gathered else rotate_back(outs[-1], rope_s)
       if split:  # f32 from registers: q's buffer may take the next query's once both warpgroups are here
         plgpu.commit_smem()  # the reads of the slot list and the rope table before TMA overwrites them
         plgpu.barrier_arrive(q_free)
-        out_g[t, :, pl.ds(v * HALF, HALF)] = o
+        for c, o in enumerate(outs):
+          out_g[t, :, pl.ds(v * HALF + c * value_columns, value_columns)] = o
       else:  # q's buffer takes the output once both warpgroups' score dots have read q
+        (o,) = outs
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
         out_s = q_s.at[v]
@@ -265,13 +295,22 @@ def _kernel(slots_g, q_g, keys_g, sink_g, rope_g, out_g, q_s, k_s, slots_s, sink
 
 def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio: int, window: int,
                      inv_freq, indices=None, scale: float | None = None, num_sms: int | None = None,
-                     precision: str = "bf16", interpret: bool = False) -> jax.Array:
+                     precision: str = "bf16", score_columns: int | None = None, value_columns: int | None = None,
+                     interpret: bool = False) -> jax.Array:
   """sparse_mla's semantics (reference.py) → [T, H, D], for H = 64 heads of dim D = 512 and bf16 q / KV (the
   kernel's dots take bf16 operands). `precision` "bf16" (bf16 p, bf16 output) or "split" (p in three bf16 parts,
-  f32 output; module docstring). `num_sms`: CTAs (default `_sms`), each looping over queries.
+  f32 output; module docstring). `score_columns` / `value_columns`: the accumulator chunks (module docstring; default
+  SPLIT_* for split, one chain each for bf16, whose output needs value_columns 256). `num_sms`: CTAs (default
+  `_sms`), each looping over queries.
   `interpret`: Mosaic GPU's interpreter, on rows gathered by XLA."""
   if precision not in PRECISIONS:
     raise ValueError(f"precision={precision!r}: the wgmma MLA takes one of {PRECISIONS}")
+  split = precision == "split"
+  score_columns = score_columns or (SPLIT_SCORE_COLUMNS if split else 2 * HALF)
+  value_columns = value_columns or (SPLIT_VALUE_COLUMNS if split else HALF)
+  if score_columns not in (64, 128, 256, 512) or value_columns not in ((64, 128, 256) if split else (HALF,)):
+    raise ValueError(f"score_columns={score_columns}, value_columns={value_columns}: the wgmma MLA takes score "
+                     f"columns 64, 128, 256 or 512 and value columns 64, 128 or 256 (bf16: 256)")
   s = check_inputs(q, raw_kv, comp_kv, sink, q_start=q_start, raw_start=raw_start, kind=kind, ratio=ratio,
                    window=window, inv_freq=inv_freq, indices=indices)
   T, H, D, N, R = s["T"], s["H"], s["D"], s["N"], s["R"]
@@ -285,7 +324,8 @@ def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str,
     raise ValueError(f"the wgmma MLA rotates the last {ROPE} dims; got {2 * len(inv_freq)} rope dims")
   return _call(slots, q, keys, jnp.asarray(sink, F32), rope_table(T, q_start, inv_freq),
                scale=float(D ** -0.5 if scale is None else scale), gathered=bool(interpret),
-               split=precision == "split", num_sms=num_sms or _sms(interpret))
+               split=split, num_sms=num_sms or _sms(interpret), score_columns=score_columns,
+               value_columns=value_columns)
 
 
 def _sms(interpret: bool) -> int:
@@ -293,13 +333,15 @@ def _sms(interpret: bool) -> int:
   return 4 if interpret else getattr(jax.devices()[0], "core_count", None) or 132
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gathered", "split", "num_sms"))
-def _call(slots, q, keys, sink, rope, *, scale: float, gathered: bool, split: bool, num_sms: int):
+@functools.partial(jax.jit, static_argnames=("scale", "gathered", "split", "num_sms", "score_columns", "value_columns"))
+def _call(slots, q, keys, sink, rope, *, scale: float, gathered: bool, split: bool, num_sms: int, score_columns: int,
+          value_columns: int):
   T, n = slots.shape
   D = q.shape[-1]
   tiled = row_gather.TILED
   kernel = plgpu.kernel(
-      functools.partial(_kernel, queries=T, stages=n // KEYS, scale=scale, gathered=gathered, split=split),
+      functools.partial(_kernel, queries=T, stages=n // KEYS, scale=scale, gathered=gathered, split=split,
+                        score_columns=score_columns, value_columns=value_columns),
       out_type=jax.ShapeDtypeStruct((T, HEADS, D), F32 if split else BF16), grid=(min(T, num_sms),), grid_names=("sm",),
       num_threads=3, thread_name="wg", kernel_name=KERNEL_NAME,
       scratch_types=[plgpu.SMEM((2, HEADS, HALF), BF16, transforms=tiled),  # q's column halves, then the output's
