@@ -245,8 +245,9 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # 9729 vs 10003 at 32768, where W2's once-per-prompt decode serves four bands (trace_prefill, 47a5e97).
     # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
     # (bench_decode); all_on V4-Flash at 8192 tokens 7849 vs 6633 tok/s, at 122879 8141 vs 8006 (trace_prefill).
-    # mla_wgmma stays off: all_on V4-Flash (with the MoE Mosaic switches) passes its qualification at 8192 tokens and
-    # runs 10757 vs 10345 tok/s there (its MLA 60 vs 106 ms), but 32768 and 122879 are not measured yet.
+    # mla_wgmma stays off although V4-Flash runs faster with it at every length measured (the defaults: 9199 vs 8938
+    # tok/s at 8192, 9252 vs 9009 at 122879; ab9b394) and passes its qualification at 8192: its kernel takes 64 heads
+    # of dim 512 only, so as a default it would refuse every other model at start-up.
     "sm_90": _row(_MOE_RAN_ON_H200 | _WGMMA | _DECODE | _PRECISION | _SCHEDULE,
                   (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.
