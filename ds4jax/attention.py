@@ -77,10 +77,16 @@ def kernel_row_list(indices: jnp.ndarray, n_rows: int, features: Features) -> jn
   return jnp.where(ordered == big, -1, ordered)
 
 
-def check_wgmma(cfg: DeepseekV4Config, features: Features) -> None:
-  """Start-up check of `mla_wgmma` against the model (ValueError naming what does not fit): its kernel takes
+def model_fits(cfg: DeepseekV4Config) -> frozenset[str]:
+  """The features.MODEL_BOUND switches `cfg` can run (features.resolve's `fits`): `mla_wgmma`, whose kernel takes
   V4-Flash's 64 heads of dim 512 only (kernels_pallas/mla/stream_wgmma.py)."""
-  if features.mla_wgmma and (cfg.num_heads, cfg.head_dim) != (stream_wgmma.HEADS, 2 * stream_wgmma.HALF):
+  fits = (cfg.num_heads, cfg.head_dim) == (stream_wgmma.HEADS, 2 * stream_wgmma.HALF)
+  return frozenset({"mla_wgmma"} if fits else ())
+
+
+def check_wgmma(cfg: DeepseekV4Config, features: Features) -> None:
+  """Start-up check of `mla_wgmma` against the model (ValueError naming what does not fit; `model_fits`)."""
+  if features.mla_wgmma and "mla_wgmma" not in model_fits(cfg):
     raise ValueError(f"--mla_wgmma needs {stream_wgmma.HEADS} heads of dim {2 * stream_wgmma.HALF}; {cfg.name} has "
                      f"{cfg.num_heads} of dim {cfg.head_dim}")
 

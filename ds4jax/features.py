@@ -30,7 +30,7 @@ one field of the frozen `Features` that the model receives. Library code and tes
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import jax
 import jax.extend
@@ -208,6 +208,10 @@ _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_per
 # Mosaic GPU: sm_90 (and its CPU interpreter) only; Mosaic GPU has no ROCm backend. Their kernels need D and I
 # multiples of 256 (a TMA row of meta bytes), which the tiny test models are not: tests run them on their own.
 WGMMA_SWITCHES = ("moe_wgmma_gate_up", "moe_wgmma_down", "mla_wgmma")
+# Switches whose kernel takes one model shape (the Mosaic GPU MLA: 64 heads of dim 512). Their table default applies
+# only where the caller says the model fits (`resolve`'s `fits`), so the defaults run every model; an explicit on
+# for a model that does not fit fails at the start-up check (attention.check_wgmma).
+MODEL_BOUND = frozenset({"mla_wgmma"})
 _WGMMA = set(WGMMA_SWITCHES)
 _DECODE = {"moe_decode_kernel"}  # ran on the H200; not in gfx1151's lowering check (its gate/up reads quantized tiles)
 _ATTENTION = {"indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
@@ -245,11 +249,12 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # 9729 vs 10003 at 32768, where W2's once-per-prompt decode serves four bands (trace_prefill, 47a5e97).
     # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
     # (bench_decode); all_on V4-Flash at 8192 tokens 7849 vs 6633 tok/s, at 122879 8141 vs 8006 (trace_prefill).
-    # mla_wgmma stays off although V4-Flash runs faster with it at every length measured (the defaults: 9199 vs 8938
-    # tok/s at 8192, 9252 vs 9009 at 122879; ab9b394) and passes its qualification at 8192: its kernel takes 64 heads
-    # of dim 512 only, so as a default it would refuse every other model at start-up.
+    # mla_wgmma is on for the models it fits (MODEL_BOUND): V4-Flash runs faster with it at every length measured
+    # (the defaults: 9199 vs 8938 tok/s at 8192, 9252 vs 9009 at 122879; ab9b394) and passes its qualification at
+    # 8192 (with the MoE Mosaic switches; 89529b8).
     "sm_90": _row(_MOE_RAN_ON_H200 | _WGMMA | _DECODE | _PRECISION | _SCHEDULE,
-                  (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE) - {"moe_persistent", "moe_sparse_gate_up"}),
+                  (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE | {"mla_wgmma"})
+                  - {"moe_persistent", "moe_sparse_gate_up"}),
     # Interpret mode is for parity, not speed, so the exact path is the default.
     "cpu_interpret": _row(_MOE | _WGMMA | _DECODE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
 }
@@ -293,8 +298,9 @@ class FeatureError(ValueError):
   """An impossible or unsupported feature combination, reported at start-up."""
 
 
-def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None) -> Features:
-  """Table defaults for `device_cls`, then `overrides` (None values = keep the default); then checks.
+def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None, *, fits: Collection[str] = ()) -> Features:
+  """Table defaults for `device_cls`, then `overrides` (None values = keep the default); then checks. `fits`: the
+  MODEL_BOUND switches the model can run (attention.model_fits); the table defaults of the others stay off.
 
   Raises FeatureError naming the switch when one is unsupported on the device or misses a dependency.
   Nothing ever falls back silently.
@@ -302,7 +308,7 @@ def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None) -> Feat
   if device_cls not in CAPABILITIES:
     raise FeatureError(f"unknown device class {device_cls!r}; known: {DEVICE_CLASSES}")
   row = CAPABILITIES[device_cls]
-  values: dict[str, Any] = {s: cap.default for s, cap in row.items()}
+  values: dict[str, Any] = {s: cap.default and (s not in MODEL_BOUND or s in fits) for s, cap in row.items()}
   values.update({k: default for k, (_, _, default) in KNOBS.items()})
   for k, v in (overrides or {}).items():
     if k not in SWITCHES and k not in KNOBS:

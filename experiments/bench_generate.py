@@ -144,8 +144,8 @@ def prompt_ids(n: int, vocab: int) -> tuple[np.ndarray, dict]:
 def main(argv):
   del argv
   device_memory.claim()  # before JAX starts its backend: the full model needs 95% of an H200
-  features = ds4_flags.features_from_flags(flags.FLAGS)
   cfg = config.preset(_PRESET.value)
+  features = ds4_flags.features_from_flags(flags.FLAGS, cfg=cfg)
   dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
   cache_dtype = jnp.float32 if _CACHE_DTYPE.value == "f32" else jnp.bfloat16
   lengths = sorted(int(n) for n in _LENGTHS.value)

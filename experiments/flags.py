@@ -29,10 +29,12 @@ def define_feature_flags(flag_values: flags.FlagValues | None = None) -> None:
     flags.DEFINE_integer(k, None, f"{text} Upstream: {upstream}. Default: {default}.", flag_values=fv)
 
 
-def features_from_flags(flag_values: flags.FlagValues, device_cls: str | None = None) -> Features:
-  """The resolved features from parsed flags (FeatureError names an impossible combination)."""
+def features_from_flags(flag_values: flags.FlagValues, device_cls: str | None = None, cfg=None) -> Features:
+  """The resolved features from parsed flags (FeatureError names an impossible combination). With the model's
+  `cfg`, the model-bound defaults it fits are on (features.MODEL_BOUND); without it, off."""
   overrides = {k: getattr(flag_values, k) for k in list(SWITCHES) + list(KNOBS)}
-  return features_lib.resolve(device_cls or features_lib.device_class(), overrides)
+  fits = attention_lib.model_fits(cfg) if cfg is not None else ()
+  return features_lib.resolve(device_cls or features_lib.device_class(), overrides, fits=fits)
 
 
 def define_quant_policy_flag(flag_values: flags.FlagValues | None = None) -> None:

@@ -51,8 +51,8 @@ def main(argv):
   del argv
   device_memory.claim()  # before JAX starts its backend
   fv = flags.FLAGS
-  features = flags_lib.features_from_flags(fv)
   cfg = config_lib.preset(_PRESET.value)
+  features = flags_lib.features_from_flags(fv, cfg=cfg)
   flags_lib.check_mesh("trace_prefill", fv.mesh, cfg)  # before drawing the weights
   flags_lib.check_model_features("trace_prefill", cfg, fv.quant_policy, features)
   lengths = [int(t) for t in _TOKENS.value]

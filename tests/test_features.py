@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from ds4jax import features
+from ds4jax import attention, config, features
 from ds4jax.features import CAPABILITIES, FeatureError, SWITCHES
 
 
@@ -48,8 +48,8 @@ def test_review_6_gfx1151_defaults_do_not_leak_to_other_rdna35():
 def test_capability_states():
   """gfx1151 advertises upstream's sparse-prefill set as lowered only (nothing ran there), and neither ds4jax's expert
   decode kernel (its gate/up reads the quantized tiles) nor the Mosaic GPU kernels (no ROCm backend); sm_90 and the
-  CPU ran what they advertise (the Mosaic GPU MLA on sm_90 too, off by default); other RDNA3.5 and ROCm devices
-  advertise nothing."""
+  CPU ran what they advertise (the Mosaic GPU MLA on sm_90 too, on by default where the model fits); other RDNA3.5
+  and ROCm devices advertise nothing."""
   states = lambda cls: {s: cap.state for s, cap in CAPABILITIES[cls].items()}
   not_lowered = {"moe_decode_kernel", *features.WGMMA_SWITCHES}
   assert {s for s, st in states("gfx1151").items() if st != features.LOWERED} == not_lowered
@@ -57,7 +57,7 @@ def test_capability_states():
   assert set(states("rdna35_other").values()) == set(states("rocm_other").values()) == {features.UNSUPPORTED}
   assert features.RAN in set(states("sm_90").values())
   assert features.LOWERED not in set(states("sm_90").values())
-  assert states("sm_90")["mla_wgmma"] == features.RAN and not CAPABILITIES["sm_90"]["mla_wgmma"].default
+  assert states("sm_90")["mla_wgmma"] == features.RAN and CAPABILITIES["sm_90"]["mla_wgmma"].default
   g51 = features.resolve("gfx1151")
   assert g51.on() == ["bf16_matmul", "moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent",
                       "moe_fused_combine", "indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk",
@@ -100,6 +100,24 @@ def test_every_switch_lowered_for_gfx1151_runs_only_kernels_that_pass_the_loweri
     launched |= {name for name, _ in calls}
   assert {"moe_gate_up_persistent", "mla_stream_fast_exp", "mla_stream_topk", "indexer_scores"} <= launched
   assert launched <= passed - failed, f"not lowered for gfx1151: {sorted(launched - (passed - failed))}"
+
+
+def test_model_bound_defaults_follow_the_model():
+  """sm_90's mla_wgmma default holds only where the caller says the model fits (V4-Flash's 64 heads of dim 512):
+  the defaults run every model, and an explicit on is kept for the model's start-up check to refuse."""
+  assert features.MODEL_BOUND == {"mla_wgmma"}
+  v4, tiny = config.v4_flash(), config.tiny()
+  assert attention.model_fits(v4) == {"mla_wgmma"} and attention.model_fits(tiny) == set()
+  assert features.resolve("sm_90", fits=attention.model_fits(v4)).mla_wgmma
+  assert not features.resolve("sm_90", fits=attention.model_fits(tiny)).mla_wgmma
+  assert not features.resolve("sm_90").mla_wgmma  # the model unknown: off
+  explicit = features.resolve("sm_90", {"mla_wgmma": True})
+  with pytest.raises(ValueError, match="mla_wgmma needs 64 heads of dim 512"):
+    attention.check_wgmma(tiny, explicit)
+  attention.check_wgmma(v4, explicit)
+  assert not features.resolve("cpu_interpret", fits=attention.model_fits(v4)).mla_wgmma  # not in its table defaults
+  with pytest.raises(FeatureError, match="mla_wgmma requires --mla_stream_fast_exp"):
+    features.resolve("sm_90", {"mla_stream_fast_exp": False}, fits={"mla_wgmma"})
 
 
 def test_reference_is_all_off():

@@ -65,7 +65,8 @@ def start_up(opts: Options) -> Setup:
     dev_cls = opts.device_class or features_lib.device_class()
   except ValueError as e:
     raise StartupError(str(e)) from e
-  base = features_lib.resolve(dev_cls, opts.features)  # FeatureError: an impossible combination
+  fits = attention_lib.model_fits(cfg)  # the model-bound defaults it can run (features.MODEL_BOUND)
+  base = features_lib.resolve(dev_cls, opts.features, fits=fits)  # FeatureError: an impossible combination
   configs = configurations(base, cfg, opts.mutations)
   names = [c.name for c in configs if not c.mutation]
   unknown = [c for c in opts.configs if c not in names]

@@ -2,6 +2,7 @@
 
 from absl import flags
 
+from ds4jax import config
 from ds4jax.quant import policy as quant_policy
 from experiments import flags as flags_lib
 
@@ -13,6 +14,18 @@ def test_flags_map_to_features():
   f = flags_lib.features_from_flags(fv, "cpu_interpret")
   assert f.prefill_band_tokens == 4096 and not f.moe_fused_combine
   assert "GGML_CUDA_MLA_STREAM_FAST_EXP" in fv["mla_stream_fast_exp"].help
+
+
+def test_model_bound_default_needs_the_model():
+  # sm_90's mla_wgmma default: on for V4-Flash's head shape, off for a model it does not fit or an unknown one;
+  # --nomla_wgmma wins over the fit
+  fv = flags.FlagValues()
+  flags_lib.define_feature_flags(fv)
+  fv(["prog"])
+  on = lambda cfg: flags_lib.features_from_flags(fv, "sm_90", cfg=cfg).mla_wgmma
+  assert on(config.v4_flash()) and not on(config.tiny()) and not on(None)
+  fv(["prog", "--nomla_wgmma"])
+  assert not on(config.v4_flash())
 
 
 def test_quant_policy_flag():
