@@ -239,15 +239,20 @@ def kl_per_position(exact_logp: jnp.ndarray, logits: jnp.ndarray) -> np.ndarray:
 def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
           runners: Mapping[str, Callable] | None = None, models: Mapping[str, object] | None = None,
           log: Callable[[str], None] = lambda s: None, only: Mapping[str, set[int]] | None = None,
-          end_to_end: Collection[str] | None = None) -> dict[str, Judgement]:
+          end_to_end: Collection[str] | None = None,
+          on_layers: Callable[[dict[str, Judgement]], None] | None = None) -> dict[str, Judgement]:
   """Every configuration's per-layer verdicts and teacher-forced KL on the prompt `ids`, sharing one exact pass.
   `runners` / `models`: a configuration's layer runner and model where they are not the defaults (planted bugs);
   `only`: the layers judged per configuration where not all (a planted bug's own layer); `end_to_end`: the
-  configurations whose teacher-forced KL is measured (default all; each costs a prefill of its own)."""
+  configurations whose teacher-forced KL is measured (default all; each costs a prefill of its own). `on_layers`:
+  called with the per-layer judgements (no KL yet) once the layer pass is done, before the KL prefills, so a caller
+  can keep them if the KL never finishes."""
   runners, models, only = runners or {}, models or {}, only or {}
   layers, pinned, X = _layer_pass(m, ids, configs, runners, log, only)
   tf: dict[str, TeacherForced | None] = dict.fromkeys(configs)
   end_to_end = list(configs) if end_to_end is None else [n for n in configs if n in end_to_end]
+  if on_layers is not None and end_to_end:
+    on_layers({name: Judgement(tuple(layers[name]), None) for name in configs})
   if end_to_end:
     exact_logp = jax.nn.log_softmax(prefill_lib.logits_of_streams(m, X), axis=-1)
     del X

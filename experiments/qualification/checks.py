@@ -68,5 +68,18 @@ def as_verdict(j: verdicts.Judgement, **meta) -> Verdict:
                  if j.teacher_forced else None, **meta)
 
 
+KL_PENDING = "teacher-forced KL not taken: the call ended during it"
+
+
+def layers_only(j: verdicts.Judgement, why: str = KL_PENDING, **meta) -> Verdict:
+  """The per-layer verdicts of a judgement without its teacher-forced KL, as "not run" (a later call judges it
+  again): saved before the KL prefills, so a call that ends or fails during them loses nothing measured."""
+  worst = verdicts.worst(list(j.layers)) if j.layers else None
+  layer_result = PASS if all(v.passed for v in j.layers) else FAIL
+  return Verdict(result=NOT_RUN, reasons=(f"{why} (per-layer verdicts: {layer_result})",),
+                 worst_layer=_layer_json(worst) if worst else None, layers=tuple(_layer_json(v) for v in j.layers),
+                 **meta)
+
+
 def not_run(why: str, **meta) -> Verdict:
   return Verdict(result=NOT_RUN, reasons=(why,), **meta)

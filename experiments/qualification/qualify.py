@@ -24,11 +24,11 @@ from ds4jax import features as features_lib
 from ds4jax import moe as moe_lib
 from ds4jax.features import KNOBS, Features
 from ds4jax.quant import policy as quant_policy
-from experiments import processes, run_record
+from experiments import processes, run_record, verdicts
 from experiments.qualification import checks, inputs, report, store
 from experiments.qualification.matrix import Configuration, configurations, exact_features
 from experiments.qualification.options import Options, StartupError, validate
-from experiments.qualification.records import NOT_RUN, Record
+from experiments.qualification.records import NOT_RUN, Record, Verdict
 from experiments.qualification.runner import Clock, ModelRunner, Runner, time_configuration
 
 
@@ -278,9 +278,10 @@ def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo,
 
 
 def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: int, configs: list[Configuration],
-           fingerprint: str, clock: Clock, tried: set[tuple[int, str]]) -> None:
+           fingerprint: str, clock: Clock, tried: set[tuple[int, str]], save: Callable[[], None]) -> None:
   """Judges the configurations without a verdict on the first v_tokens prompt tokens (and not tried in this
-  process), in one pass; every verdict (or why it could not be taken) goes into `results.verdicts`."""
+  process), in one pass; every verdict (or why it could not be taken) goes into `results.verdicts`. The per-layer
+  verdicts are saved before the teacher-forced KL (checks.layers_only) and replaced by the whole verdict."""
   sha = inputs.sha256_array(setup.ids[:v_tokens])
   meta = lambda c: dict(tokens=v_tokens, config=c.name, features=c.features.to_dict(), mutation=c.mutation,
                         mutation_layer=c.mutation_layer, weights_fingerprint=fingerprint, prompt_sha256=sha)
@@ -290,15 +291,34 @@ def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: in
   tried |= {(v_tokens, c.name) for c in todo}
   clock.say(f"verdicts on the first {v_tokens} tokens: {[c.name for c in todo]} (one pass over the layers)")
   t0 = runner.now()
+  partial: dict[str, verdicts.Judgement] = {}  # the per-layer judgements, saved before the teacher-forced KL
+  saved: list[Verdict] = []
+
+  def keep_layers(layers: dict[str, verdicts.Judgement]) -> None:
+    partial.update({c.name: layers[c.name] for c in todo if c.name in layers})
+    saved.extend(checks.layers_only(partial[c.name], **meta(c)) for c in todo if c.name in partial)
+    results.verdicts.extend(saved)
+    save()
+    clock.say(f"  per-layer verdicts saved ({len(saved)}); the teacher-forced KL next")
+
   try:
-    judged = runner.judge(m, setup.ids[:v_tokens], todo, log=lambda s: clock.say(f"  {s}"))
+    judged = runner.judge(m, setup.ids[:v_tokens], todo, log=lambda s: clock.say(f"  {s}"), on_layers=keep_layers)
   except Exception as e:  # noqa: BLE001 -- e.g. out of memory: every record says why it has no verdict
     judged = {c.name: e for c in todo}
+  results.verdicts = [v for v in results.verdicts if not any(v is s for s in saved)]
   wall = (runner.now() - t0) / len(todo)
   for c in todo:
     j = judged[c.name]
-    v = (checks.not_run(f"the verdict pass failed: {checks.error_text(j)}", **meta(c), wall_s=wall)
-         if isinstance(j, BaseException) else checks.as_verdict(j, **meta(c), wall_s=wall))
+    if not isinstance(j, BaseException):
+      v = checks.as_verdict(j, **meta(c), wall_s=wall)
+    elif c.name in partial:  # the KL failed: its per-layer verdicts stand beside why
+      v = checks.layers_only(partial[c.name], f"the teacher-forced KL failed: {checks.error_text(j)}", **meta(c),
+                             wall_s=wall)
+    else:
+      v = checks.not_run(f"the verdict pass failed: {checks.error_text(j)}", **meta(c), wall_s=wall)
+    if v.result != NOT_RUN:  # it supersedes the attempts on file that ended without a verdict
+      key = lambda x: (x.config, x.tokens, x.features, x.mutation, x.weights_fingerprint, x.prompt_sha256)
+      results.verdicts = [x for x in results.verdicts if x.result != NOT_RUN or key(x) != key(v)]
     results.verdicts.append(v)
     clock.say(f"  {c.name}: {v.result}" + (f" ({'; '.join(v.reasons)[:300]})" if v.reasons else ""))
 
@@ -398,7 +418,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
       break
     v_tokens = min(n, opts.verdict_tokens)
     same_prefix = {c.name: c for k, c in todo if min(k, opts.verdict_tokens) == v_tokens}
-    _judge(runner, m, setup, results, v_tokens, list(same_prefix.values()), fingerprint, clock, judged)
+    _judge(runner, m, setup, results, v_tokens, list(same_prefix.values()), fingerprint, clock, judged, save)
     save()
     if n not in exact_by_len:
       exact_by_len[n] = ExactFinal(lambda ids: runner.logits(m, ids, exact_feats), setup.ids[:n], opts, clock,

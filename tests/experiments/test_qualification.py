@@ -44,13 +44,14 @@ class FakeRunner:
   their layer, everything else passes. A virtual clock: `cost(features, n)` seconds per run (default 0.01). Counts
   its calls."""
 
-  def __init__(self, fail=None, noise_gain=1e-3, noisy_fail=None, cost=None, judge_fail=None):
+  def __init__(self, fail=None, noise_gain=1e-3, noisy_fail=None, cost=None, judge_fail=None, kl_fail=None):
     self.calls, self.noisy_calls, self.judged, self.compiled, self.compiled_verdicts = [], [], [], [], []
     self.fail = fail  # (features, n_tokens) -> exception to raise, or None
     self.noise_gain = noise_gain  # how far the logits move under one f32 rounding of the input (the noise floor)
     self.noisy_fail = noisy_fail  # exception for the perturbed (noise floor) run, or None
     self.cost = cost or (lambda f, n: 0.01)
     self.judge_fail = judge_fail
+    self.kl_fail = kl_fail  # raised after the per-layer judgements are handed over (a call ending in the KL)
     self.clock = 0.0
 
   def now(self):
@@ -85,18 +86,21 @@ class FakeRunner:
       logits = logits + 2.0 * np.cos(3 * v)
     return np.asarray(logits, np.float32)
 
-  def judge(self, m, ids, configs, log):
+  def judge(self, m, ids, configs, log, on_layers=None):
     self.judged.append((len(ids), [c.name for c in configs]))
     if self.judge_fail:
       raise self.judge_fail
-    out = {}
+    layers, tf = {}, {}
     for c in configs:
       wrong = c.features.moe_fused_combine or c.mutation is not None
       bound = 4e-5 if c.features.bf16_matmul else 1e-9
-      layers = (layer(0, bound / 2, bound), layer(1, 3e-3 if wrong else bound / 3, bound))
-      tf = verdicts.TeacherForced(len(ids), 5e-3 if wrong else 1e-5, 1e-2, 3, 2e-5, 6e-5)
-      out[c.name] = verdicts.Judgement(layers, tf)
-    return out
+      layers[c.name] = (layer(0, bound / 2, bound), layer(1, 3e-3 if wrong else bound / 3, bound))
+      tf[c.name] = verdicts.TeacherForced(len(ids), 5e-3 if wrong else 1e-5, 1e-2, 3, 2e-5, 6e-5)
+    if on_layers:
+      on_layers({name: verdicts.Judgement(ls, None) for name, ls in layers.items()})
+    if self.kl_fail:
+      raise self.kl_fail
+    return {name: verdicts.Judgement(layers[name], tf[name]) for name in layers}
 
   def precompile(self, m, runs, workers, log, pinned=(), scored=()):
     self.compiled.append(list(runs))
@@ -246,6 +250,29 @@ def test_a_verdict_that_cannot_be_taken_says_why(tmp_path, tiny_model):
   fake.judge_fail = None  # the next call runs them again, verdicts and all
   again, _ = run(options(tmp_path, configs=("all_on", "all_off"), append=True), tiny_model, fake)
   assert {r.config: r.result for r in again.records} == dict(all_on=q.FAIL, all_off=q.PASS)
+
+
+def test_per_layer_verdicts_outlive_a_call_that_ends_in_the_kl(tmp_path, tiny_model):
+  """The per-layer verdicts are on file before the teacher-forced KL: a call killed there (KeyboardInterrupt
+  standing in) leaves them as "not run" with their layers, a KL that fails keeps them beside its error, and a
+  verdict taken later replaces both."""
+  opts = lambda **kw: options(tmp_path, configs=("all_on", "all_off"), **kw)
+  fake = FakeRunner(kl_fail=KeyboardInterrupt())
+  with pytest.raises(KeyboardInterrupt):
+    run(opts(), tiny_model, fake)
+  kept = {v.config: v for v in store.load_results(opts().out).verdicts}
+  assert set(kept) == {"all_on", "all_off"} and {v.result for v in kept.values()} == {q.NOT_RUN}
+  assert kept["all_on"].reasons == ("teacher-forced KL not taken: the call ended during it (per-layer verdicts: "
+                                    "FAIL)",)
+  assert [d["layer"] for d in kept["all_on"].layers] == [0, 1] and not kept["all_on"].worst_layer["passed"]
+  fake.kl_fail = RuntimeError("RESOURCE_EXHAUSTED in the KL prefill")
+  doc, _ = run(opts(append=True), tiny_model, fake)
+  v = by_key(doc)[(32, "all_off")].verdict
+  assert v.result == q.NOT_RUN and len(v.layers) == 2 and v.reasons == (
+      "the teacher-forced KL failed: RuntimeError: RESOURCE_EXHAUSTED in the KL prefill (per-layer verdicts: PASS)",)
+  fake.kl_fail = None
+  doc, _ = run(opts(append=True), tiny_model, fake)
+  assert sorted((v.config, v.result) for v in doc.verdicts) == [("all_off", q.PASS), ("all_on", q.FAIL)]
 
 
 def test_bounded_runs_append_each_pair_exactly_once(tmp_path, tiny_model):

@@ -73,12 +73,17 @@ def test_teacher_forced_kl_is_relative_to_the_bf16_reference_and_fails_a_planted
   path is 0, a dropped sink in layer 0 fails."""
   m, ids = tiny
   bf16 = dataclasses.replace(exact(), bf16_matmul=True)
-  lines = []
+  lines, handed = [], []
   out = verdicts.judge(m, ids, dict(bf16=bf16, exact=exact(), sink=exact()),
                        runners=dict(sink=mutations.run_layer(mutations.dropped_sink, {0})),
                        models=dict(sink=mutations.mutated_model(m, mutations.dropped_sink, {0})),
-                       log=lines.append, only=dict(bf16={0}, exact={0}, sink={0}))
+                       log=lines.append, only=dict(bf16={0}, exact={0}, sink={0}),
+                       on_layers=lambda j: handed.append((len(lines), j)))
   print("\n".join(lines))
+  # the per-layer judgements are handed over once, before any teacher-forced KL is logged
+  [(at, early)] = handed
+  assert not any("teacher-forced" in s for s in lines[:at]) and any("teacher-forced" in s for s in lines[at:])
+  assert {n: (j.layers, j.teacher_forced) for n, j in early.items()} == {n: (j.layers, None) for n, j in out.items()}
   ref = out["bf16"].teacher_forced.reference_bf16_mean_kl
   assert out["bf16"].passed and out["bf16"].teacher_forced.mean_kl == ref > 1e-8
   assert out["exact"].passed and out["exact"].teacher_forced.mean_kl < 1e-3 * ref
