@@ -130,8 +130,8 @@ def test_down_wgmma_matches_reference(rng, tiling):
   # two units per item (an N-tile pair each), on 3 SMs. I = 512: two meta tiles, four high-bit tiles.
   D, I = 256, 512
   h, st, r = problem(rng, 200, 4, D=D, I=I, mask_every=7, empty=(5,))
-  out = down_wgmma(h, mix3_stack(st), r, tiling=tiling, num_sms=3, interpret=interpret())
-  if not ON_GPU:
+  out = jax.block_until_ready(down_wgmma(h, mix3_stack(st), r, tiling=tiling, num_sms=3, interpret=interpret()))
+  if not ON_GPU:  # after the kernel has finished (test_moe_gate_up_wgmma.assert_no_races)
     assert not interpret_pallas_call.get_races().races_found
   ref = down_reference(h, jnp.asarray(dense_bf16(st)), r)
   n = int(r.num_rows[0])

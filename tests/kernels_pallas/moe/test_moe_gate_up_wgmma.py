@@ -42,7 +42,10 @@ def interpret():
   return None if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)
 
 
-def assert_no_races():
+def assert_no_races(out):
+  """After the kernel has finished (dispatch is asynchronous: the detector fills in while the interpreter runs, and
+  work dispatched beside a running interpreter can deadlock it on two cores)."""
+  jax.block_until_ready(out)
   if not ON_GPU:
     assert not interpret_pallas_call.get_races().races_found
 
@@ -61,7 +64,7 @@ def check(x, w1, w3, ids, t: Tiling, num_sms: int, interleaved=False):
   r = routing.route(ids, E, 32)  # the kernel builds its own work list; the routing's row tile does not matter
   ws = (interleave(w1, w3, t.block_n), None) if interleaved else (w1, w3)
   h = gate_up_wgmma(x, *ws, r, swiglu_limit=LIMIT, tiling=t, num_sms=num_sms, interpret=interpret())
-  assert_no_races()
+  assert_no_races(h)
   ref = gate_up.gate_up_reference(x, w1, w3, r, swiglu_limit=LIMIT)
   n = int(r.num_rows[0])
   assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1  # real values, both clamps reached below
@@ -247,7 +250,7 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
              mma_in_flight=int("in flight" in decode))
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
-  assert_no_races()
+  assert_no_races(h)
   ref = gate_up.gate_up_reference(x, dequantize_to_dense(q1).w, dequantize_to_dense(q3).w, r, swiglu_limit=LIMIT)
   n = int(r.num_rows[0])
   assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1
@@ -267,7 +270,7 @@ def test_gate_up_wgmma_writes_h_in_the_down_planes_order(rng):
   t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128)
   hp = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=3,
                      planes_rows=rows, interpret=interpret())
-  assert_no_races()
+  assert_no_races(hp)
   assert hp.shape == (4, rows, I_ // 4)
   ref = gate_up.gate_up_reference(x, dequantize_to_dense(q1).w, dequantize_to_dense(q3).w, r, swiglu_limit=LIMIT)
   n = int(r.num_rows[0])
