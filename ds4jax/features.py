@@ -184,20 +184,27 @@ DEVICE_CLASSES = ("gfx1151", "rdna35_other", "rocm_other", "sm_90", "cpu_interpr
 UNSUPPORTED, LOWERED, RAN = "unsupported", "lowered", "ran"
 
 
+# Conditions a table default can be bound to (Capability.when); `resolve` says how each is met.
+MODEL, ONE_BAND = "model", "one_band"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Capability:
   state: str      # UNSUPPORTED | LOWERED | RAN
   default: bool
+  when: frozenset[str] = frozenset()  # the default holds only where these conditions are met (MODEL, ONE_BAND)
 
   @property
   def supported(self) -> bool:
     return self.state != UNSUPPORTED
 
 
-def _row(ran: set[str], default_on: set[str], lowered: set[str] = frozenset()) -> dict[str, Capability]:
+def _row(ran: set[str], default_on: set[str], lowered: set[str] = frozenset(),
+         when: Mapping[str, Collection[str]] | None = None) -> dict[str, Capability]:
   assert default_on <= ran | lowered and not ran & lowered, (default_on - ran - lowered, ran & lowered)
+  assert set(when or {}) <= default_on
   state = lambda s: RAN if s in ran else LOWERED if s in lowered else UNSUPPORTED
-  return {s: Capability(state(s), s in default_on) for s in SWITCHES}
+  return {s: Capability(state(s), s in default_on, frozenset((when or {}).get(s, ()))) for s in SWITCHES}
 
 
 # Only what works is advertised: every switch marked ran here is exercised by a test on that device class
@@ -208,10 +215,14 @@ _MOE = {"moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_per
 # Mosaic GPU: sm_90 (and its CPU interpreter) only; Mosaic GPU has no ROCm backend. Their kernels need D and I
 # multiples of 256 (a TMA row of meta bytes), which the tiny test models are not: tests run them on their own.
 WGMMA_SWITCHES = ("moe_wgmma_gate_up", "moe_wgmma_down", "mla_wgmma")
-# Switches whose kernel takes one model shape (the Mosaic GPU MLA: 64 heads of dim 512). Their table default applies
-# only where the caller says the model fits (`resolve`'s `fits`), so the defaults run every model; an explicit on
-# for a model that does not fit fails at the start-up check (attention.check_wgmma).
-MODEL_BOUND = frozenset({"mla_wgmma"})
+# sm_90's bound defaults (Capability.when). The Mosaic GPU kernels take some models only (the MLA: 64 heads of dim
+# 512; the MoE: FP2/FP3-MIX experts, D and I multiples of 256), so their defaults hold where the caller says the
+# model fits (`resolve`'s `fits`) and the defaults run every model; an explicit on for a model that does not fit fails
+# at the start-up check (attention.check_wgmma, moe.check_wgmma). The fused MIX MoE decodes its experts for every
+# band, where weights stationary decodes them once per prompt: it wins at one band and loses at four, so it is on
+# only where the prompt is one band (`tokens`).
+_MOE_ONE_BAND = {"moe_sparse_gate_up", "moe_wgmma_gate_up", "moe_wgmma_down"}
+_SM90_WHEN = {"mla_wgmma": {MODEL}} | {s: {MODEL, ONE_BAND} for s in _MOE_ONE_BAND}
 _WGMMA = set(WGMMA_SWITCHES)
 _DECODE = {"moe_decode_kernel"}  # ran on the H200; not in gfx1151's lowering check (its gate/up reads quantized tiles)
 _ATTENTION = {"indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
@@ -242,19 +253,19 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # 4685 at 122879; one band is the same program either way (trace_prefill, BENCHMARKS.md).
     # indexer_radix_topk: one CSA layer's top-k at 128K context 5.8 vs 19.1 ms (sort), at 8K 0.75 vs 1.15 ms, the
     # same ids (bench_attention, BENCHMARKS.md).
-    # moe_wgmma_gate_up (with moe_sparse_gate_up) stays off: all_on V4-Flash (lucebox_mix) 9755 vs 9186 tok/s at
-    # 8192 tokens (one band), but 9915 vs 10291 at 32768, where the once-per-prompt decode serves four bands
-    # (trace_prefill, c24545e, BENCHMARKS.md).
-    # moe_wgmma_down (with moe_wgmma_gate_up) stays off: all_on V4-Flash 10130 vs 9745 tok/s at 8192 tokens, but
+    # moe_wgmma_gate_up (with moe_sparse_gate_up) is on for one-band prompts only (_SM90_WHEN): all_on V4-Flash
+    # (lucebox_mix) 9755 vs 9186 tok/s at 8192 tokens (one band), but 9915 vs 10291 at 32768, where the
+    # once-per-prompt decode serves four bands (trace_prefill, c24545e, BENCHMARKS.md).
+    # moe_wgmma_down (with moe_wgmma_gate_up) likewise: all_on V4-Flash 10130 vs 9745 tok/s at 8192 tokens, but
     # 9729 vs 10003 at 32768, where W2's once-per-prompt decode serves four bands (trace_prefill, 47a5e97).
     # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
     # (bench_decode); all_on V4-Flash at 8192 tokens 7849 vs 6633 tok/s, at 122879 8141 vs 8006 (trace_prefill).
-    # mla_wgmma is on for the models it fits (MODEL_BOUND): V4-Flash runs faster with it at every length measured
-    # (the defaults: 9199 vs 8938 tok/s at 8192, 9252 vs 9009 at 122879; ab9b394) and passes its qualification at
-    # 8192 (with the MoE Mosaic switches; 89529b8).
+    # mla_wgmma is on for the models it fits: V4-Flash runs faster with it at every length measured (the defaults:
+    # 9199 vs 8938 tok/s at 8192, 9252 vs 9009 at 122879; ab9b394) and passes its qualification at 8192 (with the
+    # MoE Mosaic switches; 89529b8).
     "sm_90": _row(_MOE_RAN_ON_H200 | _WGMMA | _DECODE | _PRECISION | _SCHEDULE,
-                  (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE | {"mla_wgmma"})
-                  - {"moe_persistent", "moe_sparse_gate_up"}),
+                  (_MOE_RAN_ON_H200 | _DECODE | _PRECISION | _SCHEDULE | _WGMMA) - {"moe_persistent"},
+                  when=_SM90_WHEN),
     # Interpret mode is for parity, not speed, so the exact path is the default.
     "cpu_interpret": _row(_MOE | _WGMMA | _DECODE | _ATTENTION | _PRECISION | _SCHEDULE, set()),
 }
@@ -298,9 +309,17 @@ class FeatureError(ValueError):
   """An impossible or unsupported feature combination, reported at start-up."""
 
 
-def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None, *, fits: Collection[str] = ()) -> Features:
-  """Table defaults for `device_cls`, then `overrides` (None values = keep the default); then checks. `fits`: the
-  MODEL_BOUND switches the model can run (attention.model_fits); the table defaults of the others stay off.
+def one_band(tokens: int | None, band_tokens: int) -> bool:
+  """Whether a prompt of `tokens` runs as one band of `band_tokens` (0 = one band); None (not known): no."""
+  return tokens is not None and (not band_tokens or tokens <= band_tokens)
+
+
+def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None, *, fits: Collection[str] = (),
+            tokens: int | None = None) -> Features:
+  """Table defaults for `device_cls`, then `overrides` (None values = keep the default); then checks. A default bound
+  to conditions (Capability.when) holds only where they are met: MODEL where `fits` (the switches whose kernels take
+  the model: attention.model_fits | moe.model_fits) names it, ONE_BAND where the prompt of `tokens` is one band of
+  the resolved prefill_band_tokens (None: the length is not known, so not met).
 
   Raises FeatureError naming the switch when one is unsupported on the device or misses a dependency.
   Nothing ever falls back silently.
@@ -308,13 +327,15 @@ def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None, *, fits
   if device_cls not in CAPABILITIES:
     raise FeatureError(f"unknown device class {device_cls!r}; known: {DEVICE_CLASSES}")
   row = CAPABILITIES[device_cls]
-  values: dict[str, Any] = {s: cap.default and (s not in MODEL_BOUND or s in fits) for s, cap in row.items()}
-  values.update({k: default for k, (_, _, default) in KNOBS.items()})
-  for k, v in (overrides or {}).items():
+  for k in overrides or {}:
     if k not in SWITCHES and k not in KNOBS:
       raise FeatureError(f"unknown feature {k!r}; known: {sorted(SWITCHES) + sorted(KNOBS)}")
-    if v is not None:
-      values[k] = v
+  given = {k: v for k, v in (overrides or {}).items() if v is not None}
+  band = given.get("prefill_band_tokens", KNOBS["prefill_band_tokens"][2])
+  met = {MODEL: lambda s: s in fits, ONE_BAND: lambda s: isinstance(band, int) and one_band(tokens, band)}
+  values: dict[str, Any] = {s: cap.default and all(met[c](s) for c in cap.when) for s, cap in row.items()}
+  values.update({k: default for k, (_, _, default) in KNOBS.items()})
+  values.update(given)
   errors = []
   for s, (upstream, _, requires) in SWITCHES.items():
     if not values[s]:

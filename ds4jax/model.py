@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ds4jax import attention as attention_lib
 from ds4jax import mesh as mesh_lib
+from ds4jax import moe as moe_lib
 from ds4jax.attention import Attention
 from ds4jax.config import DeepseekV4Config
 from ds4jax.decisions import Decisions
@@ -114,6 +116,12 @@ def embed_streams(table: jnp.ndarray, tokens: jnp.ndarray, hc_mult: int) -> jnp.
 def output_logits(output, X: jnp.ndarray) -> jnp.ndarray:
   hc_head, norm, head = output
   return head(norm(hc_head(X)))
+
+
+def kernel_fits(cfg: DeepseekV4Config, policy: str | QuantPolicy) -> frozenset[str]:
+  """The switches whose kernels take this model (features.resolve's `fits`: their bound defaults hold for it)."""
+  pol = quant_policy.get(policy) if isinstance(policy, str) else policy
+  return attention_lib.model_fits(cfg) | moe_lib.model_fits(cfg, pol)
 
 
 def check_tokens(tokens, cfg: DeepseekV4Config) -> np.ndarray:

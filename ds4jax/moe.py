@@ -239,6 +239,23 @@ def check_wgmma(cfg: DeepseekV4Config, policy: QuantPolicy, features: Features) 
                      f"moe_intermediate_size of 64; {cfg.name} has {D} and {I}")
 
 
+def model_fits(cfg: DeepseekV4Config, policy: QuantPolicy) -> frozenset[str]:
+  """The MoE switches whose sm_90 defaults (features.Capability.when, MODEL) `cfg` under `policy` takes: the Mosaic
+  GPU gate/up on FP2-MIX experts (and moe_sparse_gate_up, which it requires), and beside it the down on FP3-MIX
+  ones: the formats whose whole prefill was measured (lucebox_mix). bf16 experts run them only when asked."""
+  def takes(switch: str) -> bool:
+    try:
+      check_wgmma(cfg, policy, Features(**{switch: True}))
+    except ValueError:
+      return False
+    return True
+
+  if policy.gate_up != "rocmfp2_mix" or not takes("moe_wgmma_gate_up"):
+    return frozenset()
+  down = {"moe_wgmma_down"} if takes("moe_wgmma_down") else set()
+  return frozenset({"moe_sparse_gate_up", "moe_wgmma_gate_up"} | down)
+
+
 class SharedExpert(nnx.Module):
 
   def __init__(self, cfg: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=F32, policy: QuantPolicy = POLICIES["bf16"]):

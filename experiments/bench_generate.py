@@ -145,7 +145,9 @@ def main(argv):
   del argv
   device_memory.claim()  # before JAX starts its backend: the full model needs 95% of an H200
   cfg = config.preset(_PRESET.value)
-  features = ds4_flags.features_from_flags(flags.FLAGS, cfg=cfg)
+  # No `tokens`: sm_90's one-band MoE defaults were measured on prefills, and decode steps with those kernels have
+  # not run on a GPU, so they are on here only when asked (docs/decode.md §6).
+  features = ds4_flags.features_from_flags(flags.FLAGS, cfg=cfg, policy=flags.FLAGS.quant_policy)
   dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
   cache_dtype = jnp.float32 if _CACHE_DTYPE.value == "f32" else jnp.bfloat16
   lengths = sorted(int(n) for n in _LENGTHS.value)

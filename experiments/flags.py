@@ -12,6 +12,7 @@ from absl import flags
 from ds4jax import attention as attention_lib
 from ds4jax import features as features_lib
 from ds4jax import mesh as mesh_lib
+from ds4jax import model as model_lib
 from ds4jax import moe as moe_lib
 from ds4jax.features import KNOBS, SWITCHES, Features
 from ds4jax.quant import formats
@@ -29,12 +30,14 @@ def define_feature_flags(flag_values: flags.FlagValues | None = None) -> None:
     flags.DEFINE_integer(k, None, f"{text} Upstream: {upstream}. Default: {default}.", flag_values=fv)
 
 
-def features_from_flags(flag_values: flags.FlagValues, device_cls: str | None = None, cfg=None) -> Features:
-  """The resolved features from parsed flags (FeatureError names an impossible combination). With the model's
-  `cfg`, the model-bound defaults it fits are on (features.MODEL_BOUND); without it, off."""
+def features_from_flags(flag_values: flags.FlagValues, device_cls: str | None = None, cfg=None, policy=None,
+                        tokens: int | None = None) -> Features:
+  """The resolved features from parsed flags (FeatureError names an impossible combination). The bound defaults
+  (features.Capability.when) hold where met: with the model's `cfg` and quant `policy`, those of the kernels that
+  take it (`policy` None: bf16); with the prompt's `tokens`, those of one-band prompts. Without them, off."""
   overrides = {k: getattr(flag_values, k) for k in list(SWITCHES) + list(KNOBS)}
-  fits = attention_lib.model_fits(cfg) if cfg is not None else ()
-  return features_lib.resolve(device_cls or features_lib.device_class(), overrides, fits=fits)
+  fits = model_lib.kernel_fits(cfg, policy or "bf16") if cfg is not None else ()
+  return features_lib.resolve(device_cls or features_lib.device_class(), overrides, fits=fits, tokens=tokens)
 
 
 def define_quant_policy_flag(flag_values: flags.FlagValues | None = None) -> None:

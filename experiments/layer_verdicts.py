@@ -57,7 +57,7 @@ def main(argv):
   if not 1 <= _TOKENS.value <= cfg.max_position_embeddings:
     sys.exit(f"layer_verdicts: --tokens must lie in [1, {cfg.max_position_embeddings}]")
   flags_lib.check_mesh("layer_verdicts", flags.FLAGS.mesh, cfg)  # before drawing the weights
-  conf = flags_lib.features_from_flags(flags.FLAGS, cfg=cfg)
+  conf = flags_lib.features_from_flags(flags.FLAGS, cfg=cfg, policy=flags.FLAGS.quant_policy, tokens=_TOKENS.value)
   flags_lib.check_model_features("layer_verdicts", cfg, flags.FLAGS.quant_policy, conf)
   exact = dataclasses.replace(features_lib.REFERENCE, device_class=conf.device_class)
   t0 = time.perf_counter()

@@ -412,7 +412,8 @@ def _trace_prefill(path: str, doc: dict):
   runs, kernels = [], []
   for e in doc["runs"]:
     key = dict(tokens=e["tokens"], variant=e["variant"])
-    runs.append(key | dict(switches_on=tuple(doc["variants"].get(e["variant"], ())),
+    on = e.get("switches_on", doc["variants"].get(e["variant"], ()))  # files before 2026-12-04: one set a variant
+    runs.append(key | dict(switches_on=tuple(on),
                            **{k: e.get(k) for k in TRACE_RUN_COLUMNS[3:]}))
     kernels += [key | k for k in e.get("kernels", [])]
   meta = {k: doc.get(k) for k in ENV_KEYS} | dict(what=doc["what"], preset=doc.get("preset"),

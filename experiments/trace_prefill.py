@@ -6,7 +6,9 @@ by kernel name.
 
 Per length and feature set (the flags' set, then one per `--without` switch: the qualification's kill_<switch>):
 one warm-up prefill (compiles), `--repeats` timed ones (median wall time, tok/s), then one under `jax.profiler.trace`
-(unless `--notrace`), its kernels summed by name (experiments/device_trace.py). The total is
+(unless `--notrace`), its kernels summed by name (experiments/device_trace.py). Each length resolves its own
+defaults (a one-band prompt may take other kernels: features.Capability.when), so every run records its switches;
+the file's `variants` are the first length's. The total is
 the device's busy time; when it is close to the wall time, the device was never idle and host dispatch is not the
 bottleneck. Results are rewritten after each run, and a run that fails (out of memory) is recorded as such.
 `--preset=tiny_sparse` runs on a CPU (interpret mode: kernels show as host work, so the summary may be empty).
@@ -52,32 +54,37 @@ def main(argv):
   device_memory.claim()  # before JAX starts its backend
   fv = flags.FLAGS
   cfg = config_lib.preset(_PRESET.value)
-  features = flags_lib.features_from_flags(fv, cfg=cfg)
-  flags_lib.check_mesh("trace_prefill", fv.mesh, cfg)  # before drawing the weights
-  flags_lib.check_model_features("trace_prefill", cfg, fv.quant_policy, features)
   lengths = [int(t) for t in _TOKENS.value]
+  # The defaults may differ by length (one-band prompts: features.Capability.when), so each length has its own.
+  by_length = {n: flags_lib.features_from_flags(fv, cfg=cfg, policy=fv.quant_policy, tokens=n) for n in lengths}
+  flags_lib.check_mesh("trace_prefill", fv.mesh, cfg)  # before drawing the weights
+  variants = {}
+  for n, features in by_length.items():
+    flags_lib.check_model_features("trace_prefill", cfg, fv.quant_policy, features)
+    variants[n] = {"flags": features}
+    for switch in _WITHOUT.value:  # the qualification's kill_<switch> features
+      variants[n][f"without_{switch}"] = matrix.without(features, switch)
   rng = np.random.default_rng(_SEED.value)
   tokens = rng.integers(0, cfg.vocab_size, max(lengths))
-  variants = {"flags": features}
-  for switch in _WITHOUT.value:  # the qualification's kill_<switch> features
-    variants[f"without_{switch}"] = matrix.without(features, switch)
   record = dict(run_record.environment(), what="prefill device time by kernel (experiments/trace_prefill.py)",
                 preset=cfg.name, quant_policy=fv.quant_policy,
-                variants={name: f.on() for name, f in variants.items()},
-                switch_states={name: features_lib.switch_states(f) for name, f in variants.items()}, runs=[])
-  print(features_lib.describe_states(features), flush=True)
+                variants={name: f.on() for name, f in variants[lengths[0]].items()},
+                switch_states={name: features_lib.switch_states(f) for name, f in variants[lengths[0]].items()},
+                runs=[])
+  for n in lengths:
+    print(f"{n} tokens: {features_lib.describe_states(by_length[n])}", flush=True)
   t0 = time.perf_counter()
   m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(fv.quant_policy), mesh=fv.mesh)
   jax.block_until_ready(jax.tree.leaves(m))
   record["mesh"] = mesh_lib.spec_of(m)  # where it runs, not what was asked
-  print(f"{cfg.name} {fv.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; on: {', '.join(features.on())}; "
+  print(f"{cfg.name} {fv.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; "
         f"{mesh_lib.describe(fv.mesh, cfg)}", flush=True)
   if _PRECOMPILE.value:
-    runner.ModelRunner().precompile(m, [(n, f) for n in lengths for f in variants.values()], _PRECOMPILE.value,
+    runner.ModelRunner().precompile(m, [(n, f) for n in lengths for f in variants[n].values()], _PRECOMPILE.value,
                                     lambda line: print(line, flush=True))
   for n in lengths:
-    for name, f in variants.items():
-      entry = dict(tokens=n, variant=name)
+    for name, f in variants[n].items():
+      entry = dict(tokens=n, variant=name, switches_on=f.on(), switch_states=features_lib.switch_states(f))
       try:
         entry |= measure(m, tokens[:n], f)
       except Exception as e:  # noqa: BLE001 -- e.g. out of memory: recorded, the other runs go on

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from ds4jax import attention, config, features
+from ds4jax import attention, config, features, model
 from ds4jax.features import CAPABILITIES, FeatureError, SWITCHES
 
 
@@ -102,22 +102,34 @@ def test_every_switch_lowered_for_gfx1151_runs_only_kernels_that_pass_the_loweri
   assert launched <= passed - failed, f"not lowered for gfx1151: {sorted(launched - (passed - failed))}"
 
 
-def test_model_bound_defaults_follow_the_model():
-  """sm_90's mla_wgmma default holds only where the caller says the model fits (V4-Flash's 64 heads of dim 512):
-  the defaults run every model, and an explicit on is kept for the model's start-up check to refuse."""
-  assert features.MODEL_BOUND == {"mla_wgmma"}
+def test_bound_defaults_follow_the_model_and_the_prompt():
+  """sm_90's Mosaic GPU defaults hold only where the caller says the model fits (mla_wgmma: 64 heads of dim 512; the
+  MoE: FP2/FP3-MIX experts), and the fused MoE's only where the prompt is one band: the defaults run every model,
+  and an explicit on is kept for the model's start-up check to refuse."""
   v4, tiny = config.v4_flash(), config.tiny()
-  assert attention.model_fits(v4) == {"mla_wgmma"} and attention.model_fits(tiny) == set()
-  assert features.resolve("sm_90", fits=attention.model_fits(v4)).mla_wgmma
-  assert not features.resolve("sm_90", fits=attention.model_fits(tiny)).mla_wgmma
+  moe = {"moe_sparse_gate_up", "moe_wgmma_gate_up", "moe_wgmma_down"}
+  assert {s for s, c in features.CAPABILITIES["sm_90"].items() if c.when} == moe | {"mla_wgmma"}
+  fits = model.kernel_fits(v4, "lucebox_mix")
+  assert fits == moe | {"mla_wgmma"} and attention.model_fits(tiny) == set()
+  assert model.kernel_fits(v4, "bf16") == {"mla_wgmma"}  # bf16 experts: the Mosaic MoE only when asked
+  assert model.kernel_fits(tiny, "lucebox_mix") == set()  # D 64: no TMA row of meta bytes
+  on = lambda **kw: set(features.resolve("sm_90", **kw).on())
+  assert moe | {"mla_wgmma"} <= on(fits=fits, tokens=8192)
+  assert "mla_wgmma" in on(fits=fits, tokens=8193) and not moe & on(fits=fits, tokens=8193)  # two bands
+  assert not moe & on(fits=fits) and "mla_wgmma" in on(fits=fits)  # the length not known
+  assert moe <= set(features.resolve("sm_90", {"prefill_band_tokens": 0}, fits=fits, tokens=122879).on())
+  assert moe <= set(features.resolve("sm_90", {"prefill_band_tokens": 16384}, fits=fits, tokens=16384).on())
+  assert not ({"mla_wgmma"} | moe) & on(fits=model.kernel_fits(tiny, "lucebox_mix"), tokens=64)
   assert not features.resolve("sm_90").mla_wgmma  # the model unknown: off
   explicit = features.resolve("sm_90", {"mla_wgmma": True})
   with pytest.raises(ValueError, match="mla_wgmma needs 64 heads of dim 512"):
     attention.check_wgmma(tiny, explicit)
   attention.check_wgmma(v4, explicit)
-  assert not features.resolve("cpu_interpret", fits=attention.model_fits(v4)).mla_wgmma  # not in its table defaults
+  assert not ({"mla_wgmma"} | moe) & set(features.resolve("cpu_interpret", fits=fits, tokens=64).on())
+  assert "moe_sparse_gate_up" in features.resolve("gfx1151", tokens=122879).on()  # bound on sm_90 only
   with pytest.raises(FeatureError, match="mla_wgmma requires --mla_stream_fast_exp"):
     features.resolve("sm_90", {"mla_stream_fast_exp": False}, fits={"mla_wgmma"})
+  assert features.one_band(8192, 8192) and features.one_band(10**6, 0) and not features.one_band(None, 0)
 
 
 def test_reference_is_all_off():

@@ -21,6 +21,7 @@ import numpy as np
 from ds4jax import attention as attention_lib
 from ds4jax import config as config_lib
 from ds4jax import features as features_lib
+from ds4jax import model as model_lib
 from ds4jax import moe as moe_lib
 from ds4jax.features import KNOBS, Features
 from ds4jax.quant import policy as quant_policy
@@ -39,9 +40,11 @@ class Setup:
   cfg: config_lib.DeepseekV4Config
   policy: quant_policy.QuantPolicy
   device_class: str
-  base: Features
-  configs: list[Configuration]   # the whole matrix
-  selected: list[Configuration]  # --configs (and the planted bugs)
+  # By length: a bound default (features.Capability.when, e.g. sm_90's fused MoE for one-band prompts) can make
+  # all_on, and the matrix derived from it, differ between lengths.
+  base: dict[int, Features]                 # all_on
+  configs: dict[int, list[Configuration]]   # the whole matrix
+  selected: dict[int, list[Configuration]]  # --configs (and the planted bugs)
   ids: np.ndarray
   source: dict[str, Any]
   prompt_sha: dict[int, str]
@@ -65,10 +68,11 @@ def start_up(opts: Options) -> Setup:
     dev_cls = opts.device_class or features_lib.device_class()
   except ValueError as e:
     raise StartupError(str(e)) from e
-  fits = attention_lib.model_fits(cfg)  # the model-bound defaults it can run (features.MODEL_BOUND)
-  base = features_lib.resolve(dev_cls, opts.features, fits=fits)  # FeatureError: an impossible combination
-  configs = configurations(base, cfg, opts.mutations)
-  names = [c.name for c in configs if not c.mutation]
+  fits = model_lib.kernel_fits(cfg, pol)  # the bound defaults this model takes
+  # FeatureError: an impossible combination
+  base = {n: features_lib.resolve(dev_cls, opts.features, fits=fits, tokens=n) for n in opts.lengths}
+  configs = {n: configurations(base[n], cfg, opts.mutations) for n in opts.lengths}
+  names = list(dict.fromkeys(c.name for n in opts.lengths for c in configs[n] if not c.mutation))
   unknown = [c for c in opts.configs if c not in names]
   if unknown:
     raise StartupError(f"--configs: unknown configuration(s) {unknown}; valid here: {names}")
@@ -79,8 +83,9 @@ def start_up(opts: Options) -> Setup:
       existing = store.load_results(opts.out)
     except (OSError, ValueError, TypeError) as e:
       raise StartupError(f"--append: cannot read {opts.out}: {e}") from e
-  selected = [c for c in configs if c.mutation or not opts.configs or c.name in opts.configs]
-  for c in selected:
+  selected = {n: [c for c in configs[n] if c.mutation or not opts.configs or c.name in opts.configs]
+              for n in opts.lengths}
+  for c in (c for n in opts.lengths for c in selected[n]):
     try:
       moe_lib.check_wgmma(cfg, pol, c.features)
       attention_lib.check_wgmma(cfg, c.features)
@@ -109,9 +114,8 @@ def _done_pairs(opts: Options, setup: Setup, fingerprint: str) -> set[tuple[int,
   too_slow under a limit that would stop them again (not_run pairs are predicted anew each call). Refuses a mixed
   file."""
   done = set()
-  by_name = {c.name: c for c in setup.configs}
   for r in setup.existing.records if setup.existing else []:
-    conf = by_name.get(r.config) if r.length in opts.lengths else None
+    conf = {c.name: c for c in setup.configs.get(r.length, [])}.get(r.config)
     why = store.same_run(r, fingerprint, setup.prompt_sha, conf and conf.features.to_dict(), opts.mesh)
     if why and (r.status in ("ok", "too_slow") or {"weights fingerprint", "prompt ids", "mesh"} & set(why)):
       raise StartupError(
@@ -124,17 +128,31 @@ def _done_pairs(opts: Options, setup: Setup, fingerprint: str) -> set[tuple[int,
   return done
 
 
+def _by_features(base: dict[int, Features]) -> dict[Features, list[int]]:
+  """The lengths of each distinct all_on."""
+  out: dict[Features, list[int]] = {}
+  for n, f in base.items():
+    out.setdefault(f, []).append(n)
+  return out
+
+
 def _log_plan(opts: Options, setup: Setup, plan, todo, log) -> None:
-  log(f"plan: lengths {list(opts.lengths)} x {len(setup.selected)} configurations = {len(plan)} runs; "
-      f"{len(plan) - len(todo)} already done in {opts.out} (skipped), {len(todo)} to run; "
+  lengths: dict[tuple[str, Features], list[int]] = {}  # a configuration's name may mean other features elsewhere
+  for n in opts.lengths:
+    for c in setup.selected[n]:
+      lengths.setdefault((c.name, c.features), []).append(n)
+  log(f"plan: lengths {list(opts.lengths)} x {len({name for name, _ in lengths})} configurations = {len(plan)} "
+      f"runs; {len(plan) - len(todo)} already done in {opts.out} (skipped), {len(todo)} to run; "
       f"cold + {opts.warmups} warm-ups + {opts.repeats} timed runs each (planted bugs: judged only)")
-  for c in setup.selected:
+  for (name, _), ns in lengths.items():
+    c = next(c for c in setup.selected[ns[0]] if c.name == name)
+    at = f" at {ns}" if len(ns) < len(opts.lengths) else ""
     extra = f" (also off: {', '.join(c.also_off)})" if c.also_off else ""
     bug = f" + planted bug {c.mutation} in layer {c.mutation_layer}" if c.mutation else ""
-    log(f"  {c.name}{extra}: on={c.features.on() or 'none'}{bug}")
+    log(f"  {c.name}{at}{extra}: on={c.features.on() or 'none'}{bug}")
   todo_keys = {(n, c.name) for n, c in todo}
   for n in opts.lengths:
-    skipped = [c.name for c in setup.selected if (n, c.name) not in todo_keys]
+    skipped = [c.name for c in setup.selected[n] if (n, c.name) not in todo_keys]
     if skipped:
       log(f"  length {n}: skipping {skipped} (already done)")
   prefix_lengths = [n for n in opts.lengths if opts.exact_max_tokens and n > opts.exact_max_tokens]
@@ -278,41 +296,47 @@ def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo,
 
 
 def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: int, configs: list[Configuration],
-           fingerprint: str, clock: Clock, tried: set[tuple[int, str]], save: Callable[[], None]) -> None:
+           fingerprint: str, clock: Clock, tried: set[tuple[int, str, Features]], save: Callable[[], None]) -> None:
   """Judges the configurations without a verdict on the first v_tokens prompt tokens (and not tried in this
   process), in one pass; every verdict (or why it could not be taken) goes into `results.verdicts`. The per-layer
   verdicts are saved before the teacher-forced KL (checks.layers_only) and replaced by the whole verdict."""
   sha = inputs.sha256_array(setup.ids[:v_tokens])
   meta = lambda c: dict(tokens=v_tokens, config=c.name, features=c.features.to_dict(), mutation=c.mutation,
                         mutation_layer=c.mutation_layer, weights_fingerprint=fingerprint, prompt_sha256=sha)
-  todo = [c for c in _unjudged(results, setup, v_tokens, configs, fingerprint) if (v_tokens, c.name) not in tried]
+  todo = [c for c in _unjudged(results, setup, v_tokens, configs, fingerprint)
+          if (v_tokens, c.name, c.features) not in tried]
   if not todo:
     return
-  tried |= {(v_tokens, c.name) for c in todo}
-  clock.say(f"verdicts on the first {v_tokens} tokens: {[c.name for c in todo]} (one pass over the layers)")
+  tried |= {(v_tokens, c.name, c.features) for c in todo}
+  # The runner keys its judgements by name; all_on (and its kills) may stand for other features at other lengths.
+  names = [c.name for c in todo]
+  todo = [(c.name + (f"#{names[:i + 1].count(c.name)}" if names.count(c.name) > 1 else ""), c)  # (label, c)
+          for i, c in enumerate(todo)]
+  clock.say(f"verdicts on the first {v_tokens} tokens: {[lab for lab, _ in todo]} (one pass over the layers)")
   t0 = runner.now()
-  partial: dict[str, verdicts.Judgement] = {}  # the per-layer judgements, saved before the teacher-forced KL
+  partial: dict[str, verdicts.Judgement] = {}  # the per-layer judgements by label, saved before the teacher-forced KL
   saved: list[Verdict] = []
 
   def keep_layers(layers: dict[str, verdicts.Judgement]) -> None:
-    partial.update({c.name: layers[c.name] for c in todo if c.name in layers})
-    saved.extend(checks.layers_only(partial[c.name], **meta(c)) for c in todo if c.name in partial)
+    partial.update({lab: layers[lab] for lab, _ in todo if lab in layers})
+    saved.extend(checks.layers_only(partial[lab], **meta(c)) for lab, c in todo if lab in partial)
     results.verdicts.extend(saved)
     save()
     clock.say(f"  per-layer verdicts saved ({len(saved)}); the teacher-forced KL next")
 
   try:
-    judged = runner.judge(m, setup.ids[:v_tokens], todo, log=lambda s: clock.say(f"  {s}"), on_layers=keep_layers)
+    judged = runner.judge(m, setup.ids[:v_tokens], [dataclasses.replace(c, name=lab) for lab, c in todo],
+                          log=lambda s: clock.say(f"  {s}"), on_layers=keep_layers)
   except Exception as e:  # noqa: BLE001 -- e.g. out of memory: every record says why it has no verdict
-    judged = {c.name: e for c in todo}
+    judged = {lab: e for lab, _ in todo}
   results.verdicts = [v for v in results.verdicts if not any(v is s for s in saved)]
   wall = (runner.now() - t0) / len(todo)
-  for c in todo:
-    j = judged[c.name]
+  for lab, c in todo:
+    j = judged[lab]
     if not isinstance(j, BaseException):
       v = checks.as_verdict(j, **meta(c), wall_s=wall)
-    elif c.name in partial:  # the KL failed: its per-layer verdicts stand beside why
-      v = checks.layers_only(partial[c.name], f"the teacher-forced KL failed: {checks.error_text(j)}", **meta(c),
+    elif lab in partial:  # the KL failed: its per-layer verdicts stand beside why
+      v = checks.layers_only(partial[lab], f"the teacher-forced KL failed: {checks.error_text(j)}", **meta(c),
                              wall_s=wall)
     else:
       v = checks.not_run(f"the verdict pass failed: {checks.error_text(j)}", **meta(c), wall_s=wall)
@@ -320,7 +344,7 @@ def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: in
       key = lambda x: (x.config, x.tokens, x.features, x.mutation, x.weights_fingerprint, x.prompt_sha256)
       results.verdicts = [x for x in results.verdicts if x.result != NOT_RUN or key(x) != key(v)]
     results.verdicts.append(v)
-    clock.say(f"  {c.name}: {v.result}" + (f" ({'; '.join(v.reasons)[:300]})" if v.reasons else ""))
+    clock.say(f"  {lab}: {v.result}" + (f" ({'; '.join(v.reasons)[:300]})" if v.reasons else ""))
 
 
 def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None,
@@ -339,9 +363,10 @@ def run(opts: Options, *, model=None, log: Callable[[str], None] | None = None,
   log(f"prefill qualification: {cfg.name} policy={setup.policy.name} dtype={opts.dtype} "
       f"{'checkpoint=' + opts.checkpoint if opts.checkpoint else 'random weights seed=' + str(opts.seed)}; "
       f"{env['device_kind']} ({dev_cls}), jax {env['jax']}, commit {env['git_commit'][:10]}")
-  log(f"all_on switches: {setup.base.on() or 'none'}; knobs: "
-      + ", ".join(f"{k}={getattr(setup.base, k)}" for k in KNOBS))
-  log(features_lib.describe_states(setup.base))
+  for base, ns in _by_features(setup.base).items():
+    at = f" at {ns}" if len(ns) < len(opts.lengths) else ""
+    log(f"all_on{at} switches: {base.on() or 'none'}; knobs: " + ", ".join(f"{k}={getattr(base, k)}" for k in KNOBS))
+    log(features_lib.describe_states(base))
   t0 = runner.now()
   m = model if model is not None else inputs.build_model(opts, cfg, log)
   log(f"weights ready ({runner.now() - t0:.1f}s); fingerprinting them")
@@ -359,10 +384,9 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
   done = _done_pairs(opts, setup, fingerprint)
   if setup.existing is None and os.path.exists(opts.out):
     log(f"note: overwriting {opts.out} (pass --append to keep its records)")
-  order = sorted(setup.selected, key=lambda c: c.name != "all_off")
   # A planted bug is judged on a verdict prefix, never timed: one record per prefix, at its first length.
   first_of_prefix = {min(opts.verdict_tokens, n): n for n in sorted(opts.lengths, reverse=True)}
-  plan = [(n, c) for n in opts.lengths for c in order
+  plan = [(n, c) for n in opts.lengths for c in sorted(setup.selected[n], key=lambda c: c.name != "all_off")
           if not c.mutation or first_of_prefix[min(opts.verdict_tokens, n)] == n]
   todo = [(n, c) for n, c in plan if (n, c.name) not in done]
   _log_plan(opts, setup, plan, todo, log)
@@ -406,7 +430,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
   exact_by_len: dict[int, ExactFinal] = {}
   called: set[tuple[Features, int]] = set()  # (features, length) already run in this process
   floors_tried: set[int] = set()  # noise floors (by parity tokens) measured or attempted in this process
-  judged: set[tuple[int, str]] = set()  # (verdict tokens, config) judged or attempted in this process
+  judged: set[tuple[int, str, Features]] = set()  # (verdict tokens, config, features) judged or tried in this process
   for i, (n, conf) in enumerate(todo):
     if opts.stop_after_s and runner.now() - t_begin > opts.stop_after_s:
       left = [[k, c.name] for k, c in todo[i:]]
@@ -417,7 +441,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
           f"continue.")
       break
     v_tokens = min(n, opts.verdict_tokens)
-    same_prefix = {c.name: c for k, c in todo if min(k, opts.verdict_tokens) == v_tokens}
+    same_prefix = {(c.name, c.features): c for k, c in todo if min(k, opts.verdict_tokens) == v_tokens}
     _judge(runner, m, setup, results, v_tokens, list(same_prefix.values()), fingerprint, clock, judged, save)
     save()
     if n not in exact_by_len:
@@ -445,7 +469,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
     verdict = results.verdict_for(v_tokens, conf.features.to_dict(), conf.mutation, fingerprint,
                                   inputs.sha256_array(setup.ids[:v_tokens]))
     verdict = verdict or next(v for v in reversed(results.verdicts) if v.config == conf.name
-                              and v.tokens == v_tokens)
+                              and v.tokens == v_tokens and v.features == conf.features.to_dict())
     rec = Record(config=conf.name, length=n, killed=conf.killed, also_off=conf.also_off,
                  features=conf.features.to_dict(), switches_on=tuple(conf.features.on()),
                  switch_states=features_lib.switch_states(conf.features), mutation=conf.mutation,

@@ -73,3 +73,4 @@ def test_trace_prefill_times_each_feature_set_and_records_it(tmp_path):
   assert set(runs) == {"flags", "without_prefill_weights_stationary"}
   for r in runs.values():
     assert r["tokens"] == 16 and r["tok_s"] > 0 and "error" not in r and "device_ms" in r  # traced (CPU: no kernels)
+    assert r["switches_on"] == record["variants"][r["variant"]]

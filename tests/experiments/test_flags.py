@@ -24,8 +24,12 @@ def test_model_bound_default_needs_the_model():
   fv(["prog"])
   on = lambda cfg: flags_lib.features_from_flags(fv, "sm_90", cfg=cfg).mla_wgmma
   assert on(config.v4_flash()) and not on(config.tiny()) and not on(None)
-  fv(["prog", "--nomla_wgmma"])
-  assert not on(config.v4_flash())
+  # the fused MoE's: with the policy whose experts its kernels take, and a prompt of one band
+  moe = lambda **kw: flags_lib.features_from_flags(fv, "sm_90", cfg=config.v4_flash(), **kw).moe_wgmma_down
+  assert moe(policy="lucebox_mix", tokens=8192)
+  assert not moe(policy="lucebox_mix", tokens=32768) and not moe(policy="lucebox_mix") and not moe(tokens=8192)
+  fv(["prog", "--nomla_wgmma", "--prefill_band_tokens=0"])
+  assert not on(config.v4_flash()) and moe(policy="lucebox_mix", tokens=32768)
 
 
 def test_quant_policy_flag():

@@ -275,6 +275,32 @@ def test_per_layer_verdicts_outlive_a_call_that_ends_in_the_kl(tmp_path, tiny_mo
   assert sorted((v.config, v.result) for v in doc.verdicts) == [("all_off", q.PASS), ("all_on", q.FAIL)]
 
 
+def test_all_on_follows_the_defaults_of_each_length(tmp_path, tiny_model, monkeypatch):
+  """A default bound to one-band prompts (sm_90's fused MoE) makes all_on, and its kills, differ by length: each
+  length runs its own, and both all_on are judged, in one verdict pass, by their own features. Here the stand-in
+  table binds moe_fused_combine (which FakeRunner's judge fails) to one band of 16 tokens."""
+  row = dict(features.CAPABILITIES["cpu_interpret"])
+  row["moe_compact_queue"] = features.Capability(features.RAN, True)
+  row["moe_fused_combine"] = features.Capability(features.RAN, True, frozenset({features.ONE_BAND}))
+  monkeypatch.setitem(features.CAPABILITIES, "cpu_interpret", row)
+  fake = FakeRunner()
+  opts = options(tmp_path, lengths=(16, 32), features={"prefill_band_tokens": 16},
+                 configs=("all_on", "kill_moe_fused_combine", "kill_moe_compact_queue", "all_off"))
+  doc, lines = run(opts, tiny_model, fake)
+  recs = by_key(doc)
+  assert recs[(16, "all_on")].switches_on == ("moe_compact_queue", "moe_fused_combine")
+  assert recs[(32, "all_on")].switches_on == ("moe_compact_queue",)
+  assert (16, "kill_moe_fused_combine") in recs and (32, "kill_moe_fused_combine") not in recs
+  assert recs[(16, "all_on")].result == q.FAIL and recs[(32, "all_on")].result == q.PASS
+  assert recs[(32, "all_on")].verdict.features == recs[(16, "kill_moe_fused_combine")].features
+  kill = recs[(32, "kill_moe_compact_queue")]
+  assert kill.switches_on == () and kill.result == q.PASS
+  assert fake.judged == [(16, ["all_off", "all_on#1", "kill_moe_compact_queue#1", "kill_moe_fused_combine",
+                               "all_on#2", "kill_moe_compact_queue#2"])]
+  assert any(s.startswith("  kill_moe_fused_combine at [16]:") for s in lines)
+  assert any(s.startswith("all_on at [32] switches: ['moe_compact_queue']") for s in lines)
+
+
 def test_bounded_runs_append_each_pair_exactly_once(tmp_path, tiny_model):
   fake = FakeRunner()
   first, _ = run(options(tmp_path, configs=("all_on", "all_off")), tiny_model, fake)
@@ -692,7 +718,14 @@ def test_qual_cfg():
   assert len(o.mutations) >= 3
   setup = qualify.start_up(dataclasses.replace(o, device_class="sm_90"))
   assert max(o.lengths) <= setup.cfg.max_position_embeddings
-  assert setup.base.mla_wgmma  # sm_90's model-bound default: V4-Flash has the head shape its kernel takes
+  # sm_90's bound defaults: V4-Flash takes the Mosaic GPU kernels; the fused MoE only where the prompt is one band
+  moe = {"moe_sparse_gate_up", "moe_wgmma_gate_up", "moe_wgmma_down"}
+  assert setup.base[8192].mla_wgmma and moe <= set(setup.base[8192].on())
+  for n in (32768, 122879):
+    assert setup.base[n].mla_wgmma and not moe & set(setup.base[n].on())
+    assert setup.base[n] == dataclasses.replace(setup.base[8192], **{s: False for s in moe})
+  names = lambda n: {c.name for c in setup.configs[n]}
+  assert names(8192) - names(32768) == {f"kill_{s}" for s in moe} and names(32768) == names(122879)
 
 
 def test_qual_gfx1151_cfg():
@@ -702,9 +735,10 @@ def test_qual_gfx1151_cfg():
   assert o.out == "experiments/results/qual_v4flash_gfx1151.json" and o.append and len(o.mutations) >= 3
   setup = qualify.start_up(dataclasses.replace(o, device_class="gfx1151"))
   assert all(v is None for v in o.features.values()), "the flagfile must take gfx1151's table defaults"
-  assert setup.base == features.resolve("gfx1151") and {"moe_sparse_gate_up", "mla_stream_fast_exp"} <= set(
-      setup.base.on())
-  assert set(features.switch_states(setup.base).values()) == {features.LOWERED}
+  assert set(setup.base.values()) == {features.resolve("gfx1151")}  # no bound defaults: the same at every length
+  base = setup.base[8192]
+  assert {"moe_sparse_gate_up", "mla_stream_fast_exp"} <= set(base.on())
+  assert set(features.switch_states(base).values()) == {features.LOWERED}
   with pytest.raises(features.FeatureError, match="not supported on rdna35_other"):
     qualify.start_up(dataclasses.replace(o, device_class="rdna35_other", features={"moe_sparse_gate_up": True}))
 
@@ -714,10 +748,11 @@ def test_smoke_cfg():
   setup = qualify.start_up(o)  # every start-up check, on this machine
   assert o.out.startswith("/tmp/") and not o.append and o.warmups == 2 and o.repeats == 3
   assert max(o.lengths) <= setup.cfg.max_position_embeddings and min(o.lengths) > setup.cfg.sliding_window
-  assert setup.base.on(), "the smoke must turn switches on (on the CPU they all default off)"
-  assert any(c.also_off for c in setup.configs)
+  base = setup.base[o.lengths[0]]
+  assert base.on(), "the smoke must turn switches on (on the CPU they all default off)"
+  assert any(c.also_off for c in setup.configs[o.lengths[0]])
   assert o.checkpoint and setup.source["kind"] == "file"  # a trained model on real text: its KL means something
-  assert setup.base.bf16_matmul and sorted(o.mutations) == sorted(mutations.MUTATIONS)
+  assert base.bf16_matmul and sorted(o.mutations) == sorted(mutations.MUTATIONS)
 
 
 # ---- the real model, end to end ----
