@@ -506,17 +506,23 @@ def switch_effects(records: pd.DataFrame) -> pd.DataFrame:
 
 def matrix_gaps(records: pd.DataFrame, planned_lengths=()) -> pd.DataFrame:
   """(length, config) pairs of the planned matrix with no record: the lengths planned (e.g. `flagfile_lengths`) or
-  recorded, times all_on, one kill per switch all_on has on and per non-zero chunk/band knob, and all_off."""
-  on = _all_on(records)
-  if on is None:
+  recorded, times all_on, one kill per switch all_on has on and per non-zero chunk/band knob, and all_off. all_on is
+  the length's own where recorded (the defaults may differ by length: ds4jax.features.Capability.when), else the
+  first one recorded."""
+  first = _all_on(records)
+  if first is None:
     return pd.DataFrame(columns=["length", "config"])
-  feats = on.features or {}
-  configs = (["all_on"] + [f"kill_{s}" for s in on.switches_on]
-             + [f"kill_{k}" for k in KILLABLE_KNOBS if feats.get(k)] + ["all_off"])
+  own = {r.length: r for _, r in records[records.config == "all_on"].iterrows()}
+
+  def configs(on) -> list[str]:
+    feats = on.features or {}
+    return (["all_on"] + [f"kill_{s}" for s in on.switches_on]
+            + [f"kill_{k}" for k in KILLABLE_KNOBS if feats.get(k)] + ["all_off"])
+
   have = set(zip(records.length, records.config))
   lengths = sorted(set(planned_lengths) | set(records.length))
-  return pd.DataFrame([dict(length=n, config=c) for n in lengths for c in configs if (n, c) not in have],
-                      columns=["length", "config"])
+  return pd.DataFrame([dict(length=n, config=c) for n in lengths for c in configs(own.get(n, first))
+                       if (n, c) not in have], columns=["length", "config"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

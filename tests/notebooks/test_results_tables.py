@@ -224,6 +224,12 @@ def test_switch_effects_and_what_the_matrix_misses(tables):
   gaps = set(map(tuple, rt.matrix_gaps(q.records, rt.flagfile_lengths("qual.cfg")).itertuples(index=False)))
   assert (8192, "kill_bf16_matmul") in gaps and (32768, "all_on") in gaps and (122879, "all_off") in gaps
   assert not {g for g in gaps if g[0] == 8192} - {(8192, "kill_bf16_matmul")}
+  # wave 2d: all_on at 8192 has the fused MoE (one band), at 32768 and 122879 not; each length's matrix is its own
+  d = rt.load("experiments/results/qual_v4flash_h200_wave2d.json").records
+  gaps = set(map(tuple, rt.matrix_gaps(d, rt.flagfile_lengths("qual.cfg")).itertuples(index=False)))
+  assert (8192, "kill_moe_wgmma_gate_up") in gaps and (8192, "kill_moe_sparse_gate_up") not in gaps
+  assert not {g for g in gaps if g[1].startswith("kill_moe_wgmma") and g[0] != 8192}
+  assert (32768, "kill_mla_wgmma") in gaps and (122879, "kill_moe_decode_kernel") in gaps
 
 
 def test_roofline_and_prefill_breakdown(tables):
