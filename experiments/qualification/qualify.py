@@ -441,7 +441,11 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
           f"continue.")
       break
     v_tokens = min(n, opts.verdict_tokens)
-    same_prefix = {(c.name, c.features): c for k, c in todo if min(k, opts.verdict_tokens) == v_tokens}
+    # One verdict per feature set (and planted bug): kill_moe_sparse_gate_up at one band can be all_on at several.
+    same_prefix: dict[tuple[Features, str | None], Configuration] = {}
+    for k, c in todo:
+      if min(k, opts.verdict_tokens) == v_tokens:
+        same_prefix.setdefault((c.features, c.mutation), c)
     _judge(runner, m, setup, results, v_tokens, list(same_prefix.values()), fingerprint, clock, judged, save)
     save()
     if n not in exact_by_len:
@@ -468,8 +472,8 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
     clock.done += 0 if conf.mutation else n
     verdict = results.verdict_for(v_tokens, conf.features.to_dict(), conf.mutation, fingerprint,
                                   inputs.sha256_array(setup.ids[:v_tokens]))
-    verdict = verdict or next(v for v in reversed(results.verdicts) if v.config == conf.name
-                              and v.tokens == v_tokens and v.features == conf.features.to_dict())
+    verdict = verdict or next(v for v in reversed(results.verdicts) if v.tokens == v_tokens
+                              and v.features == conf.features.to_dict() and v.mutation == conf.mutation)
     rec = Record(config=conf.name, length=n, killed=conf.killed, also_off=conf.also_off,
                  features=conf.features.to_dict(), switches_on=tuple(conf.features.on()),
                  switch_states=features_lib.switch_states(conf.features), mutation=conf.mutation,
