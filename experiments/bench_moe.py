@@ -48,14 +48,13 @@ WGMMA_TILINGS = {
     "w128_n64_s4_i": (_T(wg_rows=128, block_n=64), True),
     "w128_n64_s4_i_c2": (_T(wg_rows=128, block_n=64, cluster=2), True),
     "w64_n128_s4_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty=False, cluster=2), False),
-    "w64_n128_s4_i": (_T(wg_rows=64, block_n=128), True),
-    "w64_n128_s4_i_c2": (_T(wg_rows=64, block_n=128, cluster=2), True),
-    "w64_n128_s3_i": (_T(wg_rows=64, block_n=128, stages=3), True),
 }
+# Also measured and dropped (fab9549): w64_n128 interleaved, one m64n256 wgmma per warpgroup as torch's 128x256
+# tile (8192 tokens: 4.6-5.3 ms against 3.6-3.9 for w128_n64).
 # The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, one projection each, the decoded tile as
-# the wgmma's register operand (mma_rows rows of x per wgmma), or ("_smem") through shared memory with the wgmmas in
-# flight while the next step decodes. Shared-memory planes waited at each step's end (per warpgroup or shared
-# between the two) were 1.6-2x slower and were removed, as were mma_in_flight 1 on register planes (ptxas serializes),
+# the wgmma's register operand (mma_rows rows of x per wgmma). Decoding into shared-memory planes (per warpgroup or
+# shared between the two; or, at fab9549, with the wgmmas in flight while the next step decodes: 6.8 vs 5.1 ms at
+# 8192 tokens) was slower and was removed, as were mma_in_flight 1 (ptxas serializes the wgmmas),
 # issuing the warpgroups' wgmmas in turn (8.42 vs 5.22 ms at 8192 tokens) and two or four K blocks per pipeline step
 # (no faster). Compiled, the planes are made by byte permutes (at e1e8cbf: 6.31 -> 5.22 ms at 8192 tokens).
 WGMMA_MIX_TILINGS = {
@@ -63,8 +62,6 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
-    "lhs_w128_s3_r256_smem": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, mma_in_flight=1, planes_smem=True),
-    "lhs_w64_s3_r128_smem": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128, mma_in_flight=1, planes_smem=True),
 }
 # The Mosaic GPU down on rocmfp3_mix W2 (down_wgmma.py), the same structure with one stack, each warpgroup its own
 # N tile; against what the model runs under moe_wgmma_gate_up (W2 decoded by the decode kernel, then the Triton down).
@@ -75,8 +72,6 @@ WGMMA_DOWN_TILINGS = {
     "w128_s4_r128": _T(wg_rows=128, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r128": _T(wg_rows=64, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r64": _T(wg_rows=64, block_n=64, stages=4, mma_rows=64),
-    "w128_s3_r256_smem": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, mma_in_flight=1, planes_smem=True),
-    "w128_s4_r256_smem": _T(wg_rows=128, block_n=64, stages=4, mma_rows=256, mma_in_flight=1, planes_smem=True),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

@@ -192,11 +192,10 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   per_meta = META_BOX // (t.block_k // rocmfp_layout.HALF)  # K steps covered by one meta tile
   per_hi = HI_BOX // (t.block_k // 8)  # and by one high-bit tile
-  delay = t.mma_in_flight  # in flight (planes_smem): step k's wgmmas read h until step k + 1 waits
-  spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM, delay_release=delay)
-  x_spec = spec((PLANES, t.block_m, bk), lambda k: (0, 0, k), transforms=tiles)
-  w_specs = [spec((t.block_n, bk), lambda k: (0, k)), spec((t.block_n, HI_BOX), lambda k: (0, k // per_hi)),
-             spec((t.block_n, META_BOX), lambda k: (0, k // per_meta))] * 2
+  x_spec = plgpu.BlockSpec((PLANES, t.block_m, bk), lambda k: (0, 0, k), transforms=tiles, memory_space=plgpu.SMEM)
+  w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM),
+             plgpu.BlockSpec((t.block_n, HI_BOX), lambda k: (0, k // per_hi), memory_space=plgpu.SMEM),
+             plgpu.BlockSpec((t.block_n, META_BOX), lambda k: (0, k // per_meta), memory_space=plgpu.SMEM)] * 2
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -209,10 +208,9 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
 
   noop = lambda *_, **__: None
   scratch = {}
-  if lhs_in_smem or t.planes_smem:  # the interpreter takes wgmma operands from refs only
-    scratch = dict(dec=plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles))
-  if lhs_in_smem:
-    scratch["out_smem"] = plgpu.SMEM((2, t.block_m, t.block_n), F32)  # untiled: row slices of any size
+  if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
+    scratch = dict(dec=plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles),
+                   out_smem=plgpu.SMEM((2, t.block_m, t.block_n), F32))  # untiled: row slices of any size
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
                      collective_axes="wg", **scratch)
@@ -273,16 +271,13 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
                 meta = jnp.repeat(meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)],
                                   rocmfp_layout.HALF // PLANES, axis=1)
                 planes = decode_planes3(lo_s[...], hi.astype(I32) >> (4 * odd), meta, levels, flagged)
-              else:
-                planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels, flagged)
-              if lhs_in_smem or t.planes_smem:  # step k − 2's wgmmas, done, read this buffer
                 buf = idx[0] % 2
                 for q, plane in enumerate(planes):
                   dec[buf, v, q] = plane
                 plgpu.commit_smem()
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
-              if t.mma_in_flight:  # step k − 1's wgmmas are done: its slot is free
-                plgpu.wgmma_wait(0)
+              else:
+                planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels, flagged)
               for b in blocks:
                 def issue(b=b):
                   rows = pl.ds(b * t.mma_rows, t.mma_rows)
@@ -293,8 +288,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
                   pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
                 else:
                   issue()
-              if not t.mma_in_flight:
-                plgpu.wgmma_wait(0)
+              plgpu.wgmma_wait(0)
           return accs
 
         pipeline(mma, context)(*operands(e, g, x_start), allocations=allocs)
@@ -316,10 +310,10 @@ def check(h, w2: Mix3Stack, r: Routing, t: Tiling) -> None:
   if I % (META_BOX * rocmfp_layout.HALF) or D % (2 * WGMMA_M):
     raise ValueError(f"the wgmma down needs I a multiple of {META_BOX * rocmfp_layout.HALF} (a TMA row of meta "
                      f"bytes) and D of {2 * WGMMA_M} (two N tiles); got W2 [E, D, I] = {[E, D, I]}")
-  if (t.block_n != WGMMA_M or t.block_k != 64 or t.mma_in_flight != t.planes_smem or t.cluster != 1
-      or t.block_m % t.mma_rows or t.mma_rows % WGMMA_M or t.mma_rows > 256 or t.tile_order not in ("n", "item")):
-    raise ValueError(f"the wgmma down takes block_n {WGMMA_M}, block_k 64, wgmmas in flight only with planes_smem, "
-                     f"cluster 1, tile_order 'n' or 'item', and mma_rows a multiple of {WGMMA_M} up to 256 dividing "
+  if (t.block_n != WGMMA_M or t.block_k != 64 or t.mma_in_flight or t.cluster != 1 or t.block_m % t.mma_rows
+      or t.mma_rows % WGMMA_M or t.mma_rows > 256 or t.tile_order not in ("n", "item")):
+    raise ValueError(f"the wgmma down takes block_n {WGMMA_M}, block_k 64, no wgmma in flight, cluster 1, "
+                     f"tile_order 'n' or 'item', and mma_rows a multiple of {WGMMA_M} up to 256 dividing "
                      f"block_m; got {t}")
 
 

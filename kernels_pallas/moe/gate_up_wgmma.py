@@ -33,7 +33,8 @@ Compiled, the planes come from `decode_planes_prmt` (a byte permute per two weig
 meta byte from shared memory); the interpreter runs neither inline code nor wgmmas on register operands, so there
 the planes are decode_planes' and go through shared memory. Both give the canonical decode's bits.
 Tried and removed (BENCHMARKS.md has the figures): planes decoded into shared memory by each warpgroup, or half of
-them by each (`shared_decode`; 10.7 and 11.5 ms at 8192 tokens against 5.2 now); the meta byte repeated per code
+them by each (`shared_decode`; 10.7 and 11.5 ms at 8192 tokens against 5.2 now), or with the wgmmas left in flight
+on them while the next step decodes (fab9549: 6.8 against 5.1 ms; no gain in down_wgmma.py either); the meta byte repeated per code
 byte in a copy of the stack (~0.8 GB a V4-Flash layer); issuing the two warpgroups' wgmmas in turn (8.4 ms).
 With wgmmas left in flight across steps (`mma_in_flight=1`, the first version), ptxas serializes every wgmma of
 the kernel ("insufficient register resources for the wgmma pipeline", C7511) at every tiling, even with no decode;
@@ -87,10 +88,7 @@ class Tiling:
   mma_rows (FP2-MIX): rows of x per wgmma. With FP2-MIX weights block_n must be 64 (one warpgroup's wgmma rows)
   and block_k 64 (a meta tile then serves 4 steps);
   mma_in_flight 1 there leaves a step's wgmmas running into the next step (whose decode may then overlap them),
-  which makes ptxas serialize every wgmma (C7511) while the planes are register operands; 0 waits at the end of each
-  step. planes_smem (FP2-MIX, with mma_in_flight 1): the decoded planes go to shared memory (two buffers by step
-  parity) and the wgmmas read them there, so no register operand is in flight while the next step decodes; W3's
-  accumulators are then handed over in two halves to make room."""
+  which makes ptxas serialize every wgmma (C7511); 0 waits at the end of each step."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -101,7 +99,6 @@ class Tiling:
   cluster: int = 1
   mma_rows: int = 64
   producer_registers: int = 40
-  planes_smem: bool = False
 
   @property
   def block_m(self) -> int:
@@ -400,14 +397,12 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
   noop = lambda *_, **__: None
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
-  chunks = t.block_m // WGMMA_M  # the row tile's 64-row chunks, in which W3's accumulators are handed over
-  rounds = 2 if t.planes_smem else 1  # handed over in halves: the planes' buffers then fit beside 3 stages
-  if mix:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per chunk, handed to warpgroup 0 for the SwiGLU
+  if mix:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per block, handed to warpgroup 0 for the SwiGLU
     scratch = dict(out_smem=plgpu.SMEM((1, t.block_m, t.block_n), h_g.dtype),
-                   up=plgpu.SMEM((chunks // rounds, t.block_n, WGMMA_M), F32, transforms=(
+                   up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows), F32, transforms=(
                        plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
-    if lhs_in_smem or t.planes_smem:  # the interpreter takes wgmma operands from refs only
+    if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
       scratch["dec"] = plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles)
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
@@ -454,39 +449,28 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
           def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b]
             run(accs)
             # In 64-row chunks, through a swizzled buffer: fewer live registers than a whole [64, 256] f32 copy
-            per_round = chunks // rounds
+            chunks = range(0, t.mma_rows, WGMMA_M)
 
-            def chunk(accs_b, k):  # 64-row chunk k of the tile: its rows in this warpgroup's accumulators
-              b, c = divmod(k * WGMMA_M, t.mma_rows)
-              if b not in accs_b:
-                accs_b[b] = accs[b][0][...]
-              return accs_b[b][:, c:c + WGMMA_M]
-
-            for rnd in range(rounds):
-              ks = range(rnd * per_round, (rnd + 1) * per_round)
-
-              @pl.when(wg == 1)
-              def _(ks=ks):
-                plgpu.barrier_wait(up_free)  # warpgroup 0 has read the previous round's
-                accs_b = {}
-                for k in ks:
-                  up[k % per_round] = chunk(accs_b, k)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(up_ready)
-
-              @pl.when(wg == 0)
-              def _(ks=ks, rnd=rnd):
-                plgpu.barrier_wait(up_ready)
-                if rnd == 0:
-                  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
-                accs_b = {}
-                for k in ks:
-                  h = clamped_swiglu(chunk(accs_b, k), up[k % per_round], limit).astype(h_g.dtype)
-                  out_smem.at[0, pl.ds(k * WGMMA_M, WGMMA_M)].T[...] = h
-                plgpu.barrier_arrive(up_free)
+            @pl.when(wg == 1)
+            def _():
+              plgpu.barrier_wait(up_free)  # warpgroup 0 has read the previous unit's
+              for b in blocks:
+                a = accs[b][0][...]
+                for c in chunks:
+                  up[b, :, pl.ds(c, WGMMA_M)] = a[:, c:c + WGMMA_M]
+              plgpu.commit_smem()
+              plgpu.barrier_arrive(up_ready)
 
             @pl.when(wg == 0)
             def _():
+              plgpu.barrier_wait(up_ready)
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
+              for b in blocks:
+                gate = accs[b][0][...]
+                for c in chunks:
+                  h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
+                  out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
+              plgpu.barrier_arrive(up_free)
               plgpu.commit_smem()
               _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.block_m)
 
@@ -502,14 +486,13 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 meta = meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)]
                 meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1)  # one per code byte
                 planes = decode_planes(codes_s[...], meta, levels, flagged)
-              else:
-                planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
-              if lhs_in_smem or t.planes_smem:  # step k − 2's wgmmas, done, read this buffer
                 buf = idx[0] % 2
                 for q, plane in enumerate(planes):
                   dec[buf, v, q] = plane
                 plgpu.commit_smem()
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
+              else:
+                planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
               if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
                 plgpu.wgmma_wait(0)
               for b in blocks:
@@ -605,9 +588,6 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if mix and (t.block_n != WGMMA_M or t.block_m % t.mma_rows or t.mma_rows % WGMMA_M or t.mma_rows > 256):
     raise ValueError(f"FP2-MIX weights need block_n={WGMMA_M} and mma_rows a multiple of {WGMMA_M} up to 256 "
                      f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
-  if t.planes_smem and not (mix and t.mma_in_flight == 1):
-    raise ValueError("planes_smem is for FP2-MIX weights with mma_in_flight=1 (its point: wgmmas in flight while "
-                     "the next step decodes)")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   D = x.shape[1]

@@ -123,8 +123,6 @@ def problem(rng, S, K, *, D, I, mask_every=0, empty=()):
 
 @pytest.mark.parametrize("tiling", [Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=64),
                                     Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128, tile_order="item"),
-                                    Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128, mma_in_flight=1,
-                                           planes_smem=True),
                                     TILING])  # the default: 256-row tiles and wgmmas
 def test_down_wgmma_matches_reference(rng, tiling):
   # ~80 rows per expert (one expert empty, every 7th route masked): items that start inside the previous expert's
@@ -156,8 +154,6 @@ def test_down_wgmma_rejects_bad_input(rng):
     down_wgmma(h[:, :128], Mix3Stack(*(a[..., :k] for a, k in zip(w2[:3], (32, 16, 8))), *w2[3:]), r)
   with pytest.raises(ValueError, match="block_n 64"):
     down_wgmma(h, w2, r, tiling=Tiling(block_n=128))
-  with pytest.raises(ValueError, match="in flight only with planes_smem"):
-    down_wgmma(h, w2, r, tiling=dataclasses.replace(TILING, mma_in_flight=1))
 
 
 def test_down_wgmma_lowers_for_sm90_at_v4_flash_shapes():
@@ -172,7 +168,7 @@ def test_down_wgmma_lowers_for_sm90_at_v4_flash_shapes():
     return jax.jit(lambda h, w, r: down_wgmma(h, w, r, tiling=t)).trace(h, w2, r).lower(
         lowering_platforms=("cuda",)).as_text()
 
-  for t in (TILING, TILING_FEW_ROWS, dataclasses.replace(TILING, stages=4, mma_in_flight=1, planes_smem=True)):
+  for t in (TILING, TILING_FEW_ROWS):
     assert "mosaic_gpu" in lower(t)
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     lower(dataclasses.replace(TILING, stages=6))

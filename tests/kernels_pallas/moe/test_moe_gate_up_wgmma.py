@@ -118,8 +118,6 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
   r = routing.route(ids, E, 128)
   with pytest.raises(ValueError, match="tile_order"):
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(tile_order="m"))
-  with pytest.raises(ValueError, match="planes_smem is for FP2-MIX"):
-    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(planes_smem=True, mma_in_flight=1))
   with pytest.raises(ValueError, match="bf16/f16"):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
   with pytest.raises(ValueError, match="or be MixStacks"):
@@ -236,7 +234,7 @@ def test_sorted_planes_match_sorted_rows(rng):
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
-@pytest.mark.parametrize("decode", ["64-row wgmmas", "128-row wgmmas in flight", "128-row wgmmas, planes in smem"])
+@pytest.mark.parametrize("decode", ["64-row wgmmas", "128-row wgmmas in flight"])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   # ~80 rows per expert, a 128-row tile: its second 64-row block is partial. W1/W3 in FP2-MIX (expert 0
   # uniform), decoded in the kernel, one projection per warpgroup on all 128 rows, two N tiles. D = 512: two meta
@@ -249,7 +247,7 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D_)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
   t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64,
-             mma_in_flight=int("in flight" in decode or "smem" in decode), planes_smem="smem" in decode)
+             mma_in_flight=int("in flight" in decode))
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races(h)
