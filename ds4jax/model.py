@@ -53,16 +53,29 @@ class Block(nnx.Module):
            pinned: Decisions | None = None, record_scores: bool = False):
     """X [B, n, D] streams of positions [s0, s0+B) -> (new streams, the attention layer's new cache, the layer's
     Decisions). `pinned` imposes another run's decisions; `record_scores` adds the f32 scores behind them."""
+    X, cache, rows, index_scores = self.attend(X, s0, cache, features,
+                                               None if pinned is None else pinned.index_rows, record_scores)
+    X, route_ids, selection_scores = self.feed_forward(X, tokens, features,
+                                                       None if pinned is None else pinned.route_ids, record_scores)
+    return X, cache, Decisions(route_ids, rows, selection_scores, index_scores)
+
+  def attend(self, X: jnp.ndarray, s0, cache: LayerCache, features: Features = REFERENCE, pinned_rows=None,
+             record_scores: bool = False):
+    """The attention half of `band`: (streams, new cache, index rows, index scores or None)."""
     h, post, comb = self.hc_attn(X)  # hyper-connections stay f32 whatever `bf16_matmul` says
-    y, cache, rows, index_scores = self.attn.band(self.attn_norm(h), s0, cache, features,
-                                                  None if pinned is None else pinned.index_rows, record_scores)
-    X = HyperConnection.merge(X, y, post, comb)
+    y, cache, rows, index_scores = self.attn.band(self.attn_norm(h), s0, cache, features, pinned_rows,
+                                                  record_scores)
+    return HyperConnection.merge(X, y, post, comb), cache, rows, index_scores
+
+  def feed_forward(self, X: jnp.ndarray, tokens: jnp.ndarray, features: Features = REFERENCE, pinned_route_ids=None,
+                   record_scores: bool = False):
+    """The MoE half of `band`, position-free (prefill may run it over several bands' tokens at once): (streams,
+    route ids, selection scores or None)."""
     h, post, comb = self.hc_ffn(X)
     x = self.ffn_norm(h)
-    y, route_ids = self.ffn.route_and_mix(x, tokens, features, None if pinned is None else pinned.route_ids)
-    decisions = Decisions(route_ids, rows, self.ffn.gate.selection_scores(x) if record_scores else None,
-                          index_scores)
-    return HyperConnection.merge(X, y, post, comb), cache, decisions
+    y, route_ids = self.ffn.route_and_mix(x, tokens, features, pinned_route_ids)
+    scores = self.ffn.gate.selection_scores(x) if record_scores else None
+    return HyperConnection.merge(X, y, post, comb), route_ids, scores
 
 
 class DeepseekV4(nnx.Module):

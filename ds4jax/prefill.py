@@ -11,7 +11,11 @@ chunks of `long_context_chunk` (ds4jax/attention.py), which bounds its masks and
 With `prefill_weights_stationary` the two loops swap: each layer runs every band before the next layer starts. The
 streams of all bands stay on the device (64 KiB per token at V4-Flash's 4 x 4096 f32), one layer's cache at a time,
 and experts that the MoE kernels read decoded (dequantize-then-matmul) are decoded once per layer, not once per band.
-Each layer step computes the same thing in either order, so the logits are bit-identical.
+Each layer step computes the same thing in either order, so the logits are bit-identical. With
+`prefill_moe_over_bands` too, a layer runs the attention half of its step (`Block.attend`) for every band, then the
+MoE half (`Block.feed_forward`, which sees no positions) once over up to MOE_TOKENS tokens of consecutive bands: the
+grouped kernels get more rows per expert per call. Each token's MoE is its own, so only how the matmuls are blocked
+for more rows can change the bits (docs/upstream.md §2).
 
 The last band is padded to the band size with token 0 at later positions: causal masks keep the padding out of
 every real position, and one band shape means one compile per layer type (not per layer, not per band).
@@ -36,6 +40,11 @@ from ds4jax import moe as moe_lib
 from ds4jax.decisions import Decisions
 from ds4jax.features import REFERENCE, Features
 
+# Tokens per MoE call under prefill_moe_over_bands: bands are grouped (as evenly as whole bands allow) to at most
+# this many. At V4-Flash's D 4096 and top-6, the MoE's row buffers then stay a few GB (x rows 1.6 GB, h 0.8 GB,
+# f32 down outputs 3.2 GB at 32768 tokens) next to the weights.
+MOE_TOKENS = 32768
+
 
 def band_size(n_tokens: int, features: Features) -> int:
   """`prefill_band_tokens` (0 = the whole prompt), cut to the prompt and rounded up to whole query chunks."""
@@ -50,7 +59,21 @@ def layer_features(features: Features, band: int) -> Features:
   then share one compiled program, as they run the same computation."""
   chunk = features.long_context_chunk if features.long_context_chunk < band else 0
   return dataclasses.replace(features, prefill_band_tokens=0, long_context_chunk=chunk,
-                             prefill_weights_stationary=False)
+                             prefill_weights_stationary=False, prefill_moe_over_bands=False)
+
+
+def moe_groups(n_bands: int, B: int) -> list[range]:
+  """The consecutive bands each MoE call of prefill_moe_over_bands takes: at most MOE_TOKENS tokens (at least one
+  band) a call, the calls as even as whole bands allow, so there are at most two call shapes."""
+  calls = -(-n_bands // max(1, MOE_TOKENS // B))
+  sizes = [n_bands // calls + (k < n_bands % calls) for k in range(calls)]
+  starts = np.cumsum([0] + sizes)
+  return [range(starts[k], starts[k + 1]) for k in range(calls)]
+
+
+def moe_over_bands(features: Features, n_bands: int) -> bool:
+  """Whether prefill runs each layer's MoE over several bands at once."""
+  return features.prefill_weights_stationary and features.prefill_moe_over_bands and n_bands > 1
 
 
 def step_parts(block, features: Features, n_bands: int, abstract: bool = False):
@@ -69,6 +92,24 @@ def step_parts(block, features: Features, n_bands: int, abstract: bool = False):
 def _layer_step(graphdef, state, X, tokens, s0, cache, features: Features, pinned=None, record_scores=False):
   """One layer over one band. Layers of one type have equal graphdefs, so they share this compile."""
   return nnx.merge(graphdef, state).band(X, tokens, s0, cache, features, pinned, record_scores)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "features"), donate_argnames=("X", "cache"))
+def _attend_step(graphdef, state, X, s0, cache, features: Features, pinned_rows=None):
+  """The attention half of one layer over one band (Block.attend): (streams, cache, index rows)."""
+  X, cache, rows, _ = nnx.merge(graphdef, state).attend(X, s0, cache, features, pinned_rows)
+  return X, cache, rows
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "features"), donate_argnames=("Xs",))
+def _moe_step(graphdef, state, Xs, tokens, features: Features, pinned_route_ids=None):
+  """The MoE half of one layer over consecutive bands at once (Block.feed_forward on their tokens joined): each
+  band's streams and route ids."""
+  B, n = Xs[0].shape[0], len(Xs)
+  pin = None if pinned_route_ids is None else jnp.concatenate(pinned_route_ids)
+  Y, route_ids, _ = nnx.merge(graphdef, state).feed_forward(jnp.concatenate(Xs), jnp.concatenate(tokens), features,
+                                                           pin)
+  return tuple(Y[k * B:(k + 1) * B] for k in range(n)), tuple(route_ids[k * B:(k + 1) * B] for k in range(n))
 
 
 def layer_step(block, X: jnp.ndarray, tokens: jnp.ndarray, s0, cache, features: Features,
@@ -138,6 +179,9 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
   stationary = features.prefill_weights_stationary
   schedule = ([(i, b) for i in range(L) for b in range(n_bands)] if stationary
               else [(i, b) for b in range(n_bands) for i in range(L)])
+  over_bands = moe_over_bands(features, n_bands)
+  groups = moe_groups(n_bands, B) if over_bands else []
+  rows_by_band: dict[int, jnp.ndarray | None] = {}  # over bands: a layer's index rows until its MoE has run
   made_by_band: list[list[Decisions]] = [[] for _ in layers]
   band_tokens = [jnp.asarray(padded[b * B:(b + 1) * B]) for b in range(n_bands)]
   X: dict[int, jnp.ndarray] = {}  # streams per band
@@ -151,9 +195,25 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
     if parts[i] is None:
       parts[i], caches[i] = step_parts(layers[i], features, n_bands), layers[i].attn.empty_cache(n_bands * B, B)
     pin = None if pinned is None else _band_of(pinned[i], s0, B)
-    X[b], caches[i], made = _layer_step(*parts[i], X[b], toks, jnp.int32(s0), caches[i], inner, pin)
-    if decisions is not None:
-      made_by_band[i].append(made)
+    done = [b]  # the bands whose layer step is complete
+    if over_bands:
+      X[b], caches[i], rows = _attend_step(*parts[i], X[b], jnp.int32(s0), caches[i], inner,
+                                           None if pin is None else pin.index_rows)
+      if decisions is not None:
+        rows_by_band[b] = rows
+      done = []
+      for g in (groups if b == n_bands - 1 else []):  # the layer's MoE, once its attention has seen every band
+        pins = None if pinned is None else tuple(_band_of(pinned[i], c * B, B).route_ids for c in g)
+        ys, routes = _moe_step(*parts[i], tuple(X[c] for c in g), tuple(band_tokens[c] for c in g), inner, pins)
+        for c, y, route_ids in zip(g, ys, routes):
+          X[c] = y
+          done.append(c)
+          if decisions is not None:
+            made_by_band[i].append(Decisions(route_ids, rows_by_band.pop(c)))
+    else:
+      X[b], caches[i], made = _layer_step(*parts[i], X[b], toks, jnp.int32(s0), caches[i], inner, pin)
+      if decisions is not None:
+        made_by_band[i].append(made)
     if stationary and b == n_bands - 1:
       parts[i] = caches[i] = None  # the decoded experts and the cache are done with
       if progress:
@@ -163,15 +223,17 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
       continue
     if out_def is None:
       out_def, out_state = nnx.split(m.output())
-    if all_logits:
-      out[b] = _logits(out_def, out_state, X[b])
-    for p in want:
-      if s0 <= p < s0 + B:
-        out[p] = _logits(out_def, out_state, X[b][p - s0:p - s0 + 1])[0]
-    if progress and not stationary:
-      jax.block_until_ready(X[b])
-      progress(f"band {b + 1}/{n_bands}: tokens [{s0}, {min(s0 + B, S)}) done, {time.perf_counter() - t0:.1f}s")
-    del X[b]
+    for c in done:
+      s0 = c * B
+      if all_logits:
+        out[c] = _logits(out_def, out_state, X[c])
+      for p in want:
+        if s0 <= p < s0 + B:
+          out[p] = _logits(out_def, out_state, X[c][p - s0:p - s0 + 1])[0]
+      if progress and not stationary:
+        jax.block_until_ready(X[c])
+        progress(f"band {c + 1}/{n_bands}: tokens [{s0}, {min(s0 + B, S)}) done, {time.perf_counter() - t0:.1f}s")
+      del X[c]
   if decisions is not None:
     decisions[:] = [_joined(bands, S) for bands in made_by_band]
   if all_logits:
@@ -226,14 +288,23 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
     inner = layer_features(features, B)
     toks = jnp.zeros((B,), jnp.int32)
     X = jax.ShapeDtypeStruct((B, m.cfg.hc_mult, m.cfg.hidden_size), jnp.float32)
+    over_bands = not (pin or record_scores) and moe_over_bands(features, n_bands)
     for block in m.layers:
       gdef, state = step_parts(block, features, n_bands, abstract=True)
       cache = jax.eval_shape(lambda blk=block: blk.attn.empty_cache(n_bands * B, B))
       decisions = _pinned_shapes(block, X, features.device_class) if pin else None
       key = (gdef, inner, B, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(cache)), pin, record_scores)
-      if key not in seen:
-        seen.add(key)
+      if key in seen:
+        continue
+      seen.add(key)
+      if not over_bands:
         lowered.append(_layer_step.lower(gdef, state, X, toks, jnp.int32(0), cache, inner, decisions, record_scores))
+        continue
+      lowered.append(_attend_step.lower(gdef, state, X, jnp.int32(0), cache, inner))
+      for n in sorted({len(g) for g in moe_groups(n_bands, B)}):
+        if (gdef, inner, "moe", n) not in seen:
+          seen.add((gdef, inner, "moe", n))
+          lowered.append(_moe_step.lower(gdef, state, (X,) * n, (toks,) * n, inner))
   return compile_in_threads(lowered, workers, log, "its first prefill compiles it")
 
 

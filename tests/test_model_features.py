@@ -45,11 +45,12 @@ def kernel_names(m, f: Features) -> list[str]:
 BF16_UNPINNED_NMSE = 2e-3  # logits with bf16 operands, decisions free to flip (see the bf16_matmul test)
 SUPPORTED = [s for s, cap in CAPABILITIES[DEVICE].items() if cap.supported]
 # Switches that change only the kernels, not the math (bf16_matmul rounds operands: its own tests below;
-# prefill_weights_stationary orders the banded prefill's layer steps: tests/test_prefill.py). moe_decode_kernel
-# changes nothing for plain weights (here alone it is the MoE kernels of the switches above); its decode of quantized
-# experts is tested bit for bit in tests/test_moe.py and tests/test_prefill.py.
+# prefill_weights_stationary and prefill_moe_over_bands order the banded prefill's layer steps: tests/test_prefill.py).
+# moe_decode_kernel changes nothing for plain weights (here alone it is the MoE kernels of the switches above); its
+# decode of quantized experts is tested bit for bit in tests/test_moe.py and tests/test_prefill.py.
 # the Mosaic GPU switches take bf16 operands and D, I multiples of 256: test_wgmma_gate_up_and_down_in_the_model.
-EXACT = [s for s in SUPPORTED if s not in ("bf16_matmul", "prefill_weights_stationary", *features.WGMMA_SWITCHES)]
+EXACT = [s for s in SUPPORTED if s not in ("bf16_matmul", "prefill_weights_stationary", "prefill_moe_over_bands",
+                                           *features.WGMMA_SWITCHES)]
 PER_SWITCH = [s for s in EXACT if s != "moe_decode_kernel"]
 # Each whole-model compile costs ~2 s before any kernel, so each run takes one MoE switch and one attention switch
 # (with the switches each requires): the two change different sublayers of every layer, so either one off the exact

@@ -174,6 +174,13 @@ def test_precompile_fills_the_persistent_cache(tiny, tmp_path):
     got = np.asarray(prefill.prefill_logits(m, tokens, f))
     assert hits.count("/jax/compilation_cache/cache_hits") >= 3
     np.testing.assert_allclose(got, ref[-1], atol=2e-6 * max(1.0, np.abs(ref).max()))
+    # prefill_moe_over_bands: each layer type's attention step and its MoE step over the 3 bands at once.
+    over = dataclasses.replace(f, prefill_weights_stationary=True, prefill_moe_over_bands=True)
+    assert prefill.precompile(m, [(S, over)], workers=2) == 6
+    hits.clear()
+    got = np.asarray(prefill.prefill_logits(m, tokens, over))
+    assert hits.count("/jax/compilation_cache/cache_hits") >= 6
+    np.testing.assert_allclose(got, ref[-1], atol=2e-6 * max(1.0, np.abs(ref).max()))
   finally:
     monitoring.unregister_event_listener(listener)
     jax.config.update("jax_compilation_cache_dir", old[0])
@@ -297,3 +304,45 @@ def test_weights_stationary_decodes_each_layers_experts_once(seed, monkeypatch):
   for f_other in (dataclasses.replace(f, moe_sparse_gate_up=True), features.REFERENCE):
     _, state = prefill.step_parts(m.layers[0], stationary(f_other), n_bands=3)
     assert any("codes" in str(p) for p, _ in state.flat_state())
+
+
+@pytest.mark.parametrize("band,moe_tokens", [(8, 24), (16, 32)])  # 6 bands as 3 + 3; 3 bands as 2 + 1
+def test_moe_over_bands_matches_the_layer_step_per_band(tiny, monkeypatch, band, moe_tokens):
+  """prefill_moe_over_bands: each layer's attention for every band, then its MoE over groups of bands. The same
+  logits to float rounding (the joined MoE's matmuls are blocked for more rows), the same decisions, bands in
+  order, one progress line per layer."""
+  m, tokens, _ = tiny
+  monkeypatch.setattr(prefill, "MOE_TOKENS", moe_tokens)
+  f = stationary(features.resolve("cpu_interpret", dict(prefill_band_tokens=band)))
+  made, made_over, lines = [], [], []
+  want = np.asarray(prefill.prefill(m, tokens, f, all_logits=True, decisions=made))
+  over = dataclasses.replace(f, prefill_moe_over_bands=True)
+  groups = prefill.moe_groups(-(-S // band), band)
+  assert [len(g) for g in groups] == ([3, 3] if band == 8 else [2, 1])
+  got = np.asarray(prefill.prefill(m, tokens, over, all_logits=True, decisions=made_over, progress=lines.append))
+  assert np.abs(got - want).max() < 2e-6 * max(1.0, np.abs(want).max()) and np.abs(want).max() > 1.0
+  for a, b in zip(made, made_over, strict=True):
+    np.testing.assert_array_equal(a.route_ids, b.route_ids)
+    assert (a.index_rows is None) == (b.index_rows is None)
+    if a.index_rows is not None:
+      np.testing.assert_array_equal(a.index_rows, b.index_rows)
+  assert [line.split(":")[0] for line in lines] == [f"layer {i}/4" for i in range(1, 5)]
+  last = np.asarray(prefill.prefill(m, tokens, over, positions=[S - 1, 3]))
+  np.testing.assert_allclose(last, want[[S - 1, 3]], atol=2e-6 * np.abs(want).max())
+  # Decisions pinned band by band reach each joined MoE call: moving one layer's routes moves them there too.
+  moved = list(made)
+  moved[1] = dataclasses.replace(made[1], route_ids=(made[1].route_ids + 1) % m.cfg.n_routed_experts)
+  again = []
+  prefill.prefill(m, tokens, over, pinned=moved, decisions=again)
+  np.testing.assert_array_equal(again[1].route_ids, moved[1].route_ids)
+
+
+def test_moe_groups_are_even_whole_bands(monkeypatch):
+  assert [len(g) for g in prefill.moe_groups(15, 8192)] == [4, 4, 4, 3]  # 122879 tokens at the defaults
+  assert [len(g) for g in prefill.moe_groups(4, 8192)] == [4]
+  assert [list(g) for g in prefill.moe_groups(5, 8192)] == [[0, 1, 2], [3, 4]]
+  assert [len(g) for g in prefill.moe_groups(3, 65536)] == [1, 1, 1]  # a band above MOE_TOKENS: one band a call
+  monkeypatch.setattr(prefill, "MOE_TOKENS", 32)
+  assert [list(g) for g in prefill.moe_groups(3, 16)] == [[0, 1], [2]]
+  with pytest.raises(features.FeatureError, match="prefill_moe_over_bands requires --prefill_weights_stationary"):
+    features.resolve("cpu_interpret", dict(prefill_moe_over_bands=True))
