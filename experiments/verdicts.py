@@ -240,13 +240,15 @@ def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
           runners: Mapping[str, Callable] | None = None, models: Mapping[str, object] | None = None,
           log: Callable[[str], None] = lambda s: None, only: Mapping[str, set[int]] | None = None,
           end_to_end: Collection[str] | None = None,
-          on_layers: Callable[[dict[str, Judgement]], None] | None = None) -> dict[str, Judgement]:
+          on_layers: Callable[[dict[str, Judgement]], None] | None = None,
+          reference_kl: float | None = None) -> dict[str, Judgement]:
   """Every configuration's per-layer verdicts and teacher-forced KL on the prompt `ids`, sharing one exact pass.
   `runners` / `models`: a configuration's layer runner and model where they are not the defaults (planted bugs);
   `only`: the layers judged per configuration where not all (a planted bug's own layer); `end_to_end`: the
   configurations whose teacher-forced KL is measured (default all; each costs a prefill of its own). `on_layers`:
   called with the per-layer judgements (no KL yet) once the layer pass is done, before the KL prefills, so a caller
-  can keep them if the KL never finishes."""
+  can keep them if the KL never finishes. `reference_kl`: the bf16 reference math's mean teacher-forced KL on this
+  model and prompt where already measured (a prefill saved), else None."""
   runners, models, only = runners or {}, models or {}, only or {}
   layers, pinned, X = _layer_pass(m, ids, configs, runners, log, only)
   tf: dict[str, TeacherForced | None] = dict.fromkeys(configs)
@@ -264,8 +266,10 @@ def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
       kl = kl_per_position(exact_logp, logits)
       return kl, float(np.mean(kl))
 
-    _, ref_kl = mean_kl(m, bf16_reference)
-    log(f"teacher-forced KL of the reference math with bf16 operands: {ref_kl:.2e} (mean of {len(ids)} positions)")
+    on_file = reference_kl is not None
+    ref_kl = reference_kl if on_file else mean_kl(m, bf16_reference)[1]
+    log(f"teacher-forced KL of the reference math with bf16 operands: {ref_kl:.2e} (mean of {len(ids)} positions"
+        f"{'; on file' if on_file else ''})")
     for name in end_to_end:
       kl, mean = mean_kl(models.get(name, m), configs[name])
       worst_at = int(np.nanargmax(kl)) if np.isfinite(kl).any() else 0

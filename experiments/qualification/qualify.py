@@ -295,6 +295,17 @@ def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo,
   return free, pinned, scored
 
 
+def _reference_kl(results: store.Results, fingerprint: str, sha: str, v_tokens: int, device_cls: str) -> float | None:
+  """The bf16 reference math's teacher-forced KL that a verdict on file measured on these weights, prompt tokens and
+  device class (the same prefill, pinned to the same exact-path decisions), or None."""
+  for v in results.verdicts:
+    tf = v.teacher_forced or {}
+    if (v.weights_fingerprint, v.prompt_sha256, v.tokens) == (fingerprint, sha, v_tokens) and v.features and \
+        v.features.get("device_class") == device_cls and tf.get("reference_bf16_mean_kl") is not None:
+      return float(tf["reference_bf16_mean_kl"])
+  return None
+
+
 def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: int, configs: list[Configuration],
            fingerprint: str, clock: Clock, tried: set[tuple[int, str, Features]], save: Callable[[], None]) -> None:
   """Judges the configurations without a verdict on the first v_tokens prompt tokens (and not tried in this
@@ -326,7 +337,9 @@ def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: in
 
   try:
     judged = runner.judge(m, setup.ids[:v_tokens], [dataclasses.replace(c, name=lab) for lab, c in todo],
-                          log=lambda s: clock.say(f"  {s}"), on_layers=keep_layers)
+                          log=lambda s: clock.say(f"  {s}"), on_layers=keep_layers,
+                          reference_kl=_reference_kl(results, fingerprint, sha, v_tokens,
+                                                     todo[0][1].features.device_class))
   except Exception as e:  # noqa: BLE001 -- e.g. out of memory: every record says why it has no verdict
     judged = {lab: e for lab, _ in todo}
   results.verdicts = [v for v in results.verdicts if not any(v is s for s in saved)]

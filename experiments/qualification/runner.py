@@ -29,9 +29,10 @@ class Runner(Protocol):
 
   def judge(self, m, ids: np.ndarray, configs: Sequence[Configuration], log: Callable[[str], None],
             on_layers: Callable[[dict[str, verdicts.Judgement]], None] | None = None,
-            ) -> dict[str, verdicts.Judgement | Exception]:
+            reference_kl: float | None = None) -> dict[str, verdicts.Judgement | Exception]:
     """The verdicts of `configs` on the prompt `ids`, by configuration name (an exception: why that one could not
-    be judged). `on_layers`: verdicts.judge's, the per-layer judgements before the teacher-forced KL."""
+    be judged). `on_layers`: verdicts.judge's, the per-layer judgements before the teacher-forced KL;
+    `reference_kl`: the bf16 reference math's teacher-forced KL on file for this model and prompt, or None."""
 
   def precompile(self, m, runs: Sequence[tuple[int, Features]], workers: int, log: Callable[[str], None],
                  pinned: Sequence[tuple[int, Features]] = (), scored: Sequence[tuple[int, Features]] = ()) -> int:
@@ -50,7 +51,7 @@ class ModelRunner:
                                                            input_noise=input_noise))
     return np.asarray(out, np.float32)
 
-  def judge(self, m, ids, configs, log, on_layers=None):
+  def judge(self, m, ids, configs, log, on_layers=None, reference_kl=None):
     # A planted bug is judged in its own layer (the others are the exact path's): pinned parity and decision
     # accounting there. Its teacher-forced KL would cost a whole exact-path prefill per bug on the full model.
     # The exact path is the reference itself: its pinned runs would repeat the reference's (costly on the full
@@ -72,7 +73,7 @@ class ModelRunner:
     only = {c.name: {c.mutation_layer} for c in configs if c.mutation}
     return exact | cannot | verdicts.judge(m, ids, {c.name: c.features for c in configs}, runners, log=log, only=only,
                                            end_to_end=[c.name for c in configs if not c.mutation],
-                                           on_layers=on_layers)
+                                           on_layers=on_layers, reference_kl=reference_kl)
 
   def precompile(self, m, runs, workers, log, pinned=(), scored=()) -> int:
     if not jax.config.jax_compilation_cache_dir:  # a temporary directory unless the user set one

@@ -46,6 +46,7 @@ class FakeRunner:
 
   def __init__(self, fail=None, noise_gain=1e-3, noisy_fail=None, cost=None, judge_fail=None, kl_fail=None):
     self.calls, self.noisy_calls, self.judged, self.compiled, self.compiled_verdicts = [], [], [], [], []
+    self.reference_kls = []  # what each verdict pass was handed as the bf16 reference's KL on file
     self.fail = fail  # (features, n_tokens) -> exception to raise, or None
     self.noise_gain = noise_gain  # how far the logits move under one f32 rounding of the input (the noise floor)
     self.noisy_fail = noisy_fail  # exception for the perturbed (noise floor) run, or None
@@ -86,8 +87,9 @@ class FakeRunner:
       logits = logits + 2.0 * np.cos(3 * v)
     return np.asarray(logits, np.float32)
 
-  def judge(self, m, ids, configs, log, on_layers=None):
+  def judge(self, m, ids, configs, log, on_layers=None, reference_kl=None):
     self.judged.append((len(ids), [c.name for c in configs]))
+    self.reference_kls.append(reference_kl)
     if self.judge_fail:
       raise self.judge_fail
     layers, tf = {}, {}
@@ -95,7 +97,8 @@ class FakeRunner:
       wrong = c.features.moe_fused_combine or c.mutation is not None
       bound = 4e-5 if c.features.bf16_matmul else 1e-9
       layers[c.name] = (layer(0, bound / 2, bound), layer(1, 3e-3 if wrong else bound / 3, bound))
-      tf[c.name] = verdicts.TeacherForced(len(ids), 5e-3 if wrong else 1e-5, 1e-2, 3, 2e-5, 6e-5)
+      ref = 2e-5 if reference_kl is None else reference_kl
+      tf[c.name] = verdicts.TeacherForced(len(ids), 5e-3 if wrong else 1e-5, 1e-2, 3, ref, 3 * ref)
     if on_layers:
       on_layers({name: verdicts.Judgement(ls, None) for name, ls in layers.items()})
     if self.kl_fail:
@@ -314,6 +317,15 @@ def test_bounded_runs_append_each_pair_exactly_once(tmp_path, tiny_model):
   assert second.invocations[-1]["plan"] == [[32, "kill_moe_persistent"]]
   assert (by_key(second)[(32, "all_on")].finished, by_key(second)[(32, "all_on")].timing) == kept
   assert fake.judged[-1] == (16, ["kill_moe_persistent"])  # verdicts on file are reused
+  # and so is the bf16 reference's teacher-forced KL that they measured: the first pass had none on file
+  assert fake.reference_kls == [None, 2e-5]
+  v = next(v for v in second.verdicts if v.config == "all_on")
+  key = (v.weights_fingerprint, v.prompt_sha256)
+  assert qualify._reference_kl(second, *key, 16, "cpu_interpret") == 2e-5  # pylint: disable=protected-access
+  # another prefix length, prompt, weights or device: measured again
+  for other in [(*key, 8, "cpu_interpret"), (key[0], "0" * 64, 16, "cpu_interpret"),
+                ("x", key[1], 16, "cpu_interpret"), (*key, 16, "sm_90")]:
+    assert qualify._reference_kl(second, *other) is None  # pylint: disable=protected-access
   third, _ = run(options(tmp_path, append=True), tiny_model, fake)
   keys = [r.key for r in third.records]
   assert len(keys) == len(set(keys)) == 7

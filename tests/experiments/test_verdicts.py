@@ -119,3 +119,18 @@ def test_layer_verdicts_command_on_a_mesh(tmp_path):
   assert [v["layer"] for v in doc["configuration"]["layers"]] == [0, 1]
   assert all(0 < v["update_nmse"] <= v["bound"] for v in doc["configuration"]["layers"])
   assert not doc["mutations"]["dropped_sink"]["passed"]
+
+
+def test_a_reference_kl_on_file_is_used_not_measured(tiny, monkeypatch):
+  """verdicts.judge takes the bf16 reference's teacher-forced KL from the caller (the qualification's verdicts on
+  file) instead of running its prefill again, and bounds every configuration by it."""
+  m, ids = tiny
+  ran = []
+  real = verdicts.prefill_lib.prefill
+  monkeypatch.setattr(verdicts.prefill_lib, "prefill", lambda mm, i, f, **kw: ran.append(f) or real(mm, i, f, **kw))
+  lines = []
+  out = verdicts.judge(m, ids, dict(exact=exact()), log=lines.append, only=dict(exact={0}), reference_kl=0.25)
+  assert ran == [exact()]  # the configuration's own prefill only
+  tf = out["exact"].teacher_forced
+  assert (tf.reference_bf16_mean_kl, tf.bound) == (0.25, verdicts.KL_FACTOR * 0.25)
+  assert any("2.50e-01" in s and "on file" in s for s in lines)
