@@ -337,6 +337,17 @@ def test_moe_over_bands_matches_the_layer_step_per_band(tiny, monkeypatch, band,
   np.testing.assert_array_equal(again[1].route_ids, moved[1].route_ids)
 
 
+def test_moe_over_bands_runs_the_moe_kernels_once_a_group(tiny, monkeypatch):
+  """Which path ran: with the MoE kernels on, a layer's gate/up runs once per band, or once per group of bands."""
+  m, tokens, _ = tiny
+  monkeypatch.setattr(prefill, "MOE_TOKENS", 24)  # 6 bands of 8: two groups of 3
+  f = stationary(features.resolve("cpu_interpret", dict(prefill_band_tokens=8, moe_compact_queue=True)))
+  count = lambda f: sum(name.startswith("moe_gate_up") for name, _ in features.pallas_calls(
+      lambda: prefill.prefill(m, tokens, f)))
+  assert count(f) == 6 * m.cfg.num_layers
+  assert count(dataclasses.replace(f, prefill_moe_over_bands=True)) == 2 * m.cfg.num_layers
+
+
 def test_moe_groups_are_even_whole_bands(monkeypatch):
   assert [len(g) for g in prefill.moe_groups(15, 8192)] == [4, 4, 4, 3]  # 122879 tokens at the defaults
   assert [len(g) for g in prefill.moe_groups(4, 8192)] == [4]
