@@ -41,8 +41,8 @@ from ds4jax.decisions import Decisions
 from ds4jax.features import REFERENCE, Features
 
 # Tokens per MoE call under prefill_moe_over_bands: bands are grouped (as evenly as whole bands allow) to at most
-# this many. At V4-Flash's D 4096 and top-6, the MoE's row buffers then stay a few GB (x rows 1.6 GB, h 0.8 GB,
-# f32 down outputs 3.2 GB at 32768 tokens) next to the weights.
+# this many. At V4-Flash's D 4096 and top-6 a call then holds ~8 GB of its own next to the weights: the joined
+# streams and their output (2 GiB each in f32), x rows 1.6 GB, h 0.8 GB, f32 down outputs 3.2 GB.
 MOE_TOKENS = 32768
 
 
@@ -202,6 +202,8 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
       if decisions is not None:
         rows_by_band[b] = rows
       done = []
+      if b == n_bands - 1:
+        caches[i] = None  # the layer's attention is done: its cache goes before the joined MoE's buffers come
       for g in (groups if b == n_bands - 1 else []):  # the layer's MoE, once its attention has seen every band
         pins = None if pinned is None else tuple(_band_of(pinned[i], c * B, B).route_ids for c in g)
         ys, routes = _moe_step(*parts[i], tuple(X[c] for c in g), tuple(band_tokens[c] for c in g), inner, pins)
@@ -293,7 +295,8 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
       gdef, state = step_parts(block, features, n_bands, abstract=True)
       cache = jax.eval_shape(lambda blk=block: blk.attn.empty_cache(n_bands * B, B))
       decisions = _pinned_shapes(block, X, features.device_class) if pin else None
-      key = (gdef, inner, B, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(cache)), pin, record_scores)
+      key = (gdef, inner, B, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(cache)), pin, record_scores,
+             over_bands)  # the layer_features strip the switch: one run with it and one without need both
       if key in seen:
         continue
       seen.add(key)
@@ -302,8 +305,8 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
         continue
       lowered.append(_attend_step.lower(gdef, state, X, jnp.int32(0), cache, inner))
       for n in sorted({len(g) for g in moe_groups(n_bands, B)}):
-        if (gdef, inner, "moe", n) not in seen:
-          seen.add((gdef, inner, "moe", n))
+        if (gdef, inner, "moe", B, n) not in seen:
+          seen.add((gdef, inner, "moe", B, n))
           lowered.append(_moe_step.lower(gdef, state, (X,) * n, (toks,) * n, inner))
   return compile_in_threads(lowered, workers, log, "its first prefill compiles it")
 

@@ -177,6 +177,8 @@ def test_precompile_fills_the_persistent_cache(tiny, tmp_path):
     # prefill_moe_over_bands: each layer type's attention step and its MoE step over the 3 bands at once.
     over = dataclasses.replace(f, prefill_weights_stationary=True, prefill_moe_over_bands=True)
     assert prefill.precompile(m, [(S, over)], workers=2) == 6
+    # beside the same run without it (a kill, a --without), whose layer features are the same: both sets
+    assert prefill.precompile(m, [(S, stationary(f)), (S, over)], workers=2) == 3 + 6
     hits.clear()
     got = np.asarray(prefill.prefill_logits(m, tokens, over))
     assert hits.count("/jax/compilation_cache/cache_hits") >= 6

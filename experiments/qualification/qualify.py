@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import math
 import os
 from typing import Any, Callable
 
@@ -299,10 +300,10 @@ def _reference_kl(results: store.Results, fingerprint: str, sha: str, v_tokens: 
   """The bf16 reference math's teacher-forced KL that a verdict on file measured on these weights, prompt tokens and
   device class (the same prefill, pinned to the same exact-path decisions), or None."""
   for v in results.verdicts:
-    tf = v.teacher_forced or {}
+    kl = (v.teacher_forced or {}).get("reference_bf16_mean_kl")
     if (v.weights_fingerprint, v.prompt_sha256, v.tokens) == (fingerprint, sha, v_tokens) and v.features and \
-        v.features.get("device_class") == device_cls and tf.get("reference_bf16_mean_kl") is not None:
-      return float(tf["reference_bf16_mean_kl"])
+        v.features.get("device_class") == device_cls and kl is not None and math.isfinite(kl):
+      return float(kl)  # (a NaN on file would bound every later verdict: it is measured again)
   return None
 
 

@@ -326,6 +326,10 @@ def test_bounded_runs_append_each_pair_exactly_once(tmp_path, tiny_model):
   for other in [(*key, 8, "cpu_interpret"), (key[0], "0" * 64, 16, "cpu_interpret"),
                 ("x", key[1], 16, "cpu_interpret"), (*key, 16, "sm_90")]:
     assert qualify._reference_kl(second, *other) is None  # pylint: disable=protected-access
+  nan = [dataclasses.replace(v, teacher_forced={**v.teacher_forced, "reference_bf16_mean_kl": math.nan})
+         for v in second.verdicts if v.teacher_forced]  # a NaN on file is measured again, not a bound for all
+  on_file = dataclasses.replace(second, verdicts=nan)
+  assert qualify._reference_kl(on_file, *key, 16, "cpu_interpret") is None  # pylint: disable=protected-access
   third, _ = run(options(tmp_path, append=True), tiny_model, fake)
   keys = [r.key for r in third.records]
   assert len(keys) == len(set(keys)) == 7
