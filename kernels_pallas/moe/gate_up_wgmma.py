@@ -34,8 +34,12 @@ meta byte from shared memory); the interpreter runs neither inline code nor wgmm
 the planes are decode_planes' and go through shared memory. Both give the canonical decode's bits.
 Tried and removed (BENCHMARKS.md has the figures): planes decoded into shared memory by each warpgroup, or half of
 them by each (`shared_decode`; 10.7 and 11.5 ms at 8192 tokens against 5.2 now), or with the wgmmas left in flight
-on them while the next step decodes (fab9549: 6.8 against 5.1 ms; no gain in down_wgmma.py either); the meta byte repeated per code
-byte in a copy of the stack (~0.8 GB a V4-Flash layer); issuing the two warpgroups' wgmmas in turn (8.4 ms).
+on them while the next step decodes (fab9549: 6.8 against 5.1 ms; no gain in down_wgmma.py either); the meta
+byte repeated per code byte in a copy of the stack (~0.8 GB a V4-Flash layer); issuing the two warpgroups' wgmmas in
+turn (8.4 ms); each warpgroup making the SwiGLU of half of the rows (5.5 ms); a third warpgroup that copies and
+decodes both tiles into shared-memory planes while the other two only issue wgmmas (2a804c4: 5.9 ms). Profiled
+(experiments/profile_moe.py), a step is ~1450 cycles against ~1024 of tensor-core work: each warpgroup's slot wait
+(~290), decode (~490), issue (~190) and wait (~320) run one after the other.
 With wgmmas left in flight across steps (`mma_in_flight=1`, the first version), ptxas serializes every wgmma of
 the kernel ("insufficient register resources for the wgmma pipeline", C7511) at every tiling, even with no decode;
 waiting at the end of each step (the default) compiles without it (docs/lowering.md; BENCHMARKS.md has the figures).
@@ -49,6 +53,7 @@ in plane order). `api.moe` runs it for `Config.gate_up_kernel` "wgmma" (the mode
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -88,7 +93,9 @@ class Tiling:
   mma_rows (FP2-MIX): rows of x per wgmma. With FP2-MIX weights block_n must be 64 (one warpgroup's wgmma rows)
   and block_k 64 (a meta tile then serves 4 steps);
   mma_in_flight 1 there leaves a step's wgmmas running into the next step (whose decode may then overlap them),
-  which makes ptxas serialize every wgmma (C7511); 0 waits at the end of each step."""
+  which makes ptxas serialize every wgmma (C7511); 0 waits at the end of each step. profile_regions: what the
+  regions Mosaic GPU's profiler records are (experiments/profile_moe.py; nothing without the profiler): "steps"
+  (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit)."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -99,6 +106,7 @@ class Tiling:
   cluster: int = 1
   mma_rows: int = 64
   producer_registers: int = 40
+  profile_regions: str = "steps"
 
   @property
   def block_m(self) -> int:
@@ -330,6 +338,11 @@ def gather_planes(x, r: Routing, block_m: int, *, planes: int = PLANES, cols: in
       compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))(tokens, x)
 
 
+def _region(name: str, t: Tiling, kind: str = "steps"):
+  """A named region for Mosaic GPU's profiler where `t.profile_regions` is `kind`."""
+  return jax.named_scope(name) if t.profile_regions == kind else contextlib.nullcontext()
+
+
 def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: int):
   """Copies rows [src_row, src_row + count) of out_smem[slot] to h rows [first_row, first_row + count), columns
   `cols`: TMA copies need static shapes, so `count` is written as a sum of powers of two, largest first."""
@@ -448,31 +461,32 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
           @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, t.mma_rows), F32)] for _ in blocks])
           def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b]
             run(accs)
-            # In 64-row chunks, through a swizzled buffer: fewer live registers than a whole [64, 256] f32 copy
-            chunks = range(0, t.mma_rows, WGMMA_M)
+            with _region("epilogue", t):
+              # In 64-row chunks, through a swizzled buffer: fewer live registers than a whole [64, 256] f32 copy
+              chunks = range(0, t.mma_rows, WGMMA_M)
 
-            @pl.when(wg == 1)
-            def _():
-              plgpu.barrier_wait(up_free)  # warpgroup 0 has read the previous unit's
-              for b in blocks:
-                a = accs[b][0][...]
-                for c in chunks:
-                  up[b, :, pl.ds(c, WGMMA_M)] = a[:, c:c + WGMMA_M]
-              plgpu.commit_smem()
-              plgpu.barrier_arrive(up_ready)
+              @pl.when(wg == 1)
+              def _():
+                plgpu.barrier_wait(up_free)  # warpgroup 0 has read the previous unit's
+                for b in blocks:
+                  a = accs[b][0][...]
+                  for c in chunks:
+                    up[b, :, pl.ds(c, WGMMA_M)] = a[:, c:c + WGMMA_M]
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(up_ready)
 
-            @pl.when(wg == 0)
-            def _():
-              plgpu.barrier_wait(up_ready)
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
-              for b in blocks:
-                gate = accs[b][0][...]
-                for c in chunks:
-                  h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
-                  out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
-              plgpu.barrier_arrive(up_free)
-              plgpu.commit_smem()
-              _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.block_m)
+              @pl.when(wg == 0)
+              def _():
+                plgpu.barrier_wait(up_ready)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
+                for b in blocks:
+                  gate = accs[b][0][...]
+                  for c in chunks:
+                    h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
+                    out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
+                plgpu.barrier_arrive(up_free)
+                plgpu.commit_smem()
+                _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.block_m)
 
         def lhs_mma(idx, x_s, *args):
           *w_ss, accs = args
@@ -492,21 +506,24 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 plgpu.commit_smem()
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
               else:
-                planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
+                with _region("decode", t):
+                  planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
               if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
                 plgpu.wgmma_wait(0)
               for b in blocks:
                 def issue(b=b):
                   rows = pl.ds(b * t.mma_rows, t.mma_rows)
-                  for q in range(PLANES):
-                    plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
+                  with _region("mma", t):
+                    for q in range(PLANES):
+                      plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
 
                 if t.skip_empty:
                   pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
                 else:
                   issue()
               if not t.mma_in_flight:
-                plgpu.wgmma_wait(0)
+                with _region("wait", t):
+                  plgpu.wgmma_wait(0)
           return accs
 
         def compute_context(run):
@@ -514,34 +531,38 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                                                   for _ in blocks])
           def _acc(accs):
             run(accs)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
-            for b in blocks:
-              if fused:
-                a = accs[b][0][...]
-                gate, up = a[:, :t.block_n], a[:, t.block_n:]
-              else:
-                gate, up = accs[b][0][...], accs[b][1][...]
-              out_smem[wg, pl.ds(b * WGMMA_M, WGMMA_M)] = clamped_swiglu(gate, up, limit).astype(h_g.dtype)
-            plgpu.commit_smem()
-            _store_rows(out_smem, wg, first - wg_first, h_g, first, rows, cols, t.wg_rows)
+            with _region("epilogue", t):
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
+              for b in blocks:
+                if fused:
+                  a = accs[b][0][...]
+                  gate, up = a[:, :t.block_n], a[:, t.block_n:]
+                else:
+                  gate, up = accs[b][0][...], accs[b][1][...]
+                out_smem[wg, pl.ds(b * WGMMA_M, WGMMA_M)] = clamped_swiglu(gate, up, limit).astype(h_g.dtype)
+              plgpu.commit_smem()
+              _store_rows(out_smem, wg, first - wg_first, h_g, first, rows, cols, t.wg_rows)
 
         def mma(idx, x_s, *args):
           *w_ss, accs = args
           for b in blocks:
             def issue(b=b):
               row0 = pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M)
-              for acc, w_s in zip(accs[b], w_ss):
-                plgpu.wgmma(acc, x_s.at[pl.ds(row0, WGMMA_M)], w_s.T)
+              with _region("mma", t):
+                for acc, w_s in zip(accs[b], w_ss):
+                  plgpu.wgmma(acc, x_s.at[pl.ds(row0, WGMMA_M)], w_s.T)
 
             if t.skip_empty:
               pl.when(rows_in(wg_first + b * WGMMA_M, WGMMA_M)[1] > 0)(issue)
             else:
               issue()
-          plgpu.wgmma_wait(n_w * len(blocks) * t.mma_in_flight)
+          with _region("wait", t):
+            plgpu.wgmma_wait(n_w * len(blocks) * t.mma_in_flight)
           return accs
 
         body, context = (lhs_mma, lhs_context) if mix else (mma, compute_context)
-        pipeline(body, context)(*operands(e, j, x_start), allocations=allocs)
+        with _region("unit", t, "units"):
+          pipeline(body, context)(*operands(e, j, x_start), allocations=allocs)
 
     if mix:  # observe warpgroup 0's last arrival (the barrier's phases must all be seen before it is freed)
       pl.when(wg == 1)(lambda: plgpu.barrier_wait(up_free))
@@ -590,6 +611,8 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
                      f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
+  if t.profile_regions not in ("steps", "units"):
+    raise ValueError(f"profile_regions must be 'steps' or 'units', got {t.profile_regions!r}")
   D = x.shape[1]
   E, I, Dw = w1.shape
   if w3 is None:

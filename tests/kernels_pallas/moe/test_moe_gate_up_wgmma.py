@@ -118,6 +118,8 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
   r = routing.route(ids, E, 128)
   with pytest.raises(ValueError, match="tile_order"):
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(tile_order="m"))
+  with pytest.raises(ValueError, match="profile_regions"):  # the profiler's region sets (experiments/profile_moe.py)
+    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(profile_regions="step"))
   with pytest.raises(ValueError, match="bf16/f16"):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
   with pytest.raises(ValueError, match="or be MixStacks"):

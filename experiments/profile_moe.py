@@ -1,0 +1,183 @@
+"""Where the sm_90 Mosaic GPU gate/up's cycles go: one call under Mosaic GPU's on-device profiler (H200 only).
+
+    python -m experiments.profile_moe --tokens=8192 --routings=uniform --variants=mix:lhs_w128_s3_r256 \
+        --out=experiments/results/moe_profile_h200.json     # --tokens, --routings and --out are bench_moe's flags
+
+The kernel (kernels_pallas/moe/gate_up_wgmma.py) names the parts of a compute warpgroup's pipeline step: `decode`
+(FP2-MIX planes), `mma` (the wgmma issues), `wait` (until the step's wgmmas are done), and `epilogue` per unit.
+The profiler writes each region's start and end as the SM's clock, from one thread of each warpgroup, into shared
+memory for the first `--profile_space` regions (the rest are dropped), so what "steps" reads is the first unit of
+each SM; "units" (`Tiling.profile_regions`) records one region per unit instead: every unit's cycles, the gaps
+between units, and the kernel's cycles per nanosecond (the longest warpgroup's span over the unprofiled time). Per
+step, "steps" reports, in cycles, the median over the SMs and over the steps after the first `--skip_steps`:
+each region, `slot` (from the end of one step's wait to the next region: the pipeline's wait for its TMA copies and
+its slot release) and the whole step. A region's time is the issue time of its instructions, so an instruction that
+waits on an earlier one's result charges that wait to its own region. The variants are bench_moe's tilings
+("mix:" WGMMA_MIX_TILINGS, "bf16:" WGMMA_TILINGS), each timed without the profiler too.
+"""
+
+import collections
+import dataclasses
+import functools
+import itertools
+import json
+import os
+import statistics
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ds4jax.quant import formats
+from ds4jax.quant import policy as quant_policy
+from experiments import bench_moe, run_record
+from kernels_pallas.moe import gate_up_wgmma, routing
+
+_VARIANTS = flags.DEFINE_list("variants", ["mix:lhs_w128_s3_r256", "bf16:w128_n64_s4_i"],
+                              "Tilings: mix:<bench_moe.WGMMA_MIX_TILINGS key> or bf16:<bench_moe.WGMMA_TILINGS key>.")
+_SPACE = flags.DEFINE_integer("profile_space", 200, "Regions recorded per warpgroup (16 bytes of shared memory "
+                              "each, times 3 warpgroups).")
+_STAGES = flags.DEFINE_list("stages", [], "Each variant at each of these shared-memory slot counts instead of its "
+                            "own (the profiler's buffer may not fit next to 4).")
+_REGIONS = flags.DEFINE_list("regions", ["steps", "units"], "Profiles per variant: 'steps' (the first unit's "
+                              "pipeline steps by region) and/or 'units' (every unit: span, gaps, the clock rate).")
+_SKIP = flags.DEFINE_integer("skip_steps", 3, "Steps left out of the medians at the start of each trace.")
+
+STEP_END = "wait"  # the region that ends a pipeline step
+WARPGROUPS = 3  # per block: two compute warpgroups and the TMA one (a trace's tid is 1 + its block's index · 3 + wg)
+
+
+def step_cycles(trace: dict, skip_steps: int) -> dict:
+  """From a profiler trace (Chrome trace JSON: B/E events, ts = clock cycles / 1000 within one tid): per region name
+  (summed over a step, e.g. one `mma` region per 64-row block) and for `slot` and `step`, the median, mean, 10th and
+  90th percentile cycles over all tids' steps after the first `skip_steps`, and how many steps that is. A step ends
+  where a `wait` region ends. A region after the last step (the epilogue) counts once per tid, by warpgroup
+  ("epilogue/wg0"); `traced` is each tid's first to last event."""
+  per = collections.defaultdict(list)
+  for tid, events in _by_tid(trace).items():
+    open_at, sums, step, step_end = {}, collections.Counter(), 0, None
+    for ev in events:
+      t = ev["ts"] * 1e3
+      if ev["ph"] == "B":
+        if step_end is not None and not open_at and not sums:
+          sums["slot"] += t - step_end
+        open_at[ev["name"]] = t
+        continue
+      sums[ev["name"]] += t - open_at.pop(ev["name"])
+      if ev["name"] == STEP_END:
+        if step_end is not None:
+          sums["step"] = t - step_end
+        if step >= skip_steps:
+          for name, v in sums.items():
+            per[name].append(v)
+        sums, step, step_end = collections.Counter(), step + 1, t
+    for name, v in sums.items():  # after the last wait: the epilogue
+      if name != "slot":
+        per[f"{name}/wg{(tid - 1) % WARPGROUPS}"].append(v)
+    if step:
+      per["traced"].append((events[-1]["ts"] - events[0]["ts"]) * 1e3)
+  return {name: _summary(v) for name, v in sorted(per.items())}
+
+
+def _summary(values: list[float]) -> dict:
+  p10, *_, p90 = statistics.quantiles(values, n=10) if len(values) > 1 else values * 2
+  return dict(median=round(statistics.median(values), 1), mean=round(statistics.fmean(values), 1),
+              p10=round(p10, 1), p90=round(p90, 1), n=len(values))
+
+
+def unit_cycles(trace: dict) -> dict:
+  """From a trace of `unit` regions (Tiling.profile_regions "units"): per tid (one warpgroup of one SM) its units'
+  cycles and the gaps between them; returned as medians over tids of: units, span (first start to last end),
+  each tid's median unit and gap, and its first and last unit."""
+  rows = []
+  for events in _by_tid(trace).values():
+    begins = [ev["ts"] * 1e3 for ev in events if ev["name"] == "unit" and ev["ph"] == "B"]
+    ends = [ev["ts"] * 1e3 for ev in events if ev["name"] == "unit" and ev["ph"] == "E"]
+    if not ends:
+      continue
+    units = [e - b for b, e in zip(begins, ends)]
+    gaps = [b - e for e, b in zip(ends, begins[1:])] or [0.0]
+    rows.append(dict(units=len(units), span=ends[-1] - begins[0], unit=statistics.median(units),
+                     gap=statistics.median(gaps), first_unit=units[0], last_unit=units[-1]))
+  return {k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]} | dict(
+      tids=len(rows), span_max=round(max(r["span"] for r in rows), 1))
+
+
+def _by_tid(trace: dict) -> dict:
+  by_tid = collections.defaultdict(list)
+  for ev in trace["traceEvents"]:
+    by_tid[ev["tid"]].append(ev)
+  return by_tid
+
+
+def profiled(fn, profile_dir: str, space: int):
+  """fn run with every Mosaic GPU kernel it makes under the profiler (traces written to profile_dir)."""
+  plain = plgpu.CompilerParams
+
+  @functools.wraps(fn)
+  def run(*args):
+    plgpu.CompilerParams = functools.partial(plain, profile_space=space, profile_dir=profile_dir,
+                                             profile_bounds_check=True)
+    try:  # a fresh function: a jaxpr traced before (the unprofiled timing) would be reused as it is
+      out = jax.block_until_ready(jax.jit(lambda *a: fn(*a))(*args))
+      jax.effects_barrier()  # the trace is written by a host callback
+      return out
+    finally:
+      plgpu.CompilerParams = plain
+  return run
+
+
+def main(argv):
+  del argv
+  if jax.default_backend() != "gpu":
+    raise SystemExit("profile_moe needs an sm_90 GPU (the Mosaic GPU profiler has no interpreter)")
+  D, I, E, K = (bench_moe.FLASH[k] for k in ("D", "I", "E", "K"))
+  record = dict(run_record.environment(), what="Mosaic GPU gate/up cycles by region (experiments/profile_moe.py)",
+                profile_space=_SPACE.value, skip_steps=_SKIP.value, runs=[])
+  save = run_record.appender(bench_moe._OUT.value, record)  # pylint: disable=protected-access
+  keys = jax.random.split(jax.random.key(0), 8)
+  w1 = (jax.random.normal(keys[0], (E, I, D)) * D**-0.5).astype(jnp.bfloat16)
+  w3 = (jax.random.normal(keys[1], (E, I, D)) * D**-0.5).astype(jnp.bfloat16)
+  mix2 = formats.get("rocmfp2_mix")
+  m1, m3 = (gate_up_wgmma.mix_stack(quant_policy.random_storage(mix2, (E, I, D), k, D**-0.5)) for k in keys[3:5])
+  tokens = [int(n) for n in bench_moe._TOKENS.value]  # pylint: disable=protected-access
+  for S, kind in itertools.product(tokens, bench_moe._ROUTINGS.value):  # pylint: disable=protected-access
+    x = jax.random.normal(keys[6], (S, D)).astype(jnp.bfloat16)
+    ids = bench_moe.route_ids(keys[7], S, E, K, kind)
+    r = jax.jit(lambda i: routing.route(i, E, 128))(ids)
+    for variant, stages in itertools.product(_VARIANTS.value, _STAGES.value or [0]):
+      fmt, name = variant.split(":")
+      if fmt == "mix":
+        t, ws = bench_moe.WGMMA_MIX_TILINGS[name], (m1, m3)
+      else:
+        t, interleaved = bench_moe.WGMMA_TILINGS[name]
+        ws = (jax.jit(gate_up_wgmma.interleave, static_argnums=2)(w1, w3, t.block_n), None) if interleaved \
+            else (w1, w3)
+      t = dataclasses.replace(t, stages=int(stages) or t.stages)
+      fn = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
+      entry = dict(tokens=S, routing=kind, variant=variant, stages=t.stages,
+                   items=int(gate_up_wgmma.aligned_items(r, t.block_m).count[0]))
+      try:
+        entry["ms"] = round(bench_moe.timeit(jax.jit(fn), x, *ws, r, n=10) * 1e3, 3)
+        for regions in _REGIONS.value:
+          tr = dataclasses.replace(t, profile_regions=regions)
+          with tempfile.TemporaryDirectory() as d:
+            profiled(lambda x, a, b, r, tr=tr: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=tr),
+                     d, _SPACE.value)(x, *ws, r)
+            (path,) = [os.path.join(d, f) for f in os.listdir(d) if f.endswith("-trace.json")]
+            with open(path, encoding="utf-8") as f:
+              trace = json.load(f)
+          if regions == "steps":
+            entry["cycles"] = step_cycles(trace, _SKIP.value)
+          else:
+            entry["units"] = units = unit_cycles(trace)
+            entry["clock_ghz"] = round(units["span_max"] / (entry["ms"] * 1e6), 3)  # the kernel's cycles per ns
+      except Exception as e:  # noqa: BLE001 -- e.g. the profiler's buffer does not fit: the other variants go on
+        entry["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+      save(entry)
+
+
+if __name__ == "__main__":
+  app.run(main)
