@@ -51,6 +51,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "per_layer_parity": ("layers", "noise_floor"),
     "trace_prefill": ("runs", "kernels"),
     "gfx1151_model": ("predictions", "classes"),
+    "profile_moe": ("runs", "regions"),
 }
 
 
@@ -102,7 +103,8 @@ def kind_of(doc: Any, path: str = "<document>") -> str:
              ("layer_verdicts", ("bounds", "configuration", "mutations")), ("per_layer_parity", ("per_layer",)),
              ("parity_by_switch", ("variants", "exact_logits_sha256")),
              ("bench_generate", ("lengths", "capacity", "new_tokens")),
-             ("generate", ("decode_tok_per_s", "prompt_tokens", "speculate"))]
+             ("generate", ("decode_tok_per_s", "prompt_tokens", "speculate")),
+             ("profile_moe", ("profile_space", "skip_steps", "runs"))]
   for kind, keys in by_keys:
     if all(k in doc for k in keys):
       return kind
@@ -439,6 +441,23 @@ def _gfx1151_model(path: str, doc: dict):
   return meta, dict(predictions=pd.DataFrame(predictions), classes=pd.DataFrame(classes))
 
 
+def _profile_moe(path: str, doc: dict):
+  """One row per profiled kernel call (ms, unit figures, the clock), and one per (call, region) with its cycles
+  (experiments/profile_moe.py; files before the spread was recorded have medians only)."""
+  key_cols = ["tokens", "routing", "variant", "stages"]
+  runs, regions = [], []
+  for e in doc["runs"]:
+    key = {k: e.get(k) for k in key_cols}
+    runs.append(key | dict(items=e.get("items"), ms=e.get("ms"), clock_ghz=e.get("clock_ghz"), error=e.get("error"),
+                           **{f"unit_{k}": v for k, v in (e.get("units") or {}).items()}))
+    regions += [key | dict(region=name, median=c["median"], mean=c.get("mean"), p10=c.get("p10"), p90=c.get("p90"),
+                           n=c["n"]) for name, c in (e.get("cycles") or {}).items()]
+  meta = {k: doc.get(k) for k in ENV_KEYS} | dict(what=doc.get("what"), profile_space=doc["profile_space"],
+                                                   skip_steps=doc["skip_steps"], code_commit=doc.get("code_commit"))
+  return meta, dict(runs=pd.DataFrame(runs), regions=pd.DataFrame(
+      regions, columns=key_cols + ["region", "median", "mean", "p10", "p90", "n"]))
+
+
 _READERS: dict[str, Callable[[str, dict], tuple[dict, dict[str, pd.DataFrame]]]] = {
     "qualification": _qualification, "band_sweep": _band_sweep, "bench_moe": _bench_moe,
     "bench_attention": _bench_attention, "bench_decode": _bench_decode, "bench_reference": _bench_reference,
@@ -446,7 +465,7 @@ _READERS: dict[str, Callable[[str, dict], tuple[dict, dict[str, pd.DataFrame]]]]
     "lowering_gfx1151": _lowering, "compile_gfx1151": _compile, "init_stats": _init_stats,
     "layer_verdicts": _layer_verdicts,
     "parity_by_switch": _parity_by_switch, "per_layer_parity": _per_layer_parity, "trace_prefill": _trace_prefill,
-    "gfx1151_model": _gfx1151_model}
+    "gfx1151_model": _gfx1151_model, "profile_moe": _profile_moe}
 assert set(_READERS) == set(KINDS)
 
 

@@ -34,6 +34,7 @@ KINDS = {
     "attention_h200_2026-12-01_cuda_tiles_bf16.json": "bench_attention",
     "generate_v4flash_h200_text.json": "bench_generate",
     "generate_tiny_stdlib_cpu.json": "generate",
+    "moe_profile_h200_s35.json": "profile_moe",
 }
 WAVE2 = "qual_v4flash_h200_wave2.json"
 
@@ -58,6 +59,15 @@ def test_every_committed_file_is_read(tables):
     assert set(t.frames) == set(rt.KINDS[t.kind])
     main = t.frames[rt.KINDS[t.kind][0]]  # the others may be empty (an untraced run has no kernels)
     assert len(main), t.path
+
+
+def test_profile_figures_carry_the_files_numbers(tables):
+  name = "moe_profile_h200_s35.json"
+  t, doc = tables[name], raw(name)
+  step = t.regions.set_index(["tokens", "variant", "region"]).loc[(8192, "mix:lhs_w128_s3_r256", "step")]
+  assert step["median"] == doc["runs"][0]["cycles"]["step"]["median"] == 1461.0
+  run = t.runs.set_index(["tokens", "variant"]).loc[(32768, "bf16:w128_n64_s4_i")]
+  assert run.ms == 12.974 and run.unit_units == 198.0 and run.clock_ghz == 1.201
 
 
 def test_decode_figures_carry_the_files_numbers(tables):
