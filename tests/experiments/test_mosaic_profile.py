@@ -1,6 +1,6 @@
-"""experiments/profile_moe.py's reading of a Mosaic GPU profiler trace (the profiler itself runs only on a GPU)."""
+"""experiments/mosaic_profile.py: reading Mosaic GPU profiler traces (the profiler itself runs only on a GPU)."""
 
-from experiments import profile_moe
+from experiments import mosaic_profile
 
 
 def _trace(steps: int, tids=(1, 2)) -> dict:
@@ -23,7 +23,7 @@ def _trace(steps: int, tids=(1, 2)) -> dict:
 
 
 def test_step_cycles_sums_regions_per_step_and_skips_the_first_steps():
-  got = profile_moe.step_cycles(_trace(6), skip_steps=2)
+  got = mosaic_profile.step_cycles(_trace(6), skip_steps=2)
   assert {k: v["median"] for k, v in got.items()} == {
       "decode": 250, "mma": 50, "wait": 650, "slot": 50, "step": 1000, "epilogue/wg0": 490, "epilogue/wg1": 490,
       "traced": 6450}
@@ -34,7 +34,7 @@ def test_step_cycles_sums_regions_per_step_and_skips_the_first_steps():
 
 
 def test_step_cycles_counts_the_first_step_when_nothing_is_skipped():
-  got = profile_moe.step_cycles(_trace(3, tids=(1,)), skip_steps=0)
+  got = mosaic_profile.step_cycles(_trace(3, tids=(1,)), skip_steps=0)
   assert got["decode"]["n"] == 3 and got["step"]["n"] == 2 and got["slot"]["n"] == 2
 
 
@@ -42,7 +42,7 @@ def test_step_cycles_spread_shows_a_slow_step():
   trace = _trace(6, tids=(1,))
   for ev in trace["traceEvents"][-3:]:  # the last step's wait ends, and the epilogue runs, 3000 cycles later
     ev["ts"] += 3.0
-  got = profile_moe.step_cycles(trace, skip_steps=1)
+  got = mosaic_profile.step_cycles(trace, skip_steps=1)
   assert got["step"]["median"] == 1000 and got["step"]["mean"] == 1600 and got["wait"]["p90"] > 3000
 
 
@@ -51,7 +51,7 @@ def test_unit_cycles_reads_spans_gaps_and_units_per_warpgroup():
   for tid, units in ((1, [(0, 100), (110, 230), (250, 330)]), (2, [(5, 105), (125, 245)])):
     for b, e in units:
       events += [dict(tid=tid, name="unit", ph="B", ts=b / 1e3), dict(tid=tid, name="unit", ph="E", ts=e / 1e3)]
-  got = profile_moe.unit_cycles(dict(traceEvents=events))
+  got = mosaic_profile.unit_cycles(dict(traceEvents=events))
   # tid 1: units 100, 120, 80 (median 100), gaps 10, 20 (15), span 330; tid 2: units 100, 120 (110), gap 20, span 240
   assert got == dict(units=2.5, span=285.0, unit=105.0, gap=17.5, first_unit=100.0, last_unit=100.0, tids=2,
                      span_max=330.0)
