@@ -48,7 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
                                               aligned_items, as_planes, expert_levels, half_block_values,
-                                              half_block_values_ir, padded_rows, prmt_selectors_ir)
+                                              half_block_values_ir, padded_rows, prmt_selectors_ir, profile_region)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -247,8 +247,9 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
             run(accs)
             col0 = (2 * g + wg) * t.block_n
             if not lhs_in_smem:
-              for b in blocks:
-                store_transposed_rows(accs[b][...], out_g, x_start + b * t.mma_rows, lo, end, col0)
+              with profile_region("epilogue", t):
+                for b in blocks:
+                  store_transposed_rows(accs[b][...], out_g, x_start + b * t.mma_rows, lo, end, col0)
               return
             # the interpreter: through shared memory (it checks no layouts), then TMA
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
@@ -277,21 +278,25 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
                 plgpu.commit_smem()
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
               else:
-                planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels, flagged)
+                with profile_region("decode", t):
+                  planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels, flagged)
               for b in blocks:
                 def issue(b=b):
                   rows = pl.ds(b * t.mma_rows, t.mma_rows)
-                  for q in range(PLANES):
-                    plgpu.wgmma(accs[b], planes[q], x_s.at[q, rows].T)
+                  with profile_region("mma", t):
+                    for q in range(PLANES):
+                      plgpu.wgmma(accs[b], planes[q], x_s.at[q, rows].T)
 
                 if t.skip_empty:
                   pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
                 else:
                   issue()
-              plgpu.wgmma_wait(0)
+              with profile_region("wait", t):
+                plgpu.wgmma_wait(0)
           return accs
 
-        pipeline(mma, context)(*operands(e, g, x_start), allocations=allocs)
+        with profile_region("unit", t, "units"):
+          pipeline(mma, context)(*operands(e, g, x_start), allocations=allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -311,10 +316,11 @@ def check(h, w2: Mix3Stack, r: Routing, t: Tiling) -> None:
     raise ValueError(f"the wgmma down needs I a multiple of {META_BOX * rocmfp_layout.HALF} (a TMA row of meta "
                      f"bytes) and D of {2 * WGMMA_M} (two N tiles); got W2 [E, D, I] = {[E, D, I]}")
   if (t.block_n != WGMMA_M or t.block_k != 64 or t.mma_in_flight or t.cluster != 1 or t.block_m % t.mma_rows
-      or t.mma_rows % WGMMA_M or t.mma_rows > 256 or t.tile_order not in ("n", "item")):
+      or t.mma_rows % WGMMA_M or t.mma_rows > 256 or t.tile_order not in ("n", "item")
+      or t.profile_regions not in ("steps", "units")):
     raise ValueError(f"the wgmma down takes block_n {WGMMA_M}, block_k 64, no wgmma in flight, cluster 1, "
-                     f"tile_order 'n' or 'item', and mma_rows a multiple of {WGMMA_M} up to 256 dividing "
-                     f"block_m; got {t}")
+                     f"tile_order 'n' or 'item', mma_rows a multiple of {WGMMA_M} up to 256 dividing block_m, and "
+                     f"profile_regions 'steps' or 'units'; got {t}")
 
 
 def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms: int = 132,

@@ -338,8 +338,8 @@ def gather_planes(x, r: Routing, block_m: int, *, planes: int = PLANES, cols: in
       compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))(tokens, x)
 
 
-def _region(name: str, t: Tiling, kind: str = "steps"):
-  """A named region for Mosaic GPU's profiler where `t.profile_regions` is `kind`."""
+def profile_region(name: str, t: Tiling, kind: str = "steps"):
+  """A named region for Mosaic GPU's profiler where `t.profile_regions` is `kind` (this kernel's and down_wgmma's)."""
   return jax.named_scope(name) if t.profile_regions == kind else contextlib.nullcontext()
 
 
@@ -461,7 +461,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
           @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, t.mma_rows), F32)] for _ in blocks])
           def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b]
             run(accs)
-            with _region("epilogue", t):
+            with profile_region("epilogue", t):
               # In 64-row chunks, through a swizzled buffer: fewer live registers than a whole [64, 256] f32 copy
               chunks = range(0, t.mma_rows, WGMMA_M)
 
@@ -506,14 +506,14 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 plgpu.commit_smem()
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
               else:
-                with _region("decode", t):
+                with profile_region("decode", t):
                   planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
               if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
                 plgpu.wgmma_wait(0)
               for b in blocks:
                 def issue(b=b):
                   rows = pl.ds(b * t.mma_rows, t.mma_rows)
-                  with _region("mma", t):
+                  with profile_region("mma", t):
                     for q in range(PLANES):
                       plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
 
@@ -522,7 +522,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 else:
                   issue()
               if not t.mma_in_flight:
-                with _region("wait", t):
+                with profile_region("wait", t):
                   plgpu.wgmma_wait(0)
           return accs
 
@@ -531,7 +531,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                                                   for _ in blocks])
           def _acc(accs):
             run(accs)
-            with _region("epilogue", t):
+            with profile_region("epilogue", t):
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
               for b in blocks:
                 if fused:
@@ -548,7 +548,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
           for b in blocks:
             def issue(b=b):
               row0 = pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M)
-              with _region("mma", t):
+              with profile_region("mma", t):
                 for acc, w_s in zip(accs[b], w_ss):
                   plgpu.wgmma(acc, x_s.at[pl.ds(row0, WGMMA_M)], w_s.T)
 
@@ -556,12 +556,12 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
               pl.when(rows_in(wg_first + b * WGMMA_M, WGMMA_M)[1] > 0)(issue)
             else:
               issue()
-          with _region("wait", t):
+          with profile_region("wait", t):
             plgpu.wgmma_wait(n_w * len(blocks) * t.mma_in_flight)
           return accs
 
         body, context = (lhs_mma, lhs_context) if mix else (mma, compute_context)
-        with _region("unit", t, "units"):
+        with profile_region("unit", t, "units"):
           pipeline(body, context)(*operands(e, j, x_start), allocations=allocs)
 
     if mix:  # observe warpgroup 0's last arrival (the barrier's phases must all be seen before it is freed)

@@ -154,6 +154,8 @@ def test_down_wgmma_rejects_bad_input(rng):
     down_wgmma(h[:, :128], Mix3Stack(*(a[..., :k] for a, k in zip(w2[:3], (32, 16, 8))), *w2[3:]), r)
   with pytest.raises(ValueError, match="block_n 64"):
     down_wgmma(h, w2, r, tiling=Tiling(block_n=128))
+  with pytest.raises(ValueError, match="profile_regions"):  # the profiler's region sets (experiments/profile_moe.py)
+    down_wgmma(h, w2, r, tiling=Tiling(block_n=64, mma_rows=128, wg_rows=64, profile_regions="step"))
 
 
 def test_down_wgmma_lowers_for_sm90_at_v4_flash_shapes():
