@@ -56,10 +56,10 @@ def test_capability_states():
   assert {states("gfx1151")[s] for s in not_lowered} == {features.UNSUPPORTED}
   assert set(states("rdna35_other").values()) == set(states("rocm_other").values()) == {features.UNSUPPORTED}
   assert features.RAN in set(states("sm_90").values())
-  # Nothing is lowered only on sm_90; the MoE over several bands ran there and stays off until it is qualified.
+  # Nothing is lowered only on sm_90; the MoE over several bands ran there and is on (one band: the same program).
   assert not {s for s, st in states("sm_90").items() if st == features.LOWERED}
   assert states("sm_90")["prefill_moe_over_bands"] == features.RAN
-  assert not CAPABILITIES["sm_90"]["prefill_moe_over_bands"].default
+  assert CAPABILITIES["sm_90"]["prefill_moe_over_bands"].default
   assert states("sm_90")["mla_wgmma"] == features.RAN and CAPABILITIES["sm_90"]["mla_wgmma"].default
   g51 = features.resolve("gfx1151")
   assert g51.on() == ["bf16_matmul", "moe_sparse_gate_up", "moe_adaptive_tile", "moe_compact_queue", "moe_persistent",

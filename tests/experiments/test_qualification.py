@@ -731,7 +731,7 @@ def test_qual_cfg():
   # the f32 path (92 s cold at 8192) is recorded too slow, never timed for minutes per call; all_on with the Mosaic
   # GPU switches (62 s cold at 8192, their kernels compiling at load) is timed
   assert 62 < o.max_cold_s < 92
-  assert o.out == "experiments/results/qual_v4flash_h200_wave2d.json"
+  assert o.out == "experiments/results/qual_v4flash_h200_wave2e.json"
   assert 0 < o.parity_prefix_tokens <= o.exact_max_tokens < 8192 and o.verdict_tokens <= o.exact_max_tokens
   assert len(o.mutations) >= 3
   setup = qualify.start_up(dataclasses.replace(o, device_class="sm_90"))
