@@ -267,14 +267,15 @@ def logits_of_streams(m: model_lib.DeepseekV4, X: jnp.ndarray) -> jnp.ndarray:
 
 def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], workers: int = 8,
                log: Callable[[str], None] | None = None, pinned: Sequence[tuple[int, Features]] = (),
-               scored: Sequence[tuple[int, Features]] = ()) -> int:
+               scored: Sequence[tuple[int, Features]] = (), teacher_forced: Sequence[tuple[int, Features]] = ()) -> int:
   """Compiles every distinct layer program that `prefill` would run for each (prompt tokens, features) in `runs`,
   `workers` at a time, into jax's persistent compilation cache (jax_compilation_cache_dir must be set). The later
   prefills then load them instead of compiling them one after another.
 
   `pinned`: runs whose layer steps take imposed decisions (the exact path's, as the qualification's pinned parity and
   teacher-forced KL impose them); `scored`: runs that record their selection scores (the exact path in the
-  qualification's verdict pass). Both are one band from position 0, as those passes run them.
+  qualification's verdict pass). Both are one band from position 0, as those passes run them. `teacher_forced`:
+  pinned runs in the bands their features say (the teacher-forced KL in several bands).
 
   Lowering (tracing) runs here, one program at a time; the XLA/Triton compiles run in threads (they release the
   GIL). Returns the number of programs compiled; one that fails to compile is logged and left to its prefill.
@@ -282,15 +283,15 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
   if not jax.config.jax_compilation_cache_dir:
     raise ValueError("precompile fills the persistent compilation cache: set jax_compilation_cache_dir first")
   lowered, seen = [], set()
-  programs = ([(n, f, False, False) for n, f in runs] + [(n, f, True, False) for n, f in pinned]
-              + [(n, f, False, True) for n, f in scored])
-  for n_tokens, features, pin, record_scores in programs:
-    B = n_tokens if pin or record_scores else band_size(n_tokens, features)
+  programs = ([(n, f, False, False, True) for n, f in runs] + [(n, f, True, False, False) for n, f in pinned]
+              + [(n, f, False, True, False) for n, f in scored] + [(n, f, True, False, True) for n, f in teacher_forced])
+  for n_tokens, features, pin, record_scores, banded in programs:
+    B = band_size(n_tokens, features) if banded else n_tokens
     n_bands = -(-n_tokens // B)
     inner = layer_features(features, B)
     toks = jnp.zeros((B,), jnp.int32)
     X = jax.ShapeDtypeStruct((B, m.cfg.hc_mult, m.cfg.hidden_size), jnp.float32)
-    over_bands = not (pin or record_scores) and moe_over_bands(features, n_bands)
+    over_bands = banded and moe_over_bands(features, n_bands)
     for block in m.layers:
       gdef, state = step_parts(block, features, n_bands, abstract=True)
       cache = jax.eval_shape(lambda blk=block: blk.attn.empty_cache(n_bands * B, B))
@@ -303,11 +304,13 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
       if not over_bands:
         lowered.append(_layer_step.lower(gdef, state, X, toks, jnp.int32(0), cache, inner, decisions, record_scores))
         continue
-      lowered.append(_attend_step.lower(gdef, state, X, jnp.int32(0), cache, inner))
+      pins = dict(pinned_rows=decisions.index_rows) if pin else {}
+      lowered.append(_attend_step.lower(gdef, state, X, jnp.int32(0), cache, inner, **pins))
       for n in sorted({len(g) for g in moe_groups(n_bands, B)}):
-        if (gdef, inner, "moe", B, n) not in seen:
-          seen.add((gdef, inner, "moe", B, n))
-          lowered.append(_moe_step.lower(gdef, state, (X,) * n, (toks,) * n, inner))
+        if (gdef, inner, "moe", B, n, pin) not in seen:
+          seen.add((gdef, inner, "moe", B, n, pin))
+          pins = dict(pinned_route_ids=(decisions.route_ids,) * n) if pin else {}
+          lowered.append(_moe_step.lower(gdef, state, (X,) * n, (toks,) * n, inner, **pins))
   return compile_in_threads(lowered, workers, log, "its first prefill compiles it")
 
 

@@ -4,13 +4,15 @@ Each mutation takes a layer's block and returns a changed copy (the model itself
 it into the runner `verdicts.layer_verdicts` injects, mutating the chosen layers only. The bugs are in the exact
 math, the kind a kernel or a port gets wrong: an attention sink dropped, one expert's output scale one UE8M0 step
 off, the window off by one, the indexer keeping k - 1 rows, the routed scaling factor dropped from the combine
-weights, the compressor's per-slot gate bias dropped.
+weights, the compressor's per-slot gate bias dropped; and one in what a layer carries from band to band (CARRY),
+which a run of one band from position 0 cannot show: the verdicts judge those end to end, in bands.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Callable
 
 import jax.numpy as jnp
@@ -65,9 +67,30 @@ def compressor_bias_dropped(block):
   return b
 
 
+@functools.cache
+def _without_kv_tail(attention_cls):
+  class WithoutKVTail(attention_cls):
+    def band(self, x, s0, cache, *args, **kwargs):
+      return super().band(x, s0, dataclasses.replace(cache, kv_tail=jnp.zeros_like(cache.kv_tail)), *args, **kwargs)
+
+  WithoutKVTail.__name__ = WithoutKVTail.__qualname__ = f"{attention_cls.__name__}WithoutKVTail"
+  return WithoutKVTail
+
+
+def kv_tail_dropped(block):
+  """The window's KV rows carried from the previous band are lost: a band's first queries see zero keys and values
+  where the previous band's last W - 1 positions were. The first band carries zeros anyway, so only a later band
+  shows it."""
+  b = nnx.clone(block)
+  b.attn.__class__ = _without_kv_tail(type(b.attn))
+  return b
+
+
 MUTATIONS: dict[str, Callable] = {f.__name__: f for f in (
     dropped_sink, expert_scale_step, window_off_by_one, index_topk_minus_one, routed_scale_dropped,
-    compressor_bias_dropped)}
+    compressor_bias_dropped, kv_tail_dropped)}
+# Bugs in what a layer carries between bands: invisible to the per-layer checks (one band), judged end to end.
+CARRY = {"kv_tail_dropped"}
 # The layer kinds a bug lives in (absent: any layer).
 NEEDS = dict(index_topk_minus_one={Attention.CSA}, compressor_bias_dropped={Attention.CSA, Attention.HCA})
 

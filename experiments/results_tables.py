@@ -147,14 +147,14 @@ RECORD_COLUMNS = ("length", "config", "mutation", "killed", "also_off", "switche
                   "tokens_per_s", "median_s", "cold_s", "cold_tokens_per_s", "peak_gib", "band_tokens", "verdict",
                   "verdict_tokens", "verdict_reasons", "worst_layer", "worst_layer_nmse", "worst_layer_bound",
                   "worst_layer_reference_bf16", "route_flips", "index_flips", "bad_flips", "tf_kl", "tf_kl_bound",
-                  "tf_kl_reference_bf16", "upstream_gate", "final_kl", "final_nmse", "final_top1_agree",
+                  "tf_kl_reference_bf16", "tf_kl_bands", "upstream_gate", "final_kl", "final_nmse", "final_top1_agree",
                   "final_prefix_tokens", "features", "git_commit", "weights_fingerprint", "finished")
 LAYER_COLUMNS = ("config", "mutation", "verdict_tokens", "result", "layer", "attention", "routing", "update_nmse",
                  "bound", "reference_bf16_nmse", "nmse_over_bound", "nmse_over_reference", "route_flips",
                  "index_flips", "n_bad_flips", "passed")
 VERDICT_COLUMNS = ("config", "mutation", "mutation_layer", "result", "tokens", "reasons", "worst_layer",
                    "worst_layer_nmse", "worst_layer_bound", "route_flips", "index_flips", "bad_flips", "tf_kl",
-                   "tf_max_kl", "tf_kl_bound", "tf_kl_reference_bf16", "upstream_gate", "wall_s")
+                   "tf_max_kl", "tf_kl_bound", "tf_kl_reference_bf16", "tf_kl_bands", "upstream_gate", "wall_s")
 
 
 def _frame(rows: list[dict], columns: tuple[str, ...]) -> pd.DataFrame:
@@ -185,7 +185,7 @@ def _record_row(r: Mapping[str, Any], judged: bool = True) -> dict[str, Any]:
       index_flips=sum(x["index_flips"] for x in layers) if layers else None,
       bad_flips=sum(x["n_bad_flips"] for x in layers) if layers else None,
       tf_kl=tf.get("mean_kl"), tf_kl_bound=tf.get("bound"), tf_kl_reference_bf16=tf.get("reference_bf16_mean_kl"),
-      upstream_gate=tf.get("upstream_gate", p.get("kl_gate")), final_kl=p.get("kl"), final_nmse=p.get("nmse"),
+      tf_kl_bands=tf.get("bands", 1) if tf else None, upstream_gate=tf.get("upstream_gate", p.get("kl_gate")), final_kl=p.get("kl"), final_nmse=p.get("nmse"),
       final_top1_agree=p.get("top1_agree"), final_prefix_tokens=p.get("prefix_tokens"),
       features=r.get("features"), git_commit=(r.get("env") or {}).get("git_commit"),
       weights_fingerprint=r.get("weights_fingerprint"), finished=r.get("finished"))
@@ -201,7 +201,8 @@ def _verdict_rows(v: Mapping[str, Any]) -> tuple[dict, list[dict]]:
               route_flips=sum(x["route_flips"] for x in layers), index_flips=sum(x["index_flips"] for x in layers),
               bad_flips=sum(x["n_bad_flips"] for x in layers), tf_kl=tf.get("mean_kl"), tf_max_kl=tf.get("max_kl"),
               tf_kl_bound=tf.get("bound"), tf_kl_reference_bf16=tf.get("reference_bf16_mean_kl"),
-              upstream_gate=tf.get("upstream_gate"), wall_s=v.get("wall_s"))
+              tf_kl_bands=tf.get("bands", 1) if tf else None, upstream_gate=tf.get("upstream_gate"),
+              wall_s=v.get("wall_s"))
   rows = []
   for x in layers:
     ref = x.get("reference_bf16_nmse")

@@ -16,7 +16,10 @@ End to end, with every layer's choices pinned to the exact path's:
   teacher-forced KL  KL(exact || configuration) of the next-token distributions at every position of the prompt,
                   averaged (upstream's gate is such a mean, docs/upstream.md §7.4), through the configuration's own
                   banded prefill. PASS when at most KL_FACTOR times that of the reference math with bf16 operands.
-                  Upstream's absolute gate (0.006) is reported beside it, as information.
+                  Upstream's absolute gate (0.006) is reported beside it, as information. `kl_band_tokens` splits
+                  a prompt no longer than one band into bands of that size for this prefill (and the reference's),
+                  so that what runs only across bands (the carried layer state, weights stationary, the MoE over
+                  bands) is judged too: the per-layer checks run one band from position 0, which carries nothing.
 
 A kernel that is wrong at some shape shows as a layer whose pinned error is far above the rounding of its operands;
 a wrong indexer or router as flips that are not near-ties; a wrong carry between bands as a teacher-forced KL above
@@ -134,6 +137,7 @@ class TeacherForced:
   reference_bf16_mean_kl: float
   bound: float                  # KL_FACTOR x the reference's
   upstream_gate: float = UPSTREAM_KL_GATE
+  bands: int = 1                # bands the configuration's prefill took
 
   @property
   def passed(self) -> bool:
@@ -224,6 +228,14 @@ def layer_verdicts(m, ids: np.ndarray, config: features_lib.Features,
                      {} if only is None else {"config": only})[0]["config"]
 
 
+def teacher_forced_features(features: features_lib.Features, band_tokens: int) -> features_lib.Features:
+  """What a configuration's teacher-forced prefill runs: its features in bands of `band_tokens` where it runs in
+  bands at all (0: its own band size; a configuration with prefill_band_tokens=0 stays one band, as it would run)."""
+  if band_tokens and features.prefill_band_tokens:
+    return dataclasses.replace(features, prefill_band_tokens=band_tokens)
+  return features
+
+
 @jax.jit
 def _kl_rows(exact_logp, logits):
   lq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -241,14 +253,15 @@ def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
           log: Callable[[str], None] = lambda s: None, only: Mapping[str, set[int]] | None = None,
           end_to_end: Collection[str] | None = None,
           on_layers: Callable[[dict[str, Judgement]], None] | None = None,
-          reference_kl: float | None = None) -> dict[str, Judgement]:
+          reference_kl: float | None = None, kl_band_tokens: int = 0) -> dict[str, Judgement]:
   """Every configuration's per-layer verdicts and teacher-forced KL on the prompt `ids`, sharing one exact pass.
   `runners` / `models`: a configuration's layer runner and model where they are not the defaults (planted bugs);
   `only`: the layers judged per configuration where not all (a planted bug's own layer); `end_to_end`: the
   configurations whose teacher-forced KL is measured (default all; each costs a prefill of its own). `on_layers`:
   called with the per-layer judgements (no KL yet) once the layer pass is done, before the KL prefills, so a caller
   can keep them if the KL never finishes. `reference_kl`: the bf16 reference math's mean teacher-forced KL on this
-  model and prompt where already measured (a prefill saved), else None."""
+  model and prompt where already measured (a prefill saved), else None. `kl_band_tokens`: the band size of the
+  teacher-forced prefills (teacher_forced_features; 0 = each configuration's own)."""
   runners, models, only = runners or {}, models or {}, only or {}
   layers, pinned, X = _layer_pass(m, ids, configs, runners, log, only)
   tf: dict[str, TeacherForced | None] = dict.fromkeys(configs)
@@ -262,20 +275,24 @@ def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
     bf16_reference = dataclasses.replace(features_lib.REFERENCE, device_class=dev_cls, bf16_matmul=True)
 
     def mean_kl(model, features):
+      features = teacher_forced_features(features, kl_band_tokens)
       logits = prefill_lib.prefill(model, ids, features, all_logits=True, pinned=pinned)
       kl = kl_per_position(exact_logp, logits)
       return kl, float(np.mean(kl))
 
+    bands = lambda f: -(-len(ids) // prefill_lib.band_size(len(ids), teacher_forced_features(f, kl_band_tokens)))
+
     on_file = reference_kl is not None
     ref_kl = reference_kl if on_file else mean_kl(m, bf16_reference)[1]
     log(f"teacher-forced KL of the reference math with bf16 operands: {ref_kl:.2e} (mean of {len(ids)} positions"
-        f"{'; on file' if on_file else ''})")
+        f"{'; on file' if on_file else f'; {bands(bf16_reference)} band(s)'})")
     for name in end_to_end:
       kl, mean = mean_kl(models.get(name, m), configs[name])
       worst_at = int(np.nanargmax(kl)) if np.isfinite(kl).any() else 0
-      tf[name] = TeacherForced(len(ids), mean, float(np.max(kl)), worst_at, ref_kl, KL_FACTOR * ref_kl)
-      log(f"{name}: teacher-forced KL {mean:.2e} (bound {KL_FACTOR * ref_kl:.2e}; worst position {worst_at}: "
-          f"{kl[worst_at]:.2e}): {'PASS' if tf[name].passed else 'FAIL'}")
+      tf[name] = TeacherForced(len(ids), mean, float(np.max(kl)), worst_at, ref_kl, KL_FACTOR * ref_kl,
+                               bands=bands(configs[name]))
+      log(f"{name}: teacher-forced KL {mean:.2e} in {tf[name].bands} band(s) (bound {KL_FACTOR * ref_kl:.2e}; worst "
+          f"position {worst_at}: {kl[worst_at]:.2e}): {'PASS' if tf[name].passed else 'FAIL'}")
   return {name: Judgement(tuple(layers[name]), tf[name]) for name in configs}
 
 

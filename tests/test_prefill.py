@@ -183,6 +183,19 @@ def test_precompile_fills_the_persistent_cache(tiny, tmp_path):
     got = np.asarray(prefill.prefill_logits(m, tokens, over))
     assert hits.count("/jax/compilation_cache/cache_hits") >= 6
     np.testing.assert_allclose(got, ref[-1], atol=2e-6 * max(1.0, np.abs(ref).max()))
+    # teacher_forced: pinned runs in their bands (the qualification's teacher-forced KL in several bands)
+    made = []
+    prefill.prefill(m, tokens, f, decisions=made)
+    assert prefill.precompile(m, [], workers=2, teacher_forced=[(S, over), (S, f)]) == 6 + 3
+    prefill._attend_step.clear_cache()  # pylint: disable=protected-access
+    prefill._moe_step.clear_cache()  # pylint: disable=protected-access
+    prefill._layer_step.clear_cache()  # pylint: disable=protected-access
+    hits.clear()
+    got = np.asarray(prefill.prefill(m, tokens, over, pinned=made))
+    got_f = np.asarray(prefill.prefill(m, tokens, f, pinned=made))
+    assert hits.count("/jax/compilation_cache/cache_hits") >= 6 + 3
+    np.testing.assert_allclose(got, ref[-1], atol=2e-6 * max(1.0, np.abs(ref).max()))
+    np.testing.assert_allclose(got_f, ref[-1], atol=2e-6 * max(1.0, np.abs(ref).max()))
   finally:
     monitoring.unregister_event_listener(listener)
     jax.config.update("jax_compilation_cache_dir", old[0])

@@ -44,6 +44,7 @@ class Options:
   exact_max_tokens: int = 0            # exact path at full length only up to this (0 = no limit)
   parity_prefix_tokens: int = 4096     # prefix checked where the exact path does not fit
   verdict_tokens: int = 4096           # verdicts on the first min(length, verdict_tokens) tokens
+  verdict_bands: int = 1               # the teacher-forced KL's prefill in this many bands (what carries is judged)
   kl_gate: float = KL_GATE
   noise_floor_eps: float = 2.0 ** -24  # the noise floor's input perturbation (one f32 rounding); 0 = none
   out: str = "/tmp/ds4jax_prefill_qual.json"
@@ -54,6 +55,12 @@ class Options:
   features: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # switch/knob -> value (None = table)
   device_class: str | None = None      # default: the capability-table class of jax.devices()[0]
   mesh: str = ""                       # "expert=N", "query=N", "expert+query=N", ...: ds4jax/mesh.py; "" = one
+
+
+def kl_band_tokens(opts: Options, verdict_tokens: int) -> int:
+  """The band size of the teacher-forced KL's prefills on a verdict prefix of `verdict_tokens` (0: each
+  configuration's own, --verdict_bands=1)."""
+  return -(-verdict_tokens // opts.verdict_bands) if opts.verdict_bands > 1 else 0
 
 
 def define_flags(flag_values=None) -> None:
@@ -89,6 +96,11 @@ def define_flags(flag_values=None) -> None:
   flags.DEFINE_integer("verdict_tokens", d.verdict_tokens,
                        "Verdicts (per-layer pinned parity, decision accounting, teacher-forced KL) run on the first "
                        "min(length, this) tokens; lengths with the same verdict prefix share one verdict.",
+                       flag_values=fv)
+  flags.DEFINE_integer("verdict_bands", d.verdict_bands,
+                       "The teacher-forced KL runs each banded configuration's prefill of the verdict prefix in this "
+                       "many bands (and the reference's), so that the layer state carried between bands, weights "
+                       "stationary and the MoE over bands are judged; 1 = the configuration's own band size.",
                        flag_values=fv)
   flags.DEFINE_float("kl_gate", d.kl_gate, "Upstream's absolute KL gate, reported beside the verdicts (upstream: "
                      "0.006).", flag_values=fv)
@@ -128,7 +140,7 @@ def options_from_flags(fv) -> Options:
                  seed=fv.seed, prompt_file=fv.prompt_file, tokenizer=fv.tokenizer, lengths=lengths,
                  configs=tuple(fv.configs), mutations=tuple(fv.mutations), warmups=fv.warmups, repeats=fv.repeats,
                  exact_max_tokens=fv.exact_max_tokens, parity_prefix_tokens=fv.parity_prefix_tokens,
-                 verdict_tokens=fv.verdict_tokens, kl_gate=fv.kl_gate, noise_floor_eps=fv.noise_floor_eps,
+                 verdict_tokens=fv.verdict_tokens, verdict_bands=fv.verdict_bands, kl_gate=fv.kl_gate, noise_floor_eps=fv.noise_floor_eps,
                  out=fv.out, append=fv.append, precompile_workers=fv.precompile_workers, max_cold_s=fv.max_cold_s,
                  stop_after_s=fv.stop_after_s, mesh=fv.mesh,
                  features={k: getattr(fv, k) for k in list(SWITCHES) + list(KNOBS)})
@@ -166,6 +178,13 @@ def validate(opts: Options) -> None:
   if opts.exact_max_tokens and min(max(opts.lengths), opts.verdict_tokens) > opts.exact_max_tokens:
     raise StartupError(f"--verdict_tokens={opts.verdict_tokens} exceeds --exact_max_tokens={opts.exact_max_tokens}: "
                        "the verdicts run the exact path on that prefix")
+  if not 1 <= opts.verdict_bands <= opts.verdict_tokens:
+    raise StartupError(f"--verdict_bands must be in [1, --verdict_tokens={opts.verdict_tokens}], got "
+                       f"{opts.verdict_bands}")
+  carry = sorted(set(opts.mutations) & mutations.CARRY)
+  if carry and opts.verdict_bands < 2:
+    raise StartupError(f"--mutations {carry} plant bugs in what a layer carries between bands; they need "
+                       f"--verdict_bands >= 2 (one band from position 0 carries nothing, so they could only pass)")
   if not opts.kl_gate > 0:
     raise StartupError(f"--kl_gate must be > 0, got {opts.kl_gate}")
   if not (opts.noise_floor_eps == 0 or 2.0 ** -24 <= opts.noise_floor_eps < 1):

@@ -26,10 +26,10 @@ from ds4jax import model as model_lib
 from ds4jax import moe as moe_lib
 from ds4jax.features import KNOBS, Features
 from ds4jax.quant import policy as quant_policy
-from experiments import processes, run_record, verdicts
+from experiments import mutations, processes, run_record, verdicts
 from experiments.qualification import checks, inputs, report, store
 from experiments.qualification.matrix import Configuration, configurations, exact_features
-from experiments.qualification.options import Options, StartupError, validate
+from experiments.qualification.options import Options, StartupError, kl_band_tokens, validate
 from experiments.qualification.records import NOT_RUN, Record, Verdict
 from experiments.qualification.runner import Clock, ModelRunner, Runner, time_configuration
 
@@ -122,7 +122,9 @@ def _done_pairs(opts: Options, setup: Setup, fingerprint: str) -> set[tuple[int,
       raise StartupError(
           f"{opts.out} holds a record for length {r.length} / {r.config} made with different "
           f"{', '.join(why)}: a matched matrix needs the same weights, prompt and features; use another --out")
-    judged = r.result != NOT_RUN
+    same_bands = r.verdict is not None and r.verdict.kl_band_tokens == kl_band_tokens(
+        opts, min(r.length, opts.verdict_tokens))
+    judged = r.result != NOT_RUN and same_bands
     if judged and (r.status in ("ok", "not_timed")
                    or (r.status == "too_slow" and 0 < opts.max_cold_s < r.timing.cold_s)):
       done.add(r.key)
@@ -268,24 +270,26 @@ def _run_one(runner: Runner, m, ids, conf: Configuration, exact: ExactFinal, opt
 
 
 def _unjudged(results: store.Results, setup: Setup, v_tokens: int, configs: list[Configuration],
-              fingerprint: str) -> list[Configuration]:
-  """The configurations with no verdict on file for the first v_tokens prompt tokens."""
+              fingerprint: str, kl_band: int) -> list[Configuration]:
+  """The configurations with no verdict on file for the first v_tokens prompt tokens (KL in bands of kl_band)."""
   sha = inputs.sha256_array(setup.ids[:v_tokens])
   return [c for c in configs
-          if results.verdict_for(v_tokens, c.features.to_dict(), c.mutation, fingerprint, sha) is None]
+          if results.verdict_for(v_tokens, c.features.to_dict(), c.mutation, fingerprint, sha, kl_band) is None]
 
 
 def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo, fingerprint: str):
-  """(free, pinned, scored) runs of the verdict passes this call will make (ds4jax.prefill.precompile): scored, the
-  exact path recording its scores; pinned, each judged configuration, the bf16 reference math and (for planted
-  bugs) the exact path, pinned to the exact path's decisions; free, the same configurations unpinned (ordinary runs
-  of the prefix)."""
+  """(free, pinned, scored, teacher_forced) runs of the verdict passes this call will make
+  (ds4jax.prefill.precompile): scored, the exact path recording its scores; pinned, each judged configuration, the
+  bf16 reference math and (for planted bugs) the exact path, pinned to the exact path's decisions, one band; free,
+  the same configurations unpinned (ordinary runs of the prefix); teacher_forced, the pinned prefills of the
+  teacher-forced KL where they run in other bands (--verdict_bands)."""
   exact = exact_features(setup.device_class)
   bf16_reference = dataclasses.replace(exact, bf16_matmul=True)
-  free, pinned, scored = [], [], []
+  free, pinned, scored, teacher_forced = [], [], [], []
   for v in sorted({min(n, opts.verdict_tokens) for n, _ in todo}):
-    judged = [c for c in _unjudged(results, setup, v, [c for _, c in todo], fingerprint) if c.features != exact
-              or c.mutation]
+    kl_band = kl_band_tokens(opts, v)
+    judged = [c for c in _unjudged(results, setup, v, [c for _, c in todo], fingerprint, kl_band)
+              if c.features != exact or c.mutation]
     if not judged:
       continue
     scored.append((v, exact))
@@ -293,29 +297,37 @@ def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo,
     free += [(v, f) for f in fast] + ([(v, exact)] if any(c.mutation for c in judged) else [])
     pinned += [(v, f) for f in fast] + [(v, bf16_reference)] * any(f.bf16_matmul for f in fast)
     pinned += [(v, exact)] * any(c.mutation for c in judged)
-  return free, pinned, scored
+    if kl_band:
+      carry = [exact] * any(c.mutation in mutations.CARRY for c in judged)
+      teacher_forced += [(v, verdicts.teacher_forced_features(f, kl_band))
+                         for f in dict.fromkeys([*fast, bf16_reference, *carry])]
+  return free, pinned, scored, teacher_forced
 
 
-def _reference_kl(results: store.Results, fingerprint: str, sha: str, v_tokens: int, device_cls: str) -> float | None:
-  """The bf16 reference math's teacher-forced KL that a verdict on file measured on these weights, prompt tokens and
-  device class (the same prefill, pinned to the same exact-path decisions), or None."""
+def _reference_kl(results: store.Results, fingerprint: str, sha: str, v_tokens: int, device_cls: str,
+                  kl_band: int) -> float | None:
+  """The bf16 reference math's teacher-forced KL that a verdict on file measured on these weights, prompt tokens,
+  bands and device class (the same prefill, pinned to the same exact-path decisions), or None."""
   for v in results.verdicts:
     kl = (v.teacher_forced or {}).get("reference_bf16_mean_kl")
-    if (v.weights_fingerprint, v.prompt_sha256, v.tokens) == (fingerprint, sha, v_tokens) and v.features and \
+    if (v.weights_fingerprint, v.prompt_sha256, v.tokens, v.kl_band_tokens) == (fingerprint, sha, v_tokens,
+                                                                                 kl_band) and v.features and \
         v.features.get("device_class") == device_cls and kl is not None and math.isfinite(kl):
       return float(kl)  # (a NaN on file would bound every later verdict: it is measured again)
   return None
 
 
 def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: int, configs: list[Configuration],
-           fingerprint: str, clock: Clock, tried: set[tuple[int, str, Features]], save: Callable[[], None]) -> None:
+           fingerprint: str, clock: Clock, tried: set[tuple[int, str, Features]], save: Callable[[], None],
+           kl_band: int) -> None:
   """Judges the configurations without a verdict on the first v_tokens prompt tokens (and not tried in this
   process), in one pass; every verdict (or why it could not be taken) goes into `results.verdicts`. The per-layer
   verdicts are saved before the teacher-forced KL (checks.layers_only) and replaced by the whole verdict."""
   sha = inputs.sha256_array(setup.ids[:v_tokens])
   meta = lambda c: dict(tokens=v_tokens, config=c.name, features=c.features.to_dict(), mutation=c.mutation,
-                        mutation_layer=c.mutation_layer, weights_fingerprint=fingerprint, prompt_sha256=sha)
-  todo = [c for c in _unjudged(results, setup, v_tokens, configs, fingerprint)
+                        mutation_layer=c.mutation_layer, weights_fingerprint=fingerprint, prompt_sha256=sha,
+                        kl_band_tokens=kl_band)
+  todo = [c for c in _unjudged(results, setup, v_tokens, configs, fingerprint, kl_band)
           if (v_tokens, c.name, c.features) not in tried]
   if not todo:
     return
@@ -340,7 +352,8 @@ def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: in
     judged = runner.judge(m, setup.ids[:v_tokens], [dataclasses.replace(c, name=lab) for lab, c in todo],
                           log=lambda s: clock.say(f"  {s}"), on_layers=keep_layers,
                           reference_kl=_reference_kl(results, fingerprint, sha, v_tokens,
-                                                     todo[0][1].features.device_class))
+                                                     todo[0][1].features.device_class, kl_band),
+                          kl_band_tokens=kl_band)
   except Exception as e:  # noqa: BLE001 -- e.g. out of memory: every record says why it has no verdict
     judged = {lab: e for lab, _ in todo}
   results.verdicts = [v for v in results.verdicts if not any(v is s for s in saved)]
@@ -427,7 +440,8 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
 
   timed = [(n, c) for n, c in todo if not c.mutation]
   to_compile = [(n, c) for n, c in timed if not predicted_too_slow(n, c, full_exact=True)]
-  verdict_free, verdict_pinned, verdict_scored = _verdict_programs(opts, setup, results, todo, fingerprint)
+  verdict_free, verdict_pinned, verdict_scored, verdict_kl = _verdict_programs(opts, setup, results, todo,
+                                                                               fingerprint)
   if opts.precompile_workers and (to_compile or verdict_scored):
     t0 = runner.now()
     runs = [(n, c.features) for n, c in to_compile]
@@ -437,7 +451,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
         runs.append((p, exact_feats))
     runs += [r for r in verdict_free if r not in runs]
     count = runner.precompile(m, runs, opts.precompile_workers, clock.say, pinned=verdict_pinned,
-                              scored=verdict_scored)
+                              scored=verdict_scored, teacher_forced=verdict_kl)
     results.invocations[-1]["precompile"] = dict(programs=count, wall_s=runner.now() - t0,
                                                  workers=opts.precompile_workers)
     save()
@@ -460,7 +474,8 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
     for k, c in todo:
       if min(k, opts.verdict_tokens) == v_tokens:
         same_prefix.setdefault((c.features, c.mutation), c)
-    _judge(runner, m, setup, results, v_tokens, list(same_prefix.values()), fingerprint, clock, judged, save)
+    _judge(runner, m, setup, results, v_tokens, list(same_prefix.values()), fingerprint, clock, judged, save,
+           kl_band_tokens(opts, v_tokens))
     save()
     if n not in exact_by_len:
       exact_by_len[n] = ExactFinal(lambda ids: runner.logits(m, ids, exact_feats), setup.ids[:n], opts, clock,
@@ -484,10 +499,12 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
       result["timing"] = dataclasses.replace(result["timing"], cold_is_first_call=first_call,
                                              cold_loads_precompiled=bool(opts.precompile_workers))
     clock.done += 0 if conf.mutation else n
+    kl_band = kl_band_tokens(opts, v_tokens)
     verdict = results.verdict_for(v_tokens, conf.features.to_dict(), conf.mutation, fingerprint,
-                                  inputs.sha256_array(setup.ids[:v_tokens]))
+                                  inputs.sha256_array(setup.ids[:v_tokens]), kl_band)
     verdict = verdict or next(v for v in reversed(results.verdicts) if v.tokens == v_tokens
-                              and v.features == conf.features.to_dict() and v.mutation == conf.mutation)
+                              and v.features == conf.features.to_dict() and v.mutation == conf.mutation
+                              and v.kl_band_tokens == kl_band)
     rec = Record(config=conf.name, length=n, killed=conf.killed, also_off=conf.also_off,
                  features=conf.features.to_dict(), switches_on=tuple(conf.features.on()),
                  switch_states=features_lib.switch_states(conf.features), mutation=conf.mutation,

@@ -41,6 +41,7 @@ def summary_rows(results_or_records) -> list[dict[str, Any]]:
         verdict_tokens=v.tokens if v else None,
         worst_layer=worst.get("layer"), worst_layer_nmse=worst.get("update_nmse"), worst_layer_bound=worst.get("bound"),
         tf_kl=tf.get("mean_kl"), tf_kl_bound=tf.get("bound"), tf_kl_reference_bf16=tf.get("reference_bf16_mean_kl"),
+        tf_kl_bands=tf.get("bands", 1) if tf else None,
         tf_kl_within_upstream_gate=tf["mean_kl"] <= tf["upstream_gate"] if tf else None,
         nmse=p.nmse if p else None, max_abs=p.max_abs if p else None, top1_agree=p.top1_agree if p else None,
         kl=p.kl if p else None, prefix_tokens=p.prefix_tokens if p else None,
@@ -152,7 +153,8 @@ def markdown_table(results) -> str:
       verdict += ": " + "; ".join(row["verdict_reasons"])[:160].replace("|", "/")
     worst = ("-" if row["worst_layer"] is None else
              f"{row['worst_layer_nmse']:.1e} / {row['worst_layer_bound']:.1e} (layer {row['worst_layer']})")
-    tf = "-" if row["tf_kl"] is None else f"{row['tf_kl']:.1e} / {row['tf_kl_bound']:.1e}"
+    tf = "-" if row["tf_kl"] is None else f"{row['tf_kl']:.1e} / {row['tf_kl_bound']:.1e}" + (
+        f" ({row['tf_kl_bands']} bands)" if row["tf_kl_bands"] > 1 else "")
     final = "-" if row["kl"] is None else (f"{row['kl']:.1e}" + (f" (prefix {row['prefix_tokens']})"
                                                                   if row["prefix_tokens"] else ""))
     lines.append(f"| {row['length']} | {name} | {_fmt(row['tokens_per_s'], '.1f')} | "

@@ -47,6 +47,7 @@ class FakeRunner:
   def __init__(self, fail=None, noise_gain=1e-3, noisy_fail=None, cost=None, judge_fail=None, kl_fail=None):
     self.calls, self.noisy_calls, self.judged, self.compiled, self.compiled_verdicts = [], [], [], [], []
     self.reference_kls = []  # what each verdict pass was handed as the bf16 reference's KL on file
+    self.kl_bands, self.compiled_teacher_forced = [], []  # each verdict pass's KL band size; their programs
     self.fail = fail  # (features, n_tokens) -> exception to raise, or None
     self.noise_gain = noise_gain  # how far the logits move under one f32 rounding of the input (the noise floor)
     self.noisy_fail = noisy_fail  # exception for the perturbed (noise floor) run, or None
@@ -87,8 +88,9 @@ class FakeRunner:
       logits = logits + 2.0 * np.cos(3 * v)
     return np.asarray(logits, np.float32)
 
-  def judge(self, m, ids, configs, log, on_layers=None, reference_kl=None):
+  def judge(self, m, ids, configs, log, on_layers=None, reference_kl=None, kl_band_tokens=0):
     self.judged.append((len(ids), [c.name for c in configs]))
+    self.kl_bands.append(kl_band_tokens)
     self.reference_kls.append(reference_kl)
     if self.judge_fail:
       raise self.judge_fail
@@ -105,10 +107,11 @@ class FakeRunner:
       raise self.kl_fail
     return {name: verdicts.Judgement(layers[name], tf[name]) for name in layers}
 
-  def precompile(self, m, runs, workers, log, pinned=(), scored=()):
+  def precompile(self, m, runs, workers, log, pinned=(), scored=(), teacher_forced=()):
     self.compiled.append(list(runs))
     self.compiled_verdicts.append((list(pinned), list(scored)))
-    return len(runs) + len(pinned) + len(scored)
+    self.compiled_teacher_forced.append(list(teacher_forced))
+    return len(runs) + len(pinned) + len(scored) + len(teacher_forced)
 
 
 def options(tmp_path, **kw) -> q.Options:
@@ -306,6 +309,26 @@ def test_all_on_follows_the_defaults_of_each_length(tmp_path, tiny_model, monkey
   assert any(s.startswith("all_on at [32] switches: ['moe_compact_queue']") for s in lines)
 
 
+def test_verdict_bands_judge_again_and_precompile_the_banded_kl(tmp_path, tiny_model):
+  """--verdict_bands=2: the verdict pass is handed the KL band size (half the verdict prefix), its records say so,
+  its banded teacher-forced prefills are precompiled, and verdicts on file from one band are not reused (a pair
+  judged with other bands is run again)."""
+  fake = FakeRunner()
+  first, _ = run(options(tmp_path, configs=("all_on",)), tiny_model, fake)
+  assert fake.kl_bands == [0] and by_key(first)[(32, "all_on")].verdict.kl_band_tokens == 0
+  second, _ = run(options(tmp_path, configs=("all_on",), append=True, verdict_bands=2, precompile_workers=2),
+                  tiny_model, fake)
+  assert second.invocations[-1]["plan"] == [[32, "all_on"]] and fake.kl_bands == [0, 8]
+  v = by_key(second)[(32, "all_on")].verdict
+  assert v.kl_band_tokens == 8 and v is second.verdicts[-1]
+  on = by_key(second)[(32, "all_on")].features
+  bf16_reference = dataclasses.replace(EXACT, bf16_matmul=True)
+  assert fake.compiled_teacher_forced[-1] == [
+      (16, verdicts.teacher_forced_features(f, 8)) for f in (features.Features(**on), bf16_reference)]
+  third, _ = run(options(tmp_path, configs=("all_on",), append=True, verdict_bands=2), tiny_model, fake)
+  assert third.invocations[-1]["plan"] == [] and fake.kl_bands == [0, 8]  # now on file
+
+
 def test_bounded_runs_append_each_pair_exactly_once(tmp_path, tiny_model):
   fake = FakeRunner()
   first, _ = run(options(tmp_path, configs=("all_on", "all_off")), tiny_model, fake)
@@ -321,15 +344,15 @@ def test_bounded_runs_append_each_pair_exactly_once(tmp_path, tiny_model):
   assert fake.reference_kls == [None, 2e-5]
   v = next(v for v in second.verdicts if v.config == "all_on")
   key = (v.weights_fingerprint, v.prompt_sha256)
-  assert qualify._reference_kl(second, *key, 16, "cpu_interpret") == 2e-5  # pylint: disable=protected-access
-  # another prefix length, prompt, weights or device: measured again
-  for other in [(*key, 8, "cpu_interpret"), (key[0], "0" * 64, 16, "cpu_interpret"),
-                ("x", key[1], 16, "cpu_interpret"), (*key, 16, "sm_90")]:
+  assert qualify._reference_kl(second, *key, 16, "cpu_interpret", 0) == 2e-5  # pylint: disable=protected-access
+  # another prefix length, prompt, weights, device or KL band size: measured again
+  for other in [(*key, 8, "cpu_interpret", 0), (key[0], "0" * 64, 16, "cpu_interpret", 0),
+                ("x", key[1], 16, "cpu_interpret", 0), (*key, 16, "sm_90", 0), (*key, 16, "cpu_interpret", 8)]:
     assert qualify._reference_kl(second, *other) is None  # pylint: disable=protected-access
   nan = [dataclasses.replace(v, teacher_forced={**v.teacher_forced, "reference_bf16_mean_kl": math.nan})
          for v in second.verdicts if v.teacher_forced]  # a NaN on file is measured again, not a bound for all
   on_file = dataclasses.replace(second, verdicts=nan)
-  assert qualify._reference_kl(on_file, *key, 16, "cpu_interpret") is None  # pylint: disable=protected-access
+  assert qualify._reference_kl(on_file, *key, 16, "cpu_interpret", 0) is None  # pylint: disable=protected-access
   third, _ = run(options(tmp_path, append=True), tiny_model, fake)
   keys = [r.key for r in third.records]
   assert len(keys) == len(set(keys)) == 7
@@ -647,6 +670,8 @@ def test_merge_results_of_side_by_side_calls(tmp_path, tiny_model):
     (dict(quant_policy="lucebox_mix"), q.StartupError, "not a multiple of 128"),
     (dict(exact_max_tokens=8, parity_prefix_tokens=16), q.StartupError, "exceeds --exact_max_tokens"),
     (dict(exact_max_tokens=20, verdict_tokens=24), q.StartupError, "--verdict_tokens=24 exceeds"),
+    (dict(verdict_bands=0), q.StartupError, "--verdict_bands must be in"),
+    (dict(mutations=("kv_tail_dropped",)), q.StartupError, "need --verdict_bands >= 2"),
     (dict(prompt_file="/nonexistent/prompt.txt"), q.StartupError, "does not exist"),
 ])
 def test_startup_errors_come_before_any_work(tmp_path, tiny_model, kw, error, match):
@@ -802,8 +827,8 @@ def test_real_model_catches_every_planted_bug(tmp_path):
   """The qualification itself on the real model: every planted bug of experiments/mutations.py, each in the first
   layer of its kind of tiny_sparse (window, CSA, HCA, CSA), FAILs there; the exact path PASSes."""
   lines = []
-  opts = options(tmp_path, preset="tiny_sparse", dtype="f32", lengths=(24,), verdict_tokens=24, warmups=0,
-                 repeats=1, configs=("all_off",), mutations=tuple(mutations.MUTATIONS), features={})
+  opts = options(tmp_path, preset="tiny_sparse", dtype="f32", lengths=(24,), verdict_tokens=24, verdict_bands=2,
+                 warmups=0, repeats=1, configs=("all_off",), mutations=tuple(mutations.MUTATIONS), features={})
   doc = q.run(opts, log=lines.append)
   print("\n".join(x for x in lines if ": FAIL" in x))
   recs = {r.config: r for r in doc.records}
@@ -811,8 +836,13 @@ def test_real_model_catches_every_planted_bug(tmp_path):
   assert sorted(recs) == sorted(f"mutant_{n}" for n in mutations.MUTATIONS)
   for name, r in recs.items():
     assert r.status == "not_timed" and r.result == q.FAIL, (name, r.verdict.reasons)
-    assert any(f"layer {r.verdict.mutation_layer}" in why for why in r.verdict.reasons), r.verdict.reasons
-  assert lines[-1] == "verdicts: 1 pass, 0 fail, 0 not run; planted bugs: 6 of 6 caught" and not q.failed(doc)
+    assert r.verdict.kl_band_tokens == 12
+    if name.removeprefix("mutant_") in mutations.CARRY:  # its own layer passes; the KL in two bands fails
+      assert r.verdict.teacher_forced["bands"] == 2 and r.verdict.reasons[0].startswith("teacher-forced KL")
+    else:
+      assert any(f"layer {r.verdict.mutation_layer}" in why for why in r.verdict.reasons), r.verdict.reasons
+  n = len(mutations.MUTATIONS)
+  assert lines[-1] == f"verdicts: 1 pass, 0 fail, 0 not run; planted bugs: {n} of {n} caught" and not q.failed(doc)
 
 
 def test_table_shows_a_verdict_whose_run_was_not_timed():

@@ -100,7 +100,7 @@ def test_every_mutation_has_a_layer_kind_in_tiny_sparse():
   cfg = config.tiny_sparse()
   assert {n: mutations.default_layer(cfg, n) for n in mutations.MUTATIONS} == dict(
       dropped_sink=0, expert_scale_step=0, window_off_by_one=0, index_topk_minus_one=1, routed_scale_dropped=0,
-      compressor_bias_dropped=1)
+      compressor_bias_dropped=1, kv_tail_dropped=0)
   with pytest.raises(StopIteration):
     mutations.default_layer(config.tiny_window(), "index_topk_minus_one")
 
@@ -134,3 +134,25 @@ def test_a_reference_kl_on_file_is_used_not_measured(tiny, monkeypatch):
   tf = out["exact"].teacher_forced
   assert (tf.reference_bf16_mean_kl, tf.bound) == (0.25, verdicts.KL_FACTOR * 0.25)
   assert any("2.50e-01" in s and "on file" in s for s in lines)
+
+
+def test_a_carry_bug_passes_one_band_and_fails_the_teacher_forced_kl_in_two(tiny):
+  """kv_tail_dropped (layer 0 loses the window's KV rows carried from the previous band) is invisible to the
+  per-layer checks and to a one-band KL, which carry nothing; with the teacher-forced prefills in two bands
+  (kl_band_tokens) it FAILs, while the exact path in the same two bands stays far below the bound."""
+  m, ids = tiny
+  bug = dict(runners=dict(carry=mutations.run_layer(mutations.kv_tail_dropped, {0})),
+             models=dict(carry=mutations.mutated_model(m, mutations.kv_tail_dropped, {0})),
+             only=dict(exact={0}, carry={0}))
+  one = verdicts.judge(m, ids, dict(exact=exact(), carry=exact()), **bug)
+  assert one["carry"].passed and one["carry"].layers[0].update_nmse == 0.0 and one["carry"].teacher_forced.bands == 1
+  two = verdicts.judge(m, ids, dict(exact=exact(), carry=exact()), **bug, kl_band_tokens=len(ids) // 2)
+  tf, ok = two["carry"].teacher_forced, two["exact"].teacher_forced
+  assert tf.bands == ok.bands == 2 and two["carry"].layers[0].passed
+  assert not two["carry"].passed and tf.mean_kl > 10 * tf.bound and tf.worst_position >= len(ids) // 2
+  assert two["exact"].passed and ok.mean_kl < 1e-2 * ok.bound
+  assert "teacher-forced KL" in two["carry"].reasons()[-1]
+  # a configuration that runs one band (prefill_band_tokens=0) keeps it: bands are what it would run
+  assert verdicts.teacher_forced_features(dataclasses.replace(exact(), prefill_band_tokens=0), 16) \
+      .prefill_band_tokens == 0
+  assert verdicts.teacher_forced_features(exact(), 16).prefill_band_tokens == 16
