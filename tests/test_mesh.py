@@ -36,15 +36,13 @@ ALL_CPU = {"moe_sparse_gate_up": True, "moe_adaptive_tile": True, "moe_compact_q
            "indexer_radix_topk": True, "direct_indexer_topk": True, "mla_stream_topk": True, "mla_stream_f32_stage": True,
            "mla_stream_fast_exp": True}
 SHARDED = {
-    "exact/expert=4": ({}, "expert=4"),
     "exact/expert=2,query=2": ({}, "expert=2,query=2"),
     "every_cpu_switch/expert=2": (ALL_CPU, "expert=2"),
     # Bands of 12 after the first start at s0 = 12 (a cache to attend to); 6 queries per device are not a whole
     # number of 4-query chunks, so each device attends in chunks of gcd(6, 4) = 2.
     "exact_bands_of_12_in_chunks_of_4/query=2": ({"prefill_band_tokens": 12, "long_context_chunk": 4}, "query=2"),
-    "stationary_decoded/expert=4": ({"moe_compact_queue": True, "moe_decode_kernel": True,
-                                     "prefill_weights_stationary": True, "prefill_band_tokens": 8}, "expert=4"),
-    # and with its MoE over both bands at once: the sharded MoE on the joined tokens.
+    # Weights stationary with its MoE over both bands at once (the sm_90 default): the experts decoded once per layer,
+    # kept split, and the sharded MoE on the joined tokens.
     "stationary_decoded_moe_over_bands/expert=4": ({"moe_compact_queue": True, "moe_decode_kernel": True,
                                                     "prefill_weights_stationary": True,
                                                     "prefill_moe_over_bands": True, "prefill_band_tokens": 8},
