@@ -267,7 +267,8 @@ def logits_of_streams(m: model_lib.DeepseekV4, X: jnp.ndarray) -> jnp.ndarray:
 
 def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], workers: int = 8,
                log: Callable[[str], None] | None = None, pinned: Sequence[tuple[int, Features]] = (),
-               scored: Sequence[tuple[int, Features]] = (), teacher_forced: Sequence[tuple[int, Features]] = ()) -> int:
+               scored: Sequence[tuple[int, Features]] = (), teacher_forced: Sequence[tuple[int, Features]] = (),
+               seen: set | None = None) -> int:
   """Compiles every distinct layer program that `prefill` would run for each (prompt tokens, features) in `runs`,
   `workers` at a time, into jax's persistent compilation cache (jax_compilation_cache_dir must be set). The later
   prefills then load them instead of compiling them one after another.
@@ -275,14 +276,15 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
   `pinned`: runs whose layer steps take imposed decisions (the exact path's, as the qualification's pinned parity and
   teacher-forced KL impose them); `scored`: runs that record their selection scores (the exact path in the
   qualification's verdict pass). Both are one band from position 0, as those passes run them. `teacher_forced`:
-  pinned runs in the bands their features say (the teacher-forced KL in several bands).
+  pinned runs in the bands their features say (the teacher-forced KL in several bands). `seen`: the programs of
+  earlier calls (a set this call adds to), which are not compiled again.
 
   Lowering (tracing) runs here, one program at a time; the XLA/Triton compiles run in threads (they release the
   GIL). Returns the number of programs compiled; one that fails to compile is logged and left to its prefill.
   """
   if not jax.config.jax_compilation_cache_dir:
     raise ValueError("precompile fills the persistent compilation cache: set jax_compilation_cache_dir first")
-  lowered, seen = [], set()
+  lowered, seen = [], set() if seen is None else seen
   programs = ([(n, f, False, False, True) for n, f in runs] + [(n, f, True, False, False) for n, f in pinned]
               + [(n, f, False, True, False) for n, f in scored] + [(n, f, True, False, True) for n, f in teacher_forced])
   for n_tokens, features, pin, record_scores, banded in programs:

@@ -442,19 +442,26 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
   to_compile = [(n, c) for n, c in timed if not predicted_too_slow(n, c, full_exact=True)]
   verdict_free, verdict_pinned, verdict_scored, verdict_kl = _verdict_programs(opts, setup, results, todo,
                                                                                fingerprint)
-  if opts.precompile_workers and (to_compile or verdict_scored):
+  timed_runs = [(n, c.features) for n, c in to_compile]
+  for n in sorted({n for n, _ in to_compile}):  # and the exact path each length will need
+    p = min(opts.parity_prefix_tokens, n) if opts.exact_max_tokens and n > opts.exact_max_tokens else n
+    if (p, exact_feats) not in timed_runs and not prefixes.has(p):
+      timed_runs.append((p, exact_feats))
+  compiled: set = set()  # the programs of both phases: one that both need is compiled once
+
+  def precompile(runs, **verdict_runs) -> None:
+    if not opts.precompile_workers or not (runs or verdict_runs.get("scored")):
+      return
     t0 = runner.now()
-    runs = [(n, c.features) for n, c in to_compile]
-    for n in sorted({n for n, _ in to_compile}):  # and the exact path each length will need
-      p = min(opts.parity_prefix_tokens, n) if opts.exact_max_tokens and n > opts.exact_max_tokens else n
-      if (p, exact_feats) not in runs and not prefixes.has(p):
-        runs.append((p, exact_feats))
-    runs += [r for r in verdict_free if r not in runs]
-    count = runner.precompile(m, runs, opts.precompile_workers, clock.say, pinned=verdict_pinned,
-                              scored=verdict_scored, teacher_forced=verdict_kl)
-    results.invocations[-1]["precompile"] = dict(programs=count, wall_s=runner.now() - t0,
-                                                 workers=opts.precompile_workers)
+    count = runner.precompile(m, runs, opts.precompile_workers, clock.say, **verdict_runs, seen=compiled)
+    done = results.invocations[-1].get("precompile") or dict(programs=0, wall_s=0.0, workers=opts.precompile_workers)
+    results.invocations[-1]["precompile"] = done | dict(programs=done["programs"] + count,
+                                                        wall_s=done["wall_s"] + runner.now() - t0)
     save()
+
+  # The verdict pass's programs first, the timed runs' after the verdicts: a call that ends while those compile has
+  # saved its verdicts, and the next call compiles only what the timing needs.
+  precompile(verdict_free, pinned=verdict_pinned, scored=verdict_scored, teacher_forced=verdict_kl)
   exact_by_len: dict[int, ExactFinal] = {}
   called: set[tuple[Features, int]] = set()  # (features, length) already run in this process
   floors_tried: set[int] = set()  # noise floors (by parity tokens) measured or attempted in this process
@@ -477,6 +484,9 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
     _judge(runner, m, setup, results, v_tokens, list(same_prefix.values()), fingerprint, clock, judged, save,
            kl_band_tokens(opts, v_tokens))
     save()
+    if not conf.mutation and timed_runs is not None:
+      precompile(timed_runs)
+      timed_runs = None
     if n not in exact_by_len:
       exact_by_len[n] = ExactFinal(lambda ids: runner.logits(m, ids, exact_feats), setup.ids[:n], opts, clock,
                                    prefixes)

@@ -37,9 +37,10 @@ class Runner(Protocol):
 
   def precompile(self, m, runs: Sequence[tuple[int, Features]], workers: int, log: Callable[[str], None],
                  pinned: Sequence[tuple[int, Features]] = (), scored: Sequence[tuple[int, Features]] = (),
-                 teacher_forced: Sequence[tuple[int, Features]] = ()) -> int:
+                 teacher_forced: Sequence[tuple[int, Features]] = (), seen: set | None = None) -> int:
     """Compiles the layer programs of `runs` (prompt length, features), and of the verdict pass's `pinned`,
-    `scored` and `teacher_forced` steps (ds4jax.prefill.precompile), into the persistent cache."""
+    `scored` and `teacher_forced` steps (ds4jax.prefill.precompile), into the persistent cache; `seen`: the programs
+    of earlier calls, skipped."""
 
   def now(self) -> float:
     """Seconds, for timing (perf_counter)."""
@@ -82,7 +83,7 @@ class ModelRunner:
                                            on_layers=on_layers, reference_kl=reference_kl,
                                            kl_band_tokens=kl_band_tokens)
 
-  def precompile(self, m, runs, workers, log, pinned=(), scored=(), teacher_forced=()) -> int:
+  def precompile(self, m, runs, workers, log, pinned=(), scored=(), teacher_forced=(), seen=None) -> int:
     if not jax.config.jax_compilation_cache_dir:  # a temporary directory unless the user set one
       jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="ds4jax_jit_cache_"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -91,7 +92,7 @@ class ModelRunner:
         f"pinned, scored or teacher-forced verdict runs, {workers} at a time, into "
         f"{jax.config.jax_compilation_cache_dir}")
     return prefill_lib.precompile(m, runs, workers, log=log, pinned=pinned, scored=scored,
-                                  teacher_forced=teacher_forced)
+                                  teacher_forced=teacher_forced, seen=seen)
 
   def now(self) -> float:
     return time.perf_counter()

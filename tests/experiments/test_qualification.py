@@ -107,7 +107,7 @@ class FakeRunner:
       raise self.kl_fail
     return {name: verdicts.Judgement(layers[name], tf[name]) for name in layers}
 
-  def precompile(self, m, runs, workers, log, pinned=(), scored=(), teacher_forced=()):
+  def precompile(self, m, runs, workers, log, pinned=(), scored=(), teacher_forced=(), seen=None):
     self.compiled.append(list(runs))
     self.compiled_verdicts.append((list(pinned), list(scored)))
     self.compiled_teacher_forced.append(list(teacher_forced))
@@ -323,7 +323,7 @@ def test_verdict_bands_judge_again_and_precompile_the_banded_kl(tmp_path, tiny_m
   assert v.kl_band_tokens == 8 and v is second.verdicts[-1]
   on = by_key(second)[(32, "all_on")].features
   bf16_reference = dataclasses.replace(EXACT, bf16_matmul=True)
-  assert fake.compiled_teacher_forced[-1] == [
+  assert fake.compiled_teacher_forced[0] == [
       (16, verdicts.teacher_forced_features(f, 8)) for f in (features.Features(**on), bf16_reference)]
   third, _ = run(options(tmp_path, configs=("all_on",), append=True, verdict_bands=2), tiny_model, fake)
   assert third.invocations[-1]["plan"] == [] and fake.kl_bands == [0, 8]  # now on file
@@ -524,19 +524,26 @@ def test_too_slow_configuration_keeps_its_cold_run_and_parity(tmp_path, tiny_mod
 
 
 def test_precompile_covers_the_verdict_pass_once(tmp_path, tiny_model):
-  """The verdict pass's pinned and scored steps are precompiled with the timed runs, once: not when the verdicts
-  are on file."""
+  """The verdict pass's pinned and scored steps are precompiled once, before the verdicts, and the timed runs'
+  programs after them (a call cut while those compile keeps its verdicts); not when the verdicts are on file."""
   fake = FakeRunner()
   opts = options(tmp_path, lengths=(16, 32), verdict_tokens=16, precompile_workers=2, mutations=("dropped_sink",),
                  configs=("all_on", "kill_moe_fused_combine", "all_off"), features=ON | {"bf16_matmul": True})
+  order = []
+  judge, precompile = fake.judge, fake.precompile
+  fake.judge = lambda *a, **k: order.append("judge") or judge(*a, **k)
+  fake.precompile = lambda *a, **k: order.append("precompile") or precompile(*a, **k)
   doc, _ = run(opts, tiny_model, fake)
+  assert order == ["precompile", "judge", "precompile"]
   confs = {r.config: r.features for r in doc.records}
   feats = {name: features.Features(**f) for name, f in confs.items()}
   bf16_reference = dataclasses.replace(EXACT, bf16_matmul=True)
-  (pinned, scored), = fake.compiled_verdicts
-  assert scored == [(16, EXACT)]
+  (pinned, scored), timing_phase = fake.compiled_verdicts
+  assert scored == [(16, EXACT)] and timing_phase == ([], [])
   assert pinned == [(16, feats["all_on"]), (16, feats["kill_moe_fused_combine"]), (16, bf16_reference), (16, EXACT)]
-  assert {(16, feats["all_on"]), (16, feats["kill_moe_fused_combine"]), (16, EXACT)} <= set(fake.compiled[0])
+  assert {(16, feats["all_on"]), (16, feats["kill_moe_fused_combine"]), (16, EXACT)} == set(fake.compiled[0])
+  assert (32, feats["all_on"]) in fake.compiled[1]
+  assert doc.invocations[-1]["precompile"]["programs"] == sum(map(len, fake.compiled)) + len(pinned) + len(scored)
   fake.compiled_verdicts.clear()
   run(dataclasses.replace(opts, lengths=(48,), append=True), tiny_model, fake)  # judged on the same 16 tokens
   assert fake.compiled_verdicts == [([], [])]
