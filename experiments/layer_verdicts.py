@@ -54,6 +54,10 @@ def main(argv):
   unknown = [n for n in _MUTATIONS.value if n not in mutations.MUTATIONS]
   if unknown:
     sys.exit(f"layer_verdicts: unknown --mutations {unknown}; known: {list(mutations.MUTATIONS)}")
+  carry = [n for n in _MUTATIONS.value if n in mutations.CARRY]
+  if carry:
+    sys.exit(f"layer_verdicts: --mutations {carry} plant bugs in what a layer carries between bands, which one band "
+             "from position 0 cannot show; the qualification judges them (experiments.prefill --verdict_bands=2)")
   if not 1 <= _TOKENS.value <= cfg.max_position_embeddings:
     sys.exit(f"layer_verdicts: --tokens must lie in [1, {cfg.max_position_embeddings}]")
   flags_lib.check_mesh("layer_verdicts", flags.FLAGS.mesh, cfg)  # before drawing the weights

@@ -121,6 +121,15 @@ def test_layer_verdicts_command_on_a_mesh(tmp_path):
   assert not doc["mutations"]["dropped_sink"]["passed"]
 
 
+def test_layer_verdicts_refuses_a_carry_bug_it_cannot_judge():
+  """The per-layer command runs one band from position 0: a planted carry bug would pass there, so it is refused
+  with where it is judged instead."""
+  p = subprocess.run([sys.executable, "-m", "experiments.layer_verdicts", "--preset=tiny_window",
+                      "--mutations=kv_tail_dropped"], capture_output=True, text=True,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert p.returncode != 0 and "--verdict_bands=2" in p.stderr, p.stderr[-2000:]
+
+
 def test_a_reference_kl_on_file_is_used_not_measured(tiny, monkeypatch):
   """verdicts.judge takes the bf16 reference's teacher-forced KL from the caller (the qualification's verdicts on
   file) instead of running its prefill again, and bounds every configuration by it."""
