@@ -4,8 +4,9 @@ Each mutation takes a layer's block and returns a changed copy (the model itself
 it into the runner `verdicts.layer_verdicts` injects, mutating the chosen layers only. The bugs are in the exact
 math, the kind a kernel or a port gets wrong: an attention sink dropped, one expert's output scale one UE8M0 step
 off, the window off by one, the indexer keeping k - 1 rows, the routed scaling factor dropped from the combine
-weights, the compressor's per-slot gate bias dropped; and one in what a layer carries from band to band (CARRY),
-which a run of one band from position 0 cannot show: the verdicts judge those end to end, in bands.
+weights, the compressor's per-slot gate bias dropped; and two in what a layer carries from band to band (CARRY:
+the window's KV rows, the compressed rows), which a run of one band from position 0 cannot show: the verdicts judge
+those end to end, in bands.
 """
 
 from __future__ import annotations
@@ -68,31 +69,46 @@ def compressor_bias_dropped(block):
 
 
 @functools.cache
-def _without_kv_tail(attention_cls):
-  class WithoutKVTail(attention_cls):
+def _forgetting(attention_cls, fields: tuple[str, ...]):
+  """`attention_cls` whose band receives its carried cache with `fields` zeroed."""
+  class Forgetting(attention_cls):
     def band(self, x, s0, cache, *args, **kwargs):
-      return super().band(x, s0, dataclasses.replace(cache, kv_tail=jnp.zeros_like(cache.kv_tail)), *args, **kwargs)
+      lost = {f: jnp.zeros_like(getattr(cache, f)) for f in fields if getattr(cache, f) is not None}
+      return super().band(x, s0, dataclasses.replace(cache, **lost), *args, **kwargs)
 
-  WithoutKVTail.__name__ = WithoutKVTail.__qualname__ = f"{attention_cls.__name__}WithoutKVTail"
-  return WithoutKVTail
+  Forgetting.__name__ = Forgetting.__qualname__ = f"{attention_cls.__name__}Forgetting_{'_'.join(fields)}"
+  return Forgetting
+
+
+def _forget(block, *fields: str):
+  b = nnx.clone(block)
+  b.attn.__class__ = _forgetting(type(b.attn), fields)
+  return b
 
 
 def kv_tail_dropped(block):
   """The window's KV rows carried from the previous band are lost: a band's first queries see zero keys and values
   where the previous band's last W - 1 positions were. The first band carries zeros anyway, so only a later band
   shows it."""
-  b = nnx.clone(block)
-  b.attn.__class__ = _without_kv_tail(type(b.attn))
-  return b
+  return _forget(block, "kv_tail")
+
+
+def compressed_rows_dropped(block):
+  """The compressed rows (and the indexer's keys) of earlier bands are lost: a band's queries see zero rows where
+  the earlier bands' windows were pooled."""
+  if block.attn.compressor is None:
+    raise ValueError("compressed_rows_dropped needs a compressed (CSA or HCA) layer")
+  return _forget(block, "rows", "index_rows")
 
 
 MUTATIONS: dict[str, Callable] = {f.__name__: f for f in (
     dropped_sink, expert_scale_step, window_off_by_one, index_topk_minus_one, routed_scale_dropped,
-    compressor_bias_dropped, kv_tail_dropped)}
+    compressor_bias_dropped, kv_tail_dropped, compressed_rows_dropped)}
 # Bugs in what a layer carries between bands: invisible to the per-layer checks (one band), judged end to end.
-CARRY = {"kv_tail_dropped"}
+CARRY = {"kv_tail_dropped", "compressed_rows_dropped"}
 # The layer kinds a bug lives in (absent: any layer).
-NEEDS = dict(index_topk_minus_one={Attention.CSA}, compressor_bias_dropped={Attention.CSA, Attention.HCA})
+NEEDS = dict(index_topk_minus_one={Attention.CSA}, compressor_bias_dropped={Attention.CSA, Attention.HCA},
+             compressed_rows_dropped={Attention.CSA, Attention.HCA})
 
 
 def default_layer(cfg, name: str) -> int:

@@ -100,7 +100,7 @@ def test_every_mutation_has_a_layer_kind_in_tiny_sparse():
   cfg = config.tiny_sparse()
   assert {n: mutations.default_layer(cfg, n) for n in mutations.MUTATIONS} == dict(
       dropped_sink=0, expert_scale_step=0, window_off_by_one=0, index_topk_minus_one=1, routed_scale_dropped=0,
-      compressor_bias_dropped=1, kv_tail_dropped=0)
+      compressor_bias_dropped=1, kv_tail_dropped=0, compressed_rows_dropped=1)
   with pytest.raises(StopIteration):
     mutations.default_layer(config.tiny_window(), "index_topk_minus_one")
 
@@ -145,14 +145,17 @@ def test_a_reference_kl_on_file_is_used_not_measured(tiny, monkeypatch):
   assert any("2.50e-01" in s and "on file" in s for s in lines)
 
 
-def test_a_carry_bug_passes_one_band_and_fails_the_teacher_forced_kl_in_two(tiny):
-  """kv_tail_dropped (layer 0 loses the window's KV rows carried from the previous band) is invisible to the
-  per-layer checks and to a one-band KL, which carry nothing; with the teacher-forced prefills in two bands
-  (kl_band_tokens) it FAILs, while the exact path in the same two bands stays far below the bound."""
+@pytest.mark.parametrize("name", sorted(mutations.CARRY))
+def test_a_carry_bug_passes_one_band_and_fails_the_teacher_forced_kl_in_two(tiny, name):
+  """A bug in what a layer carries between bands (kv_tail_dropped: the window's KV rows; compressed_rows_dropped:
+  the compressed rows and indexer keys) is invisible to the per-layer checks and to a one-band KL, which carry
+  nothing; with the teacher-forced prefills in two bands (kl_band_tokens) it FAILs, while the exact path in the same
+  two bands stays far below the bound."""
   m, ids = tiny
-  bug = dict(runners=dict(carry=mutations.run_layer(mutations.kv_tail_dropped, {0})),
-             models=dict(carry=mutations.mutated_model(m, mutations.kv_tail_dropped, {0})),
-             only=dict(exact={0}, carry={0}))
+  layer, bugged = mutations.default_layer(m.cfg, name), mutations.MUTATIONS[name]
+  bug = dict(runners=dict(carry=mutations.run_layer(bugged, {layer})),
+             models=dict(carry=mutations.mutated_model(m, bugged, {layer})),
+             only=dict(exact={layer}, carry={layer}))
   two = verdicts.judge(m, ids, dict(exact=exact(), carry=exact()), **bug, kl_band_tokens=len(ids) // 2)
   tf, ok = two["carry"].teacher_forced, two["exact"].teacher_forced
   assert tf.bands == ok.bands == 2 and two["carry"].layers[0].passed
