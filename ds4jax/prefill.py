@@ -121,6 +121,57 @@ def layer_step(block, X: jnp.ndarray, tokens: jnp.ndarray, s0, cache, features: 
                      record_scores)
 
 
+def _layer_over_bands(parts, cache, X: list, band_tokens: list, B: int, inner: Features,
+                      groups: list[range] | None, pins: list[Decisions] | None, keep: bool) -> list[Decisions]:
+  """One layer over every band, as the weights-stationary order runs it: band by band with the cache carried or,
+  given `groups` (prefill_moe_over_bands), each band's attention and then the MoE once per group of bands. `X`
+  (each band's streams) is updated in place; `cache` is donated. Returns each band's decisions where `keep`."""
+  if groups is None:
+    made = []
+    for b in range(len(X)):
+      X[b], cache, d = _layer_step(*parts, X[b], band_tokens[b], jnp.int32(b * B), cache, inner,
+                                   None if pins is None else pins[b])
+      made.append(d)
+    return made if keep else []
+  rows = []
+  for b in range(len(X)):
+    X[b], cache, r = _attend_step(*parts, X[b], jnp.int32(b * B), cache, inner,
+                                  None if pins is None else pins[b].index_rows)
+    rows.append(r if keep else None)
+  del cache  # the layer's attention is done: its cache goes before the joined MoE's buffers come
+  routes: list = [None] * len(X)
+  for g in groups:
+    ys, rs = _moe_step(*parts, tuple(X[c] for c in g), tuple(band_tokens[c] for c in g), inner,
+                       None if pins is None else tuple(pins[c].route_ids for c in g))
+    for c, y, r in zip(g, ys, rs):
+      X[c], routes[c] = y, r
+  return [Decisions(r, rows[b]) for b, r in enumerate(routes)] if keep else []
+
+
+def layer_in_bands(block, X: jnp.ndarray, tokens, features: Features,
+                   pinned: Decisions | None = None) -> tuple[jnp.ndarray, Decisions]:
+  """One layer over a whole prompt's streams X [S, n, D] from position 0, through the programs `prefill` runs for
+  that layer under `features`: its bands, the cache carried between them, decoded experts and the MoE over bands
+  where those say (the weights-stationary order, which is bit-identical to the band-major one). -> (streams
+  [S, n, D], the layer's decisions over the S tokens). X is donated. `pinned`: decisions over the S tokens to
+  impose. The per-layer verdicts run layers this way, so they see what a layer carries between bands."""
+  S = X.shape[0]
+  B = band_size(S, features)
+  n_bands = -(-S // B)
+  padded = np.zeros(n_bands * B, np.int32)
+  padded[:S] = np.asarray(tokens)
+  if n_bands * B > S:  # later positions: causal masks keep them out of every real one
+    X = jnp.pad(X, ((0, n_bands * B - S), (0, 0), (0, 0)))
+  Xs = [X] if n_bands == 1 else [X[b * B:(b + 1) * B] for b in range(n_bands)]
+  del X
+  pins = None if pinned is None else [_band_of(pinned, b * B, B) for b in range(n_bands)]
+  groups = moe_groups(n_bands, B) if moe_over_bands(features, n_bands) else None
+  made = _layer_over_bands(step_parts(block, features, n_bands), block.attn.empty_cache(n_bands * B, B), Xs,
+                           [jnp.asarray(padded[b * B:(b + 1) * B]) for b in range(n_bands)], B,
+                           layer_features(features, B), groups, pins, keep=True)
+  return jnp.concatenate(Xs)[:S], _joined(made, S)
+
+
 @functools.partial(jax.jit, static_argnames=("hc_mult",))
 def _embed(table, tokens, hc_mult: int):
   return model_lib.embed_streams(table, tokens, hc_mult)
@@ -171,72 +222,61 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
   # host with V4-Flash's structure, during which the device sat idle.
   layers = list(m.layers)
   L = len(layers)
-  caches: list = [None] * L
-  parts: list = [None] * L
-  out_def, out_state = None, None
   if pinned is not None and len(pinned) != L:
     raise ValueError(f"pinned holds {len(pinned)} layers' decisions; the model has {L}")
-  stationary = features.prefill_weights_stationary
-  schedule = ([(i, b) for i in range(L) for b in range(n_bands)] if stationary
-              else [(i, b) for b in range(n_bands) for i in range(L)])
-  over_bands = moe_over_bands(features, n_bands)
-  groups = moe_groups(n_bands, B) if over_bands else []
-  rows_by_band: dict[int, jnp.ndarray | None] = {}  # over bands: a layer's index rows until its MoE has run
-  made_by_band: list[list[Decisions]] = [[] for _ in layers]
   band_tokens = [jnp.asarray(padded[b * B:(b + 1) * B]) for b in range(n_bands)]
-  X: dict[int, jnp.ndarray] = {}  # streams per band
+  keep = decisions is not None
+  made_by_band: list[list[Decisions]] = [[] for _ in layers]
+  pins_of = lambda i, b: None if pinned is None else _band_of(pinned[i], b * B, B)
   out, t0 = {}, time.perf_counter()
-  for i, b in schedule:
-    s0, toks = b * B, band_tokens[b]
-    if i == 0:
-      X[b] = _embed(m.embed[...], toks, m.cfg.hc_mult)
-      if input_noise:
-        X[b] = _perturb(X[b], jnp.float32(input_noise), jax.random.fold_in(jax.random.key(noise_seed), b))
-    if parts[i] is None:
-      parts[i], caches[i] = step_parts(layers[i], features, n_bands), layers[i].attn.empty_cache(n_bands * B, B)
-    pin = None if pinned is None else _band_of(pinned[i], s0, B)
-    done = [b]  # the bands whose layer step is complete
-    if over_bands:
-      X[b], caches[i], rows = _attend_step(*parts[i], X[b], jnp.int32(s0), caches[i], inner,
-                                           None if pin is None else pin.index_rows)
-      if decisions is not None:
-        rows_by_band[b] = rows
-      done = []
-      if b == n_bands - 1:
-        caches[i] = None  # the layer's attention is done: its cache goes before the joined MoE's buffers come
-      for g in (groups if b == n_bands - 1 else []):  # the layer's MoE, once its attention has seen every band
-        pins = None if pinned is None else tuple(_band_of(pinned[i], c * B, B).route_ids for c in g)
-        ys, routes = _moe_step(*parts[i], tuple(X[c] for c in g), tuple(band_tokens[c] for c in g), inner, pins)
-        for c, y, route_ids in zip(g, ys, routes):
-          X[c] = y
-          done.append(c)
-          if decisions is not None:
-            made_by_band[i].append(Decisions(route_ids, rows_by_band.pop(c)))
-    else:
-      X[b], caches[i], made = _layer_step(*parts[i], X[b], toks, jnp.int32(s0), caches[i], inner, pin)
-      if decisions is not None:
-        made_by_band[i].append(made)
-    if stationary and b == n_bands - 1:
-      parts[i] = caches[i] = None  # the decoded experts and the cache are done with
+  out_parts = []
+
+  def embed(b):
+    x = _embed(m.embed[...], band_tokens[b], m.cfg.hc_mult)
+    if input_noise:
+      x = _perturb(x, jnp.float32(input_noise), jax.random.fold_in(jax.random.key(noise_seed), b))
+    return x
+
+  def emit(b, x):
+    """Band b's logits from its final streams x."""
+    if not out_parts:
+      out_parts.extend(nnx.split(m.output()))
+    if all_logits:
+      out[b] = _logits(*out_parts, x)
+    for p in want:
+      if b * B <= p < (b + 1) * B:
+        out[p] = _logits(*out_parts, x[p - b * B:p - b * B + 1])[0]
+
+  if features.prefill_weights_stationary:
+    X = [embed(b) for b in range(n_bands)]
+    groups = moe_groups(n_bands, B) if moe_over_bands(features, n_bands) else None
+    for i, layer in enumerate(layers):
+      made_by_band[i] = _layer_over_bands(step_parts(layer, features, n_bands),
+                                          layer.attn.empty_cache(n_bands * B, B), X, band_tokens, B, inner, groups,
+                                          None if pinned is None else [pins_of(i, b) for b in range(n_bands)], keep)
       if progress:
-        jax.block_until_ready(X[b])
+        jax.block_until_ready(X[-1])
         progress(f"layer {i + 1}/{L}: {n_bands} bands done, {time.perf_counter() - t0:.1f}s")
-    if i < L - 1:
-      continue
-    if out_def is None:
-      out_def, out_state = nnx.split(m.output())
-    for c in done:
-      s0 = c * B
-      if all_logits:
-        out[c] = _logits(out_def, out_state, X[c])
-      for p in want:
-        if s0 <= p < s0 + B:
-          out[p] = _logits(out_def, out_state, X[c][p - s0:p - s0 + 1])[0]
-      if progress and not stationary:
-        jax.block_until_ready(X[c])
-        progress(f"band {c + 1}/{n_bands}: tokens [{s0}, {min(s0 + B, S)}) done, {time.perf_counter() - t0:.1f}s")
-      del X[c]
-  if decisions is not None:
+    for b in range(n_bands):
+      emit(b, X[b])
+      X[b] = None
+  else:
+    parts: list = [None] * L
+    caches: list = [None] * L
+    for b in range(n_bands):
+      x = embed(b)
+      for i, layer in enumerate(layers):
+        if parts[i] is None:
+          parts[i], caches[i] = step_parts(layer, features, n_bands), layer.attn.empty_cache(n_bands * B, B)
+        x, caches[i], made = _layer_step(*parts[i], x, band_tokens[b], jnp.int32(b * B), caches[i], inner,
+                                         pins_of(i, b))
+        if keep:
+          made_by_band[i].append(made)
+      emit(b, x)
+      if progress:
+        jax.block_until_ready(x)
+        progress(f"band {b + 1}/{n_bands}: tokens [{b * B}, {min(b * B + B, S)}) done, {time.perf_counter() - t0:.1f}s")
+  if keep:
     decisions[:] = [_joined(bands, S) for bands in made_by_band]
   if all_logits:
     return jnp.concatenate([out[b] for b in range(n_bands)])[:S]
@@ -267,17 +307,15 @@ def logits_of_streams(m: model_lib.DeepseekV4, X: jnp.ndarray) -> jnp.ndarray:
 
 def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], workers: int = 8,
                log: Callable[[str], None] | None = None, pinned: Sequence[tuple[int, Features]] = (),
-               scored: Sequence[tuple[int, Features]] = (), teacher_forced: Sequence[tuple[int, Features]] = (),
-               seen: set | None = None) -> int:
+               scored: Sequence[tuple[int, Features]] = (), seen: set | None = None) -> int:
   """Compiles every distinct layer program that `prefill` would run for each (prompt tokens, features) in `runs`,
   `workers` at a time, into jax's persistent compilation cache (jax_compilation_cache_dir must be set). The later
   prefills then load them instead of compiling them one after another.
 
   `pinned`: runs whose layer steps take imposed decisions (the exact path's, as the qualification's pinned parity and
-  teacher-forced KL impose them); `scored`: runs that record their selection scores (the exact path in the
-  qualification's verdict pass). Both are one band from position 0, as those passes run them. `teacher_forced`:
-  pinned runs in the bands their features say (the teacher-forced KL in several bands). `seen`: the programs of
-  earlier calls (a set this call adds to), which are not compiled again.
+  teacher-forced KL impose them), in the bands their features say; `scored`: runs that record their selection scores
+  (the exact path in the qualification's verdict pass), one band from position 0 as that pass runs them. `seen`: the
+  programs of earlier calls (a set this call adds to), which are not compiled again.
 
   Lowering (tracing) runs here, one program at a time; the XLA/Triton compiles run in threads (they release the
   GIL). Returns the number of programs compiled; one that fails to compile is logged and left to its prefill.
@@ -285,8 +323,8 @@ def precompile(m: model_lib.DeepseekV4, runs: Sequence[tuple[int, Features]], wo
   if not jax.config.jax_compilation_cache_dir:
     raise ValueError("precompile fills the persistent compilation cache: set jax_compilation_cache_dir first")
   lowered, seen = [], set() if seen is None else seen
-  programs = ([(n, f, False, False, True) for n, f in runs] + [(n, f, True, False, False) for n, f in pinned]
-              + [(n, f, False, True, False) for n, f in scored] + [(n, f, True, False, True) for n, f in teacher_forced])
+  programs = ([(n, f, False, False, True) for n, f in runs] + [(n, f, True, False, True) for n, f in pinned]
+              + [(n, f, False, True, False) for n, f in scored])
   for n_tokens, features, pin, record_scores, banded in programs:
     B = band_size(n_tokens, features) if banded else n_tokens
     n_bands = -(-n_tokens // B)

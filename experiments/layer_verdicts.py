@@ -1,13 +1,15 @@
 """Per-layer verdicts of one configuration, and of planted bugs, on a random model (experiments/verdicts.py).
 
     python -m experiments.layer_verdicts --preset=tiny_sparse --tokens=32
+    python -m experiments.layer_verdicts --preset=tiny_sparse --tokens=32 --bands=2 --mutations=kv_tail_dropped
     python -m experiments.layer_verdicts --preset=v4_flash --quant_policy=lucebox_mix --tokens=1024 \\
         --mutations=dropped_sink,window_off_by_one,index_topk_minus_one --out=verdicts.json      # on an H200
 
 First the configuration the feature flags resolve to (the device's defaults: all_on), every layer; then each
 --mutations entry on the exact path with that bug planted in one layer (--mutation_layer, or the first layer of the
-kind the bug lives in), that layer only. Prints one line per layer and a summary; the JSON is rewritten after each
-run. Exit status 1 when the configuration fails or a planted bug passes.
+kind the bug lives in), that layer only. With --bands=N each run takes the prompt in N bands, as a prefill of a
+longer prompt would: what a layer carries between bands is then judged too. Prints one line per layer and a
+summary; the JSON is rewritten after each run. Exit status 1 when the configuration fails or a planted bug passes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from experiments import device_memory, mutations, run_record, verdicts
 from experiments import flags as flags_lib
 
 _PRESET = flags.DEFINE_string("preset", "tiny_sparse", "Model preset (random weights).")
-_TOKENS = flags.DEFINE_integer("tokens", 32, "Prompt length (seeded random ids), one band.")
+_TOKENS = flags.DEFINE_integer("tokens", 32, "Prompt length (seeded random ids).")
+_BANDS = flags.DEFINE_integer("bands", 1, "Run each layer over the prompt in this many bands (what carries between "
+                              "bands is judged from 2 on); a configuration with --prefill_band_tokens=0 stays one.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and the prompt.")
 _MUTATIONS = flags.DEFINE_list("mutations", [], f"Planted bugs to run, of {list(mutations.MUTATIONS)}.")
 _MUTATION_LAYER = flags.DEFINE_integer("mutation_layer", -1, "Layer to plant them in (-1: the first that fits).")
@@ -54,12 +58,15 @@ def main(argv):
   unknown = [n for n in _MUTATIONS.value if n not in mutations.MUTATIONS]
   if unknown:
     sys.exit(f"layer_verdicts: unknown --mutations {unknown}; known: {list(mutations.MUTATIONS)}")
-  carry = [n for n in _MUTATIONS.value if n in mutations.CARRY]
-  if carry:
-    sys.exit(f"layer_verdicts: --mutations {carry} plant bugs in what a layer carries between bands, which one band "
-             "from position 0 cannot show; the qualification judges them (experiments.prefill --verdict_bands=2)")
   if not 1 <= _TOKENS.value <= cfg.max_position_embeddings:
     sys.exit(f"layer_verdicts: --tokens must lie in [1, {cfg.max_position_embeddings}]")
+  if not 1 <= _BANDS.value <= _TOKENS.value:
+    sys.exit(f"layer_verdicts: --bands must lie in [1, --tokens={_TOKENS.value}]")
+  carry = [n for n in _MUTATIONS.value if n in mutations.CARRY]
+  if carry and _BANDS.value < 2:
+    sys.exit(f"layer_verdicts: --mutations {carry} plant bugs in what a layer carries between bands, which one band "
+             "from position 0 cannot show: run them with --bands=2")
+  band_tokens = -(-_TOKENS.value // _BANDS.value) if _BANDS.value > 1 else 0
   flags_lib.check_mesh("layer_verdicts", flags.FLAGS.mesh, cfg)  # before drawing the weights
   conf = flags_lib.features_from_flags(flags.FLAGS, cfg=cfg, policy=flags.FLAGS.quant_policy, tokens=_TOKENS.value)
   flags_lib.check_model_features("layer_verdicts", cfg, flags.FLAGS.quant_policy, conf)
@@ -71,14 +78,14 @@ def main(argv):
   print(f"{cfg.name} {flags.FLAGS.quant_policy}: weights ready ({time.perf_counter() - t0:.0f}s); configuration "
         f"{conf.on()}; {mesh_lib.describe(flags.FLAGS.mesh, cfg)}", flush=True)
   doc = dict(run_record.environment(), preset=cfg.name, quant_policy=flags.FLAGS.quant_policy, mesh=mesh_lib.spec_of(m),
-             tokens=_TOKENS.value, seed=_SEED.value,
+             tokens=_TOKENS.value, bands=_BANDS.value, seed=_SEED.value,
              bounds=dict(bf16_factor=verdicts.BF16_FACTOR, f32_bound=verdicts.F32_BOUND, abs_cap=verdicts.ABS_CAP,
                          near_tie_ulps=verdicts.NEAR_TIE_ULPS),
              configuration=dict(features=conf.to_dict(), layers=[]), mutations={})
   save = lambda: _OUT.value and run_record.write_json(_OUT.value, doc)
   ok = True
   if _CONFIGURATION.value:
-    out = verdicts.layer_verdicts(m, ids, conf, log=lambda s: print(s, flush=True))
+    out = verdicts.layer_verdicts(m, ids, conf, log=lambda s: print(s, flush=True), band_tokens=band_tokens)
     doc["configuration"]["layers"] = [as_record(v) for v in out]
     doc["configuration"]["passed"] = ok = all(v.passed for v in out)
     w = verdicts.worst(out)
@@ -90,7 +97,7 @@ def main(argv):
     layer = mutation_layer(cfg, name)
     t0 = time.perf_counter()
     v = verdicts.layer_verdicts(m, ids, exact, run_layer=mutations.run_layer(mutations.MUTATIONS[name], {layer}),
-                                only={layer})[0]
+                                only={layer}, band_tokens=band_tokens)[0]
     doc["mutations"][name] = as_record(v)
     caught &= not v.passed
     print(f"mutation {name} in layer {layer}: {'FAIL (caught)' if not v.passed else 'PASS (missed!)'}; pinned NMSE "

@@ -6,7 +6,7 @@ math, the kind a kernel or a port gets wrong: an attention sink dropped, one exp
 off, the window off by one, the indexer keeping k - 1 rows, the routed scaling factor dropped from the combine
 weights, the compressor's per-slot gate bias dropped; and two in what a layer carries from band to band (CARRY:
 the window's KV rows, the compressed rows), which a run of one band from position 0 cannot show: the verdicts judge
-those end to end, in bands.
+those with their runs in bands (--verdict_bands >= 2), at their own layer and end to end.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def compressed_rows_dropped(block):
 MUTATIONS: dict[str, Callable] = {f.__name__: f for f in (
     dropped_sink, expert_scale_step, window_off_by_one, index_topk_minus_one, routed_scale_dropped,
     compressor_bias_dropped, kv_tail_dropped, compressed_rows_dropped)}
-# Bugs in what a layer carries between bands: invisible to the per-layer checks (one band), judged end to end.
+# Bugs in what a layer carries between bands: invisible in one band, judged in bands (per layer and end to end).
 CARRY = {"kv_tail_dropped", "compressed_rows_dropped"}
 # The layer kinds a bug lives in (absent: any layer).
 NEEDS = dict(index_topk_minus_one={Attention.CSA}, compressor_bias_dropped={Attention.CSA, Attention.HCA},
@@ -127,8 +127,8 @@ def mutated_model(m, mutation: Callable, layers: set[int]):
 
 def replacing(blocks: dict) -> Callable:
   """A `layer_verdicts` runner that runs `blocks[i]` in place of layer i's block where given."""
-  def run(i, block, X, tokens, cache, features, pinned):
-    return verdicts.default_run_layer(i, blocks.get(i, block), X, tokens, cache, features, pinned)
+  def run(i, block, X, tokens, features, pinned):
+    return verdicts.default_run_layer(i, blocks.get(i, block), X, tokens, features, pinned)
 
   return run
 
@@ -138,9 +138,9 @@ def run_layer(mutation: Callable, layers: set[int]) -> Callable:
   run)."""
   mutated = {}
 
-  def run(i, block, X, tokens, cache, features, pinned):
+  def run(i, block, X, tokens, features, pinned):
     if i in layers and i not in mutated:
       mutated[i] = mutation(block)
-    return replacing(mutated)(i, block, X, tokens, cache, features, pinned)
+    return replacing(mutated)(i, block, X, tokens, features, pinned)
 
   return run

@@ -10,7 +10,7 @@ ids and weights. Each one is written to --out (JSON, plus a .md table) as soon a
 already OK are skipped and failed ones retried, so a full matrix can be run in several bounded calls. The logic
 lives in experiments/qualification/. Each record has a verdict (PASS, FAIL or not run, with the reasons), taken on
 the first min(length, --verdict_tokens) tokens: per-layer pinned parity, decision accounting and the teacher-forced
-KL, whose prefills --verdict_bands splits into bands (docs/qualification.md); --mutations adds planted bugs,
+KL, whose runs --verdict_bands splits into bands (docs/qualification.md); --mutations adds planted bugs,
 judged beside the matrix, each of which must FAIL. --mesh
 splits the routed experts and each band's attention queries over devices (docs/mesh.md),
 --coordinator_address/--num_processes/--process_id over processes (experiments/processes.py).

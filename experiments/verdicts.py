@@ -16,16 +16,18 @@ End to end, with every layer's choices pinned to the exact path's:
   teacher-forced KL  KL(exact || configuration) of the next-token distributions at every position of the prompt,
                   averaged (upstream's gate is such a mean, docs/upstream.md §7.4), through the configuration's own
                   banded prefill. PASS when at most KL_FACTOR times that of the reference math with bf16 operands.
-                  Upstream's absolute gate (0.006) is reported beside it, as information. `kl_band_tokens` splits
-                  a prompt no longer than one band into bands of that size for this prefill (and the reference's),
-                  so that what runs only across bands (the carried layer state, weights stationary, the MoE over
-                  bands) is judged too: the per-layer checks run one band from position 0, which carries nothing.
+                  Upstream's absolute gate (0.006) is reported beside it, as information.
+
+`band_tokens` splits a prompt no longer than one band into bands of that size (banded_features) for the
+configuration's runs and the bf16 reference math's, per layer and end to end, so that what runs only across bands
+(the carried layer state, weights stationary, the MoE over bands) is judged too; the exact path runs one band.
 
 A kernel that is wrong at some shape shows as a layer whose pinned error is far above the rounding of its operands;
-a wrong indexer or router as flips that are not near-ties; a wrong carry between bands as a teacher-forced KL above
-the reference's. `run_layer` is the configuration under test, injectable (the mutation suite plants bugs there):
-run_layer(i, block, X, tokens, cache, features, pinned) -> (Y, cache, Decisions), by default the prefill's own layer
-program; end to end a planted bug runs as its own model (`models`).
+a wrong indexer or router as flips that are not near-ties; a wrong carry between bands as a layer whose pinned error
+is too large in bands, and as a teacher-forced KL above the reference's. `run_layer` is the configuration under test,
+injectable (the mutation suite plants bugs there): run_layer(i, block, X, tokens, features, pinned) -> (Y, Decisions)
+over the whole prompt in the bands `features` say, by default the prefill's own programs (layer_in_bands); end to
+end a planted bug runs as its own model (`models`).
 """
 
 from __future__ import annotations
@@ -72,15 +74,16 @@ class LayerVerdict:
   route_flips: int
   index_flips: int
   bad_flips: tuple[Flip, ...]
+  bands: int = 1                # bands the configuration ran the layer in
 
   @property
   def passed(self) -> bool:
     return self.update_nmse <= self.bound and not self.bad_flips
 
 
-def default_run_layer(i, block, X, tokens, cache, features, pinned):
+def default_run_layer(i, block, X, tokens, features, pinned):
   del i
-  return prefill_lib.layer_step(block, X, tokens, 0, cache, features, pinned)
+  return prefill_lib.layer_in_bands(block, X, tokens, features, pinned)
 
 
 @jax.jit
@@ -160,7 +163,7 @@ class Judgement:
     for v in self.layers:
       if not v.update_nmse <= v.bound:
         out.append(f"layer {v.layer} ({v.attention}, {v.routing}): pinned update NMSE {v.update_nmse:.2e} > bound "
-                   f"{v.bound:.2e}")
+                   f"{v.bound:.2e}{f' in {v.bands} bands' if v.bands > 1 else ''}")
       if v.bad_flips:
         f = v.bad_flips[0]
         out.append(f"layer {v.layer}: {len(v.bad_flips)} {f.kind} flips not near-ties (first at position "
@@ -171,23 +174,36 @@ class Judgement:
     return out
 
 
+def banded_features(features: features_lib.Features, band_tokens: int) -> features_lib.Features:
+  """What a configuration runs in the verdicts: its features in bands of `band_tokens` where it runs in bands at all
+  (0: its own band size; a configuration with prefill_band_tokens=0 stays one band, as it would run)."""
+  if band_tokens and features.prefill_band_tokens:
+    return dataclasses.replace(features, prefill_band_tokens=band_tokens)
+  return features
+
+
+def n_bands(n_tokens: int, features: features_lib.Features) -> int:
+  return -(-n_tokens // prefill_lib.band_size(n_tokens, features))
+
+
 def _layer_pass(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features], runners: Mapping[str, Callable],
-                log: Callable[[str], None], only: Mapping[str, set[int]]):
+                log: Callable[[str], None], only: Mapping[str, set[int]], band_tokens: int):
   """Layer by layer on the exact path's streams: every configuration's verdict at each judged layer (all, or those
-  in `only[name]`). Returns (verdicts by configuration, the exact path's decisions per layer, its final streams)."""
+  in `only[name]`), its runs in bands of `band_tokens` (banded_features). Returns (verdicts by configuration, the
+  exact path's decisions per layer, its final streams)."""
   dev_cls = next(iter(configs.values())).device_class
   exact = dataclasses.replace(features_lib.REFERENCE, device_class=dev_cls)
-  bf16_reference = dataclasses.replace(exact, bf16_matmul=True)
+  bf16_reference = banded_features(dataclasses.replace(exact, bf16_matmul=True), band_tokens)
   toks = jnp.asarray(ids, jnp.int32)
   B = len(ids)
   X = m.embed_streams(toks)
   out: dict[str, list[LayerVerdict]] = {name: [] for name in configs}
   pinned_all = []
   for i, block in enumerate(m.layers):
-    cache = lambda blk=block: blk.attn.empty_cache(B, B)
-    here = {name: c for name, c in configs.items() if name not in only or i in only[name]}
+    here = {name: banded_features(c, band_tokens) for name, c in configs.items() if name not in only or i in only[name]}
     judged = bool(here)
-    ref, _, want = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), exact, record_scores=judged)
+    ref, _, want = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, block.attn.empty_cache(B, B), exact,
+                                          record_scores=judged)
     pinned = _strip(want)
     pinned_all.append(pinned)
     if not judged:
@@ -195,45 +211,37 @@ def _layer_pass(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features]
       continue
     ref_bf16 = None
     if any(c.bf16_matmul for c in here.values()):
-      y, _, _ = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, cache(), bf16_reference, pinned)
+      y, _ = prefill_lib.layer_in_bands(block, jnp.copy(X), toks, bf16_reference, pinned)
       ref_bf16, _ = update_errors(y, ref, X)
     for name, config in here.items():
       run_layer = runners.get(name, default_run_layer)
-      got, _, _ = run_layer(i, block, jnp.copy(X), toks, cache(), config, pinned)
+      got, _ = run_layer(i, block, jnp.copy(X), toks, config, pinned)
       nmse, _ = update_errors(got, ref, X)
       bound = min(BF16_FACTOR * ref_bf16, ABS_CAP) if config.bf16_matmul else F32_BOUND
       eps = OPERAND_EPS[jnp.dtype(config.matmul_dtype).name]
-      _, _, free = run_layer(i, block, jnp.copy(X), toks, cache(), config, None)
+      _, free = run_layer(i, block, jnp.copy(X), toks, config, None)
       n_route, bad = flips(want.route_ids, want.route_scores, free.route_ids, eps, i, "route")
       n_index = 0
       if want.index_rows is not None:
         n_index, bad_index = flips(want.index_rows, want.index_scores, free.index_rows, eps, i, "index")
         bad += bad_index
       v = LayerVerdict(i, m.cfg.attention[i].value, m.cfg.routing[i].value, nmse, bound,
-                       ref_bf16 if config.bf16_matmul else None, n_route, n_index, tuple(bad))
+                       ref_bf16 if config.bf16_matmul else None, n_route, n_index, tuple(bad), n_bands(B, config))
       out[name].append(v)
       log(f"{name + ': ' if len(configs) > 1 else ''}layer {i:2d} {v.attention:6s} {v.routing:4s}: pinned update "
-          f"NMSE {nmse:.1e} (bound {bound:.1e}), {n_route} route / {n_index} index flips, {len(bad)} not near-ties: "
-          f"{'PASS' if v.passed else 'FAIL'}")
+          f"NMSE {nmse:.1e} (bound {bound:.1e}), {n_route} route / {n_index} index flips, {len(bad)} not near-ties"
+          f"{f' ({v.bands} bands)' if v.bands > 1 else ''}: {'PASS' if v.passed else 'FAIL'}")
     X = ref
   return out, pinned_all, X
 
 
 def layer_verdicts(m, ids: np.ndarray, config: features_lib.Features,
                    run_layer: Callable = default_run_layer, log: Callable[[str], None] = lambda s: None,
-                   only: set[int] | None = None) -> list[LayerVerdict]:
-  """The verdict of every layer of `m` (or of the layers in `only`) for `config` on the prompt `ids` (one band
-  from position 0)."""
+                   only: set[int] | None = None, band_tokens: int = 0) -> list[LayerVerdict]:
+  """The verdict of every layer of `m` (or of the layers in `only`) for `config` on the prompt `ids` (in bands of
+  `band_tokens`, banded_features)."""
   return _layer_pass(m, ids, {"config": config}, {"config": run_layer}, log,
-                     {} if only is None else {"config": only})[0]["config"]
-
-
-def teacher_forced_features(features: features_lib.Features, band_tokens: int) -> features_lib.Features:
-  """What a configuration's teacher-forced prefill runs: its features in bands of `band_tokens` where it runs in
-  bands at all (0: its own band size; a configuration with prefill_band_tokens=0 stays one band, as it would run)."""
-  if band_tokens and features.prefill_band_tokens:
-    return dataclasses.replace(features, prefill_band_tokens=band_tokens)
-  return features
+                     {} if only is None else {"config": only}, band_tokens)[0]["config"]
 
 
 @jax.jit
@@ -253,17 +261,17 @@ def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
           log: Callable[[str], None] = lambda s: None, only: Mapping[str, set[int]] | None = None,
           end_to_end: Collection[str] | None = None,
           on_layers: Callable[[dict[str, Judgement]], None] | None = None,
-          reference_kl: float | None = None, kl_band_tokens: int = 0) -> dict[str, Judgement]:
+          reference_kl: float | None = None, band_tokens: int = 0) -> dict[str, Judgement]:
   """Every configuration's per-layer verdicts and teacher-forced KL on the prompt `ids`, sharing one exact pass.
   `runners` / `models`: a configuration's layer runner and model where they are not the defaults (planted bugs);
   `only`: the layers judged per configuration where not all (a planted bug's own layer); `end_to_end`: the
   configurations whose teacher-forced KL is measured (default all; each costs a prefill of its own). `on_layers`:
   called with the per-layer judgements (no KL yet) once the layer pass is done, before the KL prefills, so a caller
   can keep them if the KL never finishes. `reference_kl`: the bf16 reference math's mean teacher-forced KL on this
-  model and prompt where already measured (a prefill saved), else None. `kl_band_tokens`: the band size of the
-  teacher-forced prefills (teacher_forced_features; 0 = each configuration's own)."""
+  model and prompt where already measured (a prefill saved), else None. `band_tokens`: the band size of the
+  configurations' runs, per layer and end to end (banded_features; 0 = each configuration's own)."""
   runners, models, only = runners or {}, models or {}, only or {}
-  layers, pinned, X = _layer_pass(m, ids, configs, runners, log, only)
+  layers, pinned, X = _layer_pass(m, ids, configs, runners, log, only, band_tokens)
   tf: dict[str, TeacherForced | None] = dict.fromkeys(configs)
   end_to_end = list(configs) if end_to_end is None else [n for n in configs if n in end_to_end]
   if on_layers is not None and end_to_end:
@@ -275,12 +283,12 @@ def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
     bf16_reference = dataclasses.replace(features_lib.REFERENCE, device_class=dev_cls, bf16_matmul=True)
 
     def mean_kl(model, features):
-      features = teacher_forced_features(features, kl_band_tokens)
+      features = banded_features(features, band_tokens)
       logits = prefill_lib.prefill(model, ids, features, all_logits=True, pinned=pinned)
       kl = kl_per_position(exact_logp, logits)
       return kl, float(np.mean(kl))
 
-    bands = lambda f: -(-len(ids) // prefill_lib.band_size(len(ids), teacher_forced_features(f, kl_band_tokens)))
+    bands = lambda f: n_bands(len(ids), banded_features(f, band_tokens))
 
     on_file = reference_kl is not None
     ref_kl = reference_kl if on_file else mean_kl(m, bf16_reference)[1]

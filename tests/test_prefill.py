@@ -183,10 +183,10 @@ def test_precompile_fills_the_persistent_cache(tiny, tmp_path):
     got = np.asarray(prefill.prefill_logits(m, tokens, over))
     assert hits.count("/jax/compilation_cache/cache_hits") >= 6
     np.testing.assert_allclose(got, ref[-1], atol=2e-6 * max(1.0, np.abs(ref).max()))
-    # teacher_forced: pinned runs in their bands (the qualification's teacher-forced KL in several bands)
+    # pinned runs in their bands (the qualification's verdicts in several bands)
     made = []
     prefill.prefill(m, tokens, f, decisions=made)
-    assert prefill.precompile(m, [], workers=2, teacher_forced=[(S, over), (S, f)]) == 6 + 3
+    assert prefill.precompile(m, [], workers=2, pinned=[(S, over), (S, f)]) == 6 + 3
     prefill._attend_step.clear_cache()  # pylint: disable=protected-access
     prefill._moe_step.clear_cache()  # pylint: disable=protected-access
     prefill._layer_step.clear_cache()  # pylint: disable=protected-access
@@ -220,13 +220,13 @@ def test_precompile_covers_the_verdict_pass(tmp_path):
   try:
     assert prefill.precompile(m, [], workers=2, pinned=[(S, exact)], scored=[(S, exact)]) == 2
     X = np.asarray(m.embed_streams(tokens))
-    caches = [[b.attn.empty_cache(S, S) for _ in range(2)] for b in m.layers]
+    caches = [b.attn.empty_cache(S, S) for b in m.layers]
     events.clear()
-    for block, (c1, c2) in zip(m.layers, caches):  # device_put copies X without a compile of its own
+    for block, c1 in zip(m.layers, caches):  # device_put copies X without a compile of its own
       y, _, made = prefill.layer_step(block, jax.device_put(X), tokens, 0, c1, exact, record_scores=True)
       assert made.index_scores is not None
       pinned = Decisions(made.route_ids, made.index_rows)
-      again, _, _ = prefill.layer_step(block, jax.device_put(X), tokens, 0, c2, exact, pinned)
+      again, _ = prefill.layer_in_bands(block, jax.device_put(X), tokens, exact, pinned)
       X = np.asarray(y)
       np.testing.assert_array_equal(np.asarray(again), X)
     assert "/jax/compilation_cache/cache_misses" not in events, events  # every compile would have missed
@@ -350,6 +350,31 @@ def test_moe_over_bands_matches_the_layer_step_per_band(tiny, monkeypatch, band,
   again = []
   prefill.prefill(m, tokens, over, pinned=moved, decisions=again)
   np.testing.assert_array_equal(again[1].route_ids, moved[1].route_ids)
+
+
+@pytest.mark.parametrize("over", [False, True])
+def test_layer_in_bands_is_the_prefills_layer(tiny, monkeypatch, over):
+  """prefill.layer_in_bands (how the per-layer verdicts run a layer in bands) runs the programs the prefill runs for
+  that layer: layer after layer from the embedded streams it gives the prefill's logits and decisions bit for bit,
+  band by band or with the MoE over bands (5 bands of 8 as 3 + 2); pinned decisions are imposed."""
+  m, tokens, _ = tiny
+  tokens = tokens[:40]  # whole bands: no padding
+  monkeypatch.setattr(prefill, "MOE_TOKENS", 24)
+  f = stationary(features.resolve("cpu_interpret", dict(prefill_band_tokens=8)))
+  f = dataclasses.replace(f, prefill_moe_over_bands=over)
+  made = []
+  want = np.asarray(prefill.prefill(m, tokens, f, all_logits=True, decisions=made))
+  X = m.embed_streams(jnp.asarray(tokens))
+  for i, block in enumerate(m.layers):
+    X, d = prefill.layer_in_bands(block, X, tokens, f)
+    np.testing.assert_array_equal(d.route_ids, made[i].route_ids)
+    if d.index_rows is not None:
+      np.testing.assert_array_equal(d.index_rows, made[i].index_rows)
+  by_band = [prefill.logits_of_streams(m, X[s:s + 8]) for s in range(0, 40, 8)]  # as the prefill blocks the head
+  np.testing.assert_array_equal(np.concatenate(by_band), want)
+  moved = dataclasses.replace(made[1], route_ids=(made[1].route_ids + 1) % m.cfg.n_routed_experts)
+  _, d = prefill.layer_in_bands(m.layers[1], m.embed_streams(jnp.asarray(tokens)), tokens, f, moved)
+  np.testing.assert_array_equal(d.route_ids, moved.route_ids)
 
 
 def test_moe_over_bands_runs_the_moe_kernels_once_a_group(tiny, monkeypatch):

@@ -44,7 +44,7 @@ class Options:
   exact_max_tokens: int = 0            # exact path at full length only up to this (0 = no limit)
   parity_prefix_tokens: int = 4096     # prefix checked where the exact path does not fit
   verdict_tokens: int = 4096           # verdicts on the first min(length, verdict_tokens) tokens
-  verdict_bands: int = 1               # the teacher-forced KL's prefill in this many bands (what carries is judged)
+  verdict_bands: int = 1               # the verdicts' runs in this many bands (so what carries is judged)
   kl_gate: float = KL_GATE
   noise_floor_eps: float = 2.0 ** -24  # the noise floor's input perturbation (one f32 rounding); 0 = none
   out: str = "/tmp/ds4jax_prefill_qual.json"
@@ -57,9 +57,9 @@ class Options:
   mesh: str = ""                       # "expert=N", "query=N", "expert+query=N", ...: ds4jax/mesh.py; "" = one
 
 
-def kl_band_tokens(opts: Options, verdict_tokens: int) -> int:
-  """The band size of the teacher-forced KL's prefills on a verdict prefix of `verdict_tokens` (0: each
-  configuration's own, --verdict_bands=1)."""
+def verdict_band_tokens(opts: Options, verdict_tokens: int) -> int:
+  """The band size of the verdicts' runs (per layer and the teacher-forced KL's prefills) on a verdict prefix of
+  `verdict_tokens` (0: each configuration's own, --verdict_bands=1)."""
   return -(-verdict_tokens // opts.verdict_bands) if opts.verdict_bands > 1 else 0
 
 
@@ -98,9 +98,10 @@ def define_flags(flag_values=None) -> None:
                        "min(length, this) tokens; lengths with the same verdict prefix share one verdict.",
                        flag_values=fv)
   flags.DEFINE_integer("verdict_bands", d.verdict_bands,
-                       "The teacher-forced KL runs each banded configuration's prefill of the verdict prefix in this "
-                       "many bands (and the reference's), so that the layer state carried between bands, weights "
-                       "stationary and the MoE over bands are judged; 1 = the configuration's own band size.",
+                       "The verdicts run each banded configuration on the verdict prefix in this many bands, per "
+                       "layer and in the teacher-forced KL's prefill (and the bf16 reference's), so that the layer "
+                       "state carried between bands, weights stationary and the MoE over bands are judged; 1 = the "
+                       "configuration's own band size.",
                        flag_values=fv)
   flags.DEFINE_float("kl_gate", d.kl_gate, "Upstream's absolute KL gate, reported beside the verdicts (upstream: "
                      "0.006).", flag_values=fv)

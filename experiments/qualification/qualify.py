@@ -26,10 +26,10 @@ from ds4jax import model as model_lib
 from ds4jax import moe as moe_lib
 from ds4jax.features import KNOBS, Features
 from ds4jax.quant import policy as quant_policy
-from experiments import mutations, processes, run_record, verdicts
+from experiments import processes, run_record, verdicts
 from experiments.qualification import checks, inputs, report, store
 from experiments.qualification.matrix import Configuration, configurations, exact_features
-from experiments.qualification.options import Options, StartupError, kl_band_tokens, validate
+from experiments.qualification.options import Options, StartupError, validate, verdict_band_tokens
 from experiments.qualification.records import NOT_RUN, Record, Verdict
 from experiments.qualification.runner import Clock, ModelRunner, Runner, time_configuration
 
@@ -122,7 +122,7 @@ def _done_pairs(opts: Options, setup: Setup, fingerprint: str) -> set[tuple[int,
       raise StartupError(
           f"{opts.out} holds a record for length {r.length} / {r.config} made with different "
           f"{', '.join(why)}: a matched matrix needs the same weights, prompt and features; use another --out")
-    same_bands = r.verdict is not None and r.verdict.kl_band_tokens == kl_band_tokens(
+    same_bands = r.verdict is not None and r.verdict.band_tokens == verdict_band_tokens(
         opts, min(r.length, opts.verdict_tokens))
     judged = r.result != NOT_RUN and same_bands
     if judged and (r.status in ("ok", "not_timed")
@@ -270,64 +270,58 @@ def _run_one(runner: Runner, m, ids, conf: Configuration, exact: ExactFinal, opt
 
 
 def _unjudged(results: store.Results, setup: Setup, v_tokens: int, configs: list[Configuration],
-              fingerprint: str, kl_band: int) -> list[Configuration]:
-  """The configurations with no verdict on file for the first v_tokens prompt tokens (KL in bands of kl_band)."""
+              fingerprint: str, band: int) -> list[Configuration]:
+  """The configurations with no verdict on file for the first v_tokens prompt tokens (runs in bands of `band`)."""
   sha = inputs.sha256_array(setup.ids[:v_tokens])
   return [c for c in configs
-          if results.verdict_for(v_tokens, c.features.to_dict(), c.mutation, fingerprint, sha, kl_band) is None]
+          if results.verdict_for(v_tokens, c.features.to_dict(), c.mutation, fingerprint, sha, band) is None]
 
 
 def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo, fingerprint: str):
-  """(free, pinned, scored, teacher_forced) runs of the verdict passes this call will make
-  (ds4jax.prefill.precompile): scored, the exact path recording its scores; pinned, each judged configuration, the
-  bf16 reference math and (for planted bugs) the exact path, pinned to the exact path's decisions, one band; free,
-  the same configurations unpinned (ordinary runs of the prefix); teacher_forced, the pinned prefills of the
-  teacher-forced KL where they run in other bands (--verdict_bands)."""
+  """(free, pinned, scored) runs of the verdict passes this call will make (ds4jax.prefill.precompile), in the
+  verdicts' bands (--verdict_bands): scored, the exact path recording its scores (one band); pinned, each judged
+  configuration, the bf16 reference math and (for planted bugs) the exact path, pinned to the exact path's
+  decisions, per layer and in the teacher-forced KL's prefills; free, the same configurations unpinned."""
   exact = exact_features(setup.device_class)
   bf16_reference = dataclasses.replace(exact, bf16_matmul=True)
-  free, pinned, scored, teacher_forced = [], [], [], []
+  free, pinned, scored = [], [], []
   for v in sorted({min(n, opts.verdict_tokens) for n, _ in todo}):
-    kl_band = kl_band_tokens(opts, v)
-    judged = [c for c in _unjudged(results, setup, v, [c for _, c in todo], fingerprint, kl_band)
+    band = verdict_band_tokens(opts, v)
+    judged = [c for c in _unjudged(results, setup, v, [c for _, c in todo], fingerprint, band)
               if c.features != exact or c.mutation]
     if not judged:
       continue
     scored.append((v, exact))
     fast = list(dict.fromkeys(c.features for c in judged if not c.mutation))
-    free += [(v, f) for f in fast] + ([(v, exact)] if any(c.mutation for c in judged) else [])
-    pinned += [(v, f) for f in fast] + [(v, bf16_reference)] * any(f.bf16_matmul for f in fast)
-    pinned += [(v, exact)] * any(c.mutation for c in judged)
-    if kl_band:
-      carry = [exact] * any(c.mutation in mutations.CARRY for c in judged)
-      teacher_forced += [(v, verdicts.teacher_forced_features(f, kl_band))
-                         for f in dict.fromkeys([*fast, bf16_reference, *carry])]
-  return free, pinned, scored, teacher_forced
+    bugs = [exact] * any(c.mutation for c in judged)
+    free += [(v, verdicts.banded_features(f, band)) for f in [*fast, *bugs]]
+    pinned += [(v, verdicts.banded_features(f, band)) for f in dict.fromkeys([*fast, bf16_reference, *bugs])]
+  return free, pinned, scored
 
 
 def _reference_kl(results: store.Results, fingerprint: str, sha: str, v_tokens: int, device_cls: str,
-                  kl_band: int) -> float | None:
+                  band: int) -> float | None:
   """The bf16 reference math's teacher-forced KL that a verdict on file measured on these weights, prompt tokens,
   bands and device class (the same prefill, pinned to the same exact-path decisions), or None."""
   for v in results.verdicts:
     kl = (v.teacher_forced or {}).get("reference_bf16_mean_kl")
-    if (v.weights_fingerprint, v.prompt_sha256, v.tokens, v.kl_band_tokens) == (fingerprint, sha, v_tokens,
-                                                                                 kl_band) and v.features and \
-        v.features.get("device_class") == device_cls and kl is not None and math.isfinite(kl):
+    same = (v.weights_fingerprint, v.prompt_sha256, v.tokens, v.band_tokens) == (fingerprint, sha, v_tokens, band)
+    if same and v.features and v.features.get("device_class") == device_cls and kl is not None and math.isfinite(kl):
       return float(kl)  # (a NaN on file would bound every later verdict: it is measured again)
   return None
 
 
 def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: int, configs: list[Configuration],
            fingerprint: str, clock: Clock, tried: set[tuple[int, str, Features]], save: Callable[[], None],
-           kl_band: int) -> None:
+           band: int) -> None:
   """Judges the configurations without a verdict on the first v_tokens prompt tokens (and not tried in this
   process), in one pass; every verdict (or why it could not be taken) goes into `results.verdicts`. The per-layer
   verdicts are saved before the teacher-forced KL (checks.layers_only) and replaced by the whole verdict."""
   sha = inputs.sha256_array(setup.ids[:v_tokens])
   meta = lambda c: dict(tokens=v_tokens, config=c.name, features=c.features.to_dict(), mutation=c.mutation,
                         mutation_layer=c.mutation_layer, weights_fingerprint=fingerprint, prompt_sha256=sha,
-                        kl_band_tokens=kl_band)
-  todo = [c for c in _unjudged(results, setup, v_tokens, configs, fingerprint, kl_band)
+                        band_tokens=band)
+  todo = [c for c in _unjudged(results, setup, v_tokens, configs, fingerprint, band)
           if (v_tokens, c.name, c.features) not in tried]
   if not todo:
     return
@@ -352,8 +346,8 @@ def _judge(runner: Runner, m, setup: Setup, results: store.Results, v_tokens: in
     judged = runner.judge(m, setup.ids[:v_tokens], [dataclasses.replace(c, name=lab) for lab, c in todo],
                           log=lambda s: clock.say(f"  {s}"), on_layers=keep_layers,
                           reference_kl=_reference_kl(results, fingerprint, sha, v_tokens,
-                                                     todo[0][1].features.device_class, kl_band),
-                          kl_band_tokens=kl_band)
+                                                     todo[0][1].features.device_class, band),
+                          band_tokens=band)
   except Exception as e:  # noqa: BLE001 -- e.g. out of memory: every record says why it has no verdict
     judged = {lab: e for lab, _ in todo}
   results.verdicts = [v for v in results.verdicts if not any(v is s for s in saved)]
@@ -440,8 +434,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
 
   timed = [(n, c) for n, c in todo if not c.mutation]
   to_compile = [(n, c) for n, c in timed if not predicted_too_slow(n, c, full_exact=True)]
-  verdict_free, verdict_pinned, verdict_scored, verdict_kl = _verdict_programs(opts, setup, results, todo,
-                                                                               fingerprint)
+  verdict_free, verdict_pinned, verdict_scored = _verdict_programs(opts, setup, results, todo, fingerprint)
   timed_runs = [(n, c.features) for n, c in to_compile]
   for n in sorted({n for n, _ in to_compile}):  # and the exact path each length will need
     p = min(opts.parity_prefix_tokens, n) if opts.exact_max_tokens and n > opts.exact_max_tokens else n
@@ -461,7 +454,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
 
   # The verdict pass's programs first, the timed runs' after the verdicts: a call that ends while those compile has
   # saved its verdicts, and the next call compiles only what the timing needs.
-  precompile(verdict_free, pinned=verdict_pinned, scored=verdict_scored, teacher_forced=verdict_kl)
+  precompile(verdict_free, pinned=verdict_pinned, scored=verdict_scored)
   exact_by_len: dict[int, ExactFinal] = {}
   called: set[tuple[Features, int]] = set()  # (features, length) already run in this process
   floors_tried: set[int] = set()  # noise floors (by parity tokens) measured or attempted in this process
@@ -482,7 +475,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
       if min(k, opts.verdict_tokens) == v_tokens:
         same_prefix.setdefault((c.features, c.mutation), c)
     _judge(runner, m, setup, results, v_tokens, list(same_prefix.values()), fingerprint, clock, judged, save,
-           kl_band_tokens(opts, v_tokens))
+           verdict_band_tokens(opts, v_tokens))
     save()
     if not conf.mutation and timed_runs is not None:
       precompile(timed_runs)
@@ -509,12 +502,12 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
       result["timing"] = dataclasses.replace(result["timing"], cold_is_first_call=first_call,
                                              cold_loads_precompiled=bool(opts.precompile_workers))
     clock.done += 0 if conf.mutation else n
-    kl_band = kl_band_tokens(opts, v_tokens)
+    band = verdict_band_tokens(opts, v_tokens)
     verdict = results.verdict_for(v_tokens, conf.features.to_dict(), conf.mutation, fingerprint,
-                                  inputs.sha256_array(setup.ids[:v_tokens]), kl_band)
+                                  inputs.sha256_array(setup.ids[:v_tokens]), band)
     verdict = verdict or next(v for v in reversed(results.verdicts) if v.tokens == v_tokens
                               and v.features == conf.features.to_dict() and v.mutation == conf.mutation
-                              and v.kl_band_tokens == kl_band)
+                              and v.band_tokens == band)
     rec = Record(config=conf.name, length=n, killed=conf.killed, also_off=conf.also_off,
                  features=conf.features.to_dict(), switches_on=tuple(conf.features.on()),
                  switch_states=features_lib.switch_states(conf.features), mutation=conf.mutation,

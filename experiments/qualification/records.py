@@ -65,7 +65,7 @@ class Verdict:
   mutation_layer: int | None = None
   weights_fingerprint: str = ""
   prompt_sha256: str = ""
-  kl_band_tokens: int = 0                     # the teacher-forced KL's band size (0: the configuration's own)
+  band_tokens: int = 0                        # the verdict runs' band size (0: the configuration's own)
   wall_s: float | None = None
 
 

@@ -29,18 +29,18 @@ class Runner(Protocol):
 
   def judge(self, m, ids: np.ndarray, configs: Sequence[Configuration], log: Callable[[str], None],
             on_layers: Callable[[dict[str, verdicts.Judgement]], None] | None = None,
-            reference_kl: float | None = None, kl_band_tokens: int = 0) -> dict[str, verdicts.Judgement | Exception]:
+            reference_kl: float | None = None, band_tokens: int = 0) -> dict[str, verdicts.Judgement | Exception]:
     """The verdicts of `configs` on the prompt `ids`, by configuration name (an exception: why that one could not
     be judged). `on_layers`: verdicts.judge's, the per-layer judgements before the teacher-forced KL;
     `reference_kl`: the bf16 reference math's teacher-forced KL on file for this model and prompt, or None;
-    `kl_band_tokens`: verdicts.judge's, the band size of the teacher-forced prefills."""
+    `band_tokens`: verdicts.judge's, the band size of the judged runs."""
 
   def precompile(self, m, runs: Sequence[tuple[int, Features]], workers: int, log: Callable[[str], None],
                  pinned: Sequence[tuple[int, Features]] = (), scored: Sequence[tuple[int, Features]] = (),
-                 teacher_forced: Sequence[tuple[int, Features]] = (), seen: set | None = None) -> int:
-    """Compiles the layer programs of `runs` (prompt length, features), and of the verdict pass's `pinned`,
-    `scored` and `teacher_forced` steps (ds4jax.prefill.precompile), into the persistent cache; `seen`: the programs
-    of earlier calls, skipped."""
+                 seen: set | None = None) -> int:
+    """Compiles the layer programs of `runs` (prompt length, features), and of the verdict pass's `pinned` and
+    `scored` runs (ds4jax.prefill.precompile), into the persistent cache; `seen`: the programs of earlier calls,
+    skipped."""
 
   def now(self) -> float:
     """Seconds, for timing (perf_counter)."""
@@ -54,10 +54,10 @@ class ModelRunner:
                                                            input_noise=input_noise))
     return np.asarray(out, np.float32)
 
-  def judge(self, m, ids, configs, log, on_layers=None, reference_kl=None, kl_band_tokens=0):
+  def judge(self, m, ids, configs, log, on_layers=None, reference_kl=None, band_tokens=0):
     # A planted bug is judged in its own layer (the others are the exact path's): pinned parity and decision
     # accounting there. Its teacher-forced KL would cost a whole exact-path prefill per bug on the full model; only
-    # a bug in what a layer carries between bands (mutations.CARRY), which one band cannot show, pays for one.
+    # a bug in what a layer carries between bands (mutations.CARRY) pays for one, so the KL too is seen to fail.
     # The exact path is the reference itself: its pinned runs would repeat the reference's (costly on the full
     # model, ~40% of the pass); the CPU tests check that they do (tests/experiments/test_verdicts.py).
     exact = {c.name: verdicts.Judgement((), None) for c in configs
@@ -81,18 +81,17 @@ class ModelRunner:
                                            only=only, end_to_end=[c.name for c in configs if not c.mutation
                                                                   or c.name in models],
                                            on_layers=on_layers, reference_kl=reference_kl,
-                                           kl_band_tokens=kl_band_tokens)
+                                           band_tokens=band_tokens)
 
-  def precompile(self, m, runs, workers, log, pinned=(), scored=(), teacher_forced=(), seen=None) -> int:
+  def precompile(self, m, runs, workers, log, pinned=(), scored=(), seen=None) -> int:
     if not jax.config.jax_compilation_cache_dir:  # a temporary directory unless the user set one
       jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="ds4jax_jit_cache_"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    log(f"precompiling the layer programs of {len(runs)} runs and {len(pinned) + len(scored) + len(teacher_forced)} "
-        f"pinned, scored or teacher-forced verdict runs, {workers} at a time, into "
+    log(f"precompiling the layer programs of {len(runs)} runs and {len(pinned) + len(scored)} pinned or scored "
+        f"verdict runs, {workers} at a time, into "
         f"{jax.config.jax_compilation_cache_dir}")
-    return prefill_lib.precompile(m, runs, workers, log=log, pinned=pinned, scored=scored,
-                                  teacher_forced=teacher_forced, seen=seen)
+    return prefill_lib.precompile(m, runs, workers, log=log, pinned=pinned, scored=scored, seen=seen)
 
   def now(self) -> float:
     return time.perf_counter()

@@ -30,12 +30,12 @@ class Results:
   verdicts: list[Verdict] = dataclasses.field(default_factory=list)  # every verdict taken, kept as soon as taken
 
   def verdict_for(self, tokens: int, features: dict, mutation: str | None, fingerprint: str,
-                  prompt_sha: str, kl_band_tokens: int = 0) -> Verdict | None:
+                  prompt_sha: str, band_tokens: int = 0) -> Verdict | None:
     """A PASS or FAIL verdict already taken on the same prompt prefix, weights, features, planted bug and
-    teacher-forced KL bands."""
+    verdict bands."""
     for v in reversed(self.verdicts):
-      if (v.tokens, v.features, v.mutation, v.weights_fingerprint, v.prompt_sha256, v.kl_band_tokens) == (
-          tokens, features, mutation, fingerprint, prompt_sha, kl_band_tokens) and v.result != "not run":
+      if (v.tokens, v.features, v.mutation, v.weights_fingerprint, v.prompt_sha256, v.band_tokens) == (
+          tokens, features, mutation, fingerprint, prompt_sha, band_tokens) and v.result != "not run":
         return v
     return None
 

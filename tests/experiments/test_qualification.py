@@ -47,7 +47,7 @@ class FakeRunner:
   def __init__(self, fail=None, noise_gain=1e-3, noisy_fail=None, cost=None, judge_fail=None, kl_fail=None):
     self.calls, self.noisy_calls, self.judged, self.compiled, self.compiled_verdicts = [], [], [], [], []
     self.reference_kls = []  # what each verdict pass was handed as the bf16 reference's KL on file
-    self.kl_bands, self.compiled_teacher_forced = [], []  # each verdict pass's KL band size; their programs
+    self.bands = []  # each verdict pass's band size
     self.fail = fail  # (features, n_tokens) -> exception to raise, or None
     self.noise_gain = noise_gain  # how far the logits move under one f32 rounding of the input (the noise floor)
     self.noisy_fail = noisy_fail  # exception for the perturbed (noise floor) run, or None
@@ -88,9 +88,9 @@ class FakeRunner:
       logits = logits + 2.0 * np.cos(3 * v)
     return np.asarray(logits, np.float32)
 
-  def judge(self, m, ids, configs, log, on_layers=None, reference_kl=None, kl_band_tokens=0):
+  def judge(self, m, ids, configs, log, on_layers=None, reference_kl=None, band_tokens=0):
     self.judged.append((len(ids), [c.name for c in configs]))
-    self.kl_bands.append(kl_band_tokens)
+    self.bands.append(band_tokens)
     self.reference_kls.append(reference_kl)
     if self.judge_fail:
       raise self.judge_fail
@@ -107,11 +107,10 @@ class FakeRunner:
       raise self.kl_fail
     return {name: verdicts.Judgement(layers[name], tf[name]) for name in layers}
 
-  def precompile(self, m, runs, workers, log, pinned=(), scored=(), teacher_forced=(), seen=None):
+  def precompile(self, m, runs, workers, log, pinned=(), scored=(), seen=None):
     self.compiled.append(list(runs))
     self.compiled_verdicts.append((list(pinned), list(scored)))
-    self.compiled_teacher_forced.append(list(teacher_forced))
-    return len(runs) + len(pinned) + len(scored) + len(teacher_forced)
+    return len(runs) + len(pinned) + len(scored)
 
 
 def options(tmp_path, **kw) -> q.Options:
@@ -309,24 +308,25 @@ def test_all_on_follows_the_defaults_of_each_length(tmp_path, tiny_model, monkey
   assert any(s.startswith("all_on at [32] switches: ['moe_compact_queue']") for s in lines)
 
 
-def test_verdict_bands_judge_again_and_precompile_the_banded_kl(tmp_path, tiny_model):
-  """--verdict_bands=2: the verdict pass is handed the KL band size (half the verdict prefix), its records say so,
-  its banded teacher-forced prefills are precompiled, and verdicts on file from one band are not reused (a pair
-  judged with other bands is run again)."""
+def test_verdict_bands_judge_again_and_precompile_the_banded_runs(tmp_path, tiny_model):
+  """--verdict_bands=2: the verdict pass is handed the band size (half the verdict prefix), its records say so, its
+  banded runs (pinned and free) are precompiled, and verdicts on file from one band are not reused (a pair judged
+  with other bands is run again)."""
   fake = FakeRunner()
   first, _ = run(options(tmp_path, configs=("all_on",)), tiny_model, fake)
-  assert fake.kl_bands == [0] and by_key(first)[(32, "all_on")].verdict.kl_band_tokens == 0
+  assert fake.bands == [0] and by_key(first)[(32, "all_on")].verdict.band_tokens == 0
   second, _ = run(options(tmp_path, configs=("all_on",), append=True, verdict_bands=2, precompile_workers=2),
                   tiny_model, fake)
-  assert second.invocations[-1]["plan"] == [[32, "all_on"]] and fake.kl_bands == [0, 8]
+  assert second.invocations[-1]["plan"] == [[32, "all_on"]] and fake.bands == [0, 8]
   v = by_key(second)[(32, "all_on")].verdict
-  assert v.kl_band_tokens == 8 and v is second.verdicts[-1]
-  on = by_key(second)[(32, "all_on")].features
-  bf16_reference = dataclasses.replace(EXACT, bf16_matmul=True)
-  assert fake.compiled_teacher_forced[0] == [
-      (16, verdicts.teacher_forced_features(f, 8)) for f in (features.Features(**on), bf16_reference)]
+  assert v.band_tokens == 8 and v is second.verdicts[-1]
+  on = verdicts.banded_features(features.Features(**by_key(second)[(32, "all_on")].features), 8)
+  bf16_reference = verdicts.banded_features(dataclasses.replace(EXACT, bf16_matmul=True), 8)
+  assert on.prefill_band_tokens == bf16_reference.prefill_band_tokens == 8
+  assert fake.compiled_verdicts[0] == ([(16, on), (16, bf16_reference)], [(16, EXACT)])
+  assert (16, on) in fake.compiled[0]
   third, _ = run(options(tmp_path, configs=("all_on",), append=True, verdict_bands=2), tiny_model, fake)
-  assert third.invocations[-1]["plan"] == [] and fake.kl_bands == [0, 8]  # now on file
+  assert third.invocations[-1]["plan"] == [] and fake.bands == [0, 8]  # now on file
 
 
 def test_bounded_runs_append_each_pair_exactly_once(tmp_path, tiny_model):
@@ -814,9 +814,10 @@ def test_real_prefill_end_to_end(tmp_path):
   doc = q.run(opts, log=lambda s: None)
   recs = by_key(doc)
   # tiny_window has one layer type; kill_moe_compact_queue runs the exact path's program (all switches off, and
-  # at 20 tokens the band/chunk knobs change nothing), so 3 configurations need 2 programs, and their verdicts 3
-  # more: all_on and the exact path pinned, and the exact path recording its scores.
-  assert doc.invocations[-1]["precompile"]["programs"] == 5
+  # at 20 tokens the band/chunk knobs change nothing), so 3 configurations need 2 programs, and their verdicts 4
+  # more: all_on, the exact path and the bf16 reference math (the KL's bound) pinned, the exact path recording its
+  # scores.
+  assert doc.invocations[-1]["precompile"]["programs"] == 6
   assert all(r.timing.cold_loads_precompiled for r in recs.values())
   assert sorted(recs) == [(20, "all_off"), (20, "all_on"), (20, "kill_moe_compact_queue")]
   assert all(r.status == "ok" and r.result == q.PASS for r in recs.values())
@@ -843,11 +844,11 @@ def test_real_model_catches_every_planted_bug(tmp_path):
   assert sorted(recs) == sorted(f"mutant_{n}" for n in mutations.MUTATIONS)
   for name, r in recs.items():
     assert r.status == "not_timed" and r.result == q.FAIL, (name, r.verdict.reasons)
-    assert r.verdict.kl_band_tokens == 12
-    if name.removeprefix("mutant_") in mutations.CARRY:  # its own layer passes; the KL in two bands fails
-      assert r.verdict.teacher_forced["bands"] == 2 and r.verdict.reasons[0].startswith("teacher-forced KL")
-    else:
-      assert any(f"layer {r.verdict.mutation_layer}" in why for why in r.verdict.reasons), r.verdict.reasons
+    assert r.verdict.band_tokens == 12
+    assert any(f"layer {r.verdict.mutation_layer}" in why for why in r.verdict.reasons), r.verdict.reasons
+    if name.removeprefix("mutant_") in mutations.CARRY:  # its own layer in two bands fails, and the KL
+      assert r.verdict.teacher_forced["bands"] == 2 and r.verdict.reasons[-1].startswith("teacher-forced KL")
+      assert any("in 2 bands" in why for why in r.verdict.reasons), r.verdict.reasons
   n = len(mutations.MUTATIONS)
   assert lines[-1] == f"verdicts: 1 pass, 0 fail, 0 not run; planted bugs: {n} of {n} caught" and not q.failed(doc)
 

@@ -121,13 +121,13 @@ def test_layer_verdicts_command_on_a_mesh(tmp_path):
   assert not doc["mutations"]["dropped_sink"]["passed"]
 
 
-def test_layer_verdicts_refuses_a_carry_bug_it_cannot_judge():
-  """The per-layer command runs one band from position 0: a planted carry bug would pass there, so it is refused
-  with where it is judged instead."""
+def test_layer_verdicts_refuses_a_carry_bug_in_one_band():
+  """A planted carry bug would pass a run of one band from position 0: the per-layer command refuses it unless its
+  runs are banded (--bands)."""
   p = subprocess.run([sys.executable, "-m", "experiments.layer_verdicts", "--preset=tiny_window",
                       "--mutations=kv_tail_dropped"], capture_output=True, text=True,
                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert p.returncode != 0 and "--verdict_bands=2" in p.stderr, p.stderr[-2000:]
+  assert p.returncode != 0 and "run them with --bands=2" in p.stderr, p.stderr[-2000:]
 
 
 def test_a_reference_kl_on_file_is_used_not_measured(tiny, monkeypatch):
@@ -145,26 +145,46 @@ def test_a_reference_kl_on_file_is_used_not_measured(tiny, monkeypatch):
   assert any("2.50e-01" in s and "on file" in s for s in lines)
 
 
-def test_a_carry_bug_passes_one_band_and_fails_the_teacher_forced_kl_in_two(tiny):
-  """A bug in what a layer carries between bands (kv_tail_dropped: the window's KV rows) is invisible to the
-  per-layer checks and to a one-band KL, which carry nothing; with the teacher-forced prefills in two bands
-  (kl_band_tokens) it FAILs, while the exact path in the same two bands stays far below the bound. (Every carry bug
-  FAILs the qualification in two bands: tests/experiments/test_qualification.py.)"""
+
+
+def test_a_carry_bug_passes_one_band_and_fails_in_two_at_its_layer_and_end_to_end(tiny):
+  """A bug in what a layer carries between bands (kv_tail_dropped: the window's KV rows) is invisible in one band
+  from position 0, which carries nothing. With the verdicts' runs in two bands (band_tokens) it FAILs twice: its own
+  layer's pinned update (against the exact path's one band) and the teacher-forced KL; the exact path in the same two
+  bands stays far below both bounds. (Every carry bug FAILs the qualification in two bands:
+  tests/experiments/test_qualification.py.)"""
   m, ids = tiny
   layer, bugged = 0, mutations.kv_tail_dropped
   bug = dict(runners=dict(carry=mutations.run_layer(bugged, {layer})),
              models=dict(carry=mutations.mutated_model(m, bugged, {layer})),
              only=dict(exact={layer}, carry={layer}))
-  two = verdicts.judge(m, ids, dict(exact=exact(), carry=exact()), **bug, kl_band_tokens=len(ids) // 2)
+  two = verdicts.judge(m, ids, dict(exact=exact(), carry=exact()), **bug, band_tokens=len(ids) // 2)
   tf, ok = two["carry"].teacher_forced, two["exact"].teacher_forced
-  assert tf.bands == ok.bands == 2 and two["carry"].layers[0].passed
+  [bad], [good] = two["carry"].layers, two["exact"].layers
+  assert tf.bands == ok.bands == bad.bands == good.bands == 2
+  assert bad.update_nmse > 1e3 * bad.bound and bad.bound == verdicts.F32_BOUND
+  assert good.passed and good.update_nmse < 1e-3 * good.bound
   assert not two["carry"].passed and tf.mean_kl > 10 * tf.bound and tf.worst_position >= len(ids) // 2
   assert two["exact"].passed and ok.mean_kl < 1e-2 * ok.bound
-  assert "teacher-forced KL" in two["carry"].reasons()[-1]
+  reasons = two["carry"].reasons()
+  assert "in 2 bands" in reasons[0] and "teacher-forced KL" in reasons[-1]
   # the same bug, one band (the reference's KL as measured above: a prefill saved)
   one = verdicts.judge(m, ids, dict(carry=exact()), **bug, reference_kl=tf.reference_bf16_mean_kl)
   assert one["carry"].passed and one["carry"].layers[0].update_nmse == 0.0 and one["carry"].teacher_forced.bands == 1
   # a configuration that runs one band (prefill_band_tokens=0) keeps it: bands are what it would run
-  assert verdicts.teacher_forced_features(dataclasses.replace(exact(), prefill_band_tokens=0), 16) \
-      .prefill_band_tokens == 0
-  assert verdicts.teacher_forced_features(exact(), 16).prefill_band_tokens == 16
+  assert verdicts.banded_features(dataclasses.replace(exact(), prefill_band_tokens=0), 16).prefill_band_tokens == 0
+  assert verdicts.banded_features(exact(), 16).prefill_band_tokens == 16
+
+
+def test_the_layer_checks_in_bands_see_a_compressed_layers_carry(tiny):
+  """compressed_rows_dropped (a CSA layer loses the earlier bands' compressed rows and indexer keys) fails its own
+  layer in two bands, by its pinned update and by choices that are not near-ties (the indexer's among them), all in
+the second band; in one band it passes."""
+  m, ids = tiny
+  layer = mutations.default_layer(m.cfg, "compressed_rows_dropped")
+  run = mutations.run_layer(mutations.compressed_rows_dropped, {layer})
+  [two] = verdicts.layer_verdicts(m, ids, exact(), run, only={layer}, band_tokens=len(ids) // 2)
+  assert two.bands == 2 and two.update_nmse > 1e3 * two.bound and two.bad_flips
+  assert "index" in {f.kind for f in two.bad_flips} and min(f.position for f in two.bad_flips) >= len(ids) // 2
+  [one] = verdicts.layer_verdicts(m, ids, exact(), run, only={layer})
+  assert one.passed and one.bands == 1
