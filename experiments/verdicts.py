@@ -166,8 +166,10 @@ class Judgement:
                    f"{v.bound:.2e}{f' in {v.bands} bands' if v.bands > 1 else ''}")
       if v.bad_flips:
         f = v.bad_flips[0]
-        out.append(f"layer {v.layer}: {len(v.bad_flips)} {f.kind} flips not near-ties (first at position "
-                   f"{f.position}: gap {f.gap:.2e} > {f.tolerance:.2e})")
+        kinds = " / ".join(f"{sum(g.kind == k for g in v.bad_flips)} {k}" for k in ("route", "index")
+                           if any(g.kind == k for g in v.bad_flips))
+        out.append(f"layer {v.layer}: {kinds} flips not near-ties (first, {f.kind}, at position {f.position}: gap "
+                   f"{f.gap:.2e} > {f.tolerance:.2e})")
     t = self.teacher_forced
     if t is not None and not t.passed:
       out.append(f"teacher-forced KL {t.mean_kl:.2e} > {KL_FACTOR:g} x reference_bf16's {t.reference_bf16_mean_kl:.2e}")

@@ -144,14 +144,19 @@ def test_final_parity_on_hand_made_inputs():
 
 
 def test_a_judgement_becomes_a_verdict_with_its_reasons():
-  flip = verdicts.Flip(2, "index", 17, 0.5, 1e-3)
+  flip, route_flip = verdicts.Flip(2, "index", 17, 0.5, 1e-3), verdicts.Flip(2, "route", 3, 0.1, 1e-3)
   bad_layer = verdicts.LayerVerdict(2, "compressed_sparse_attention", "moe", 2e-3, 4e-5, 1e-5, 3, 1, (flip,))
   tf = verdicts.TeacherForced(16, 1e-3, 5e-3, 7, 1e-4, 3e-4)
   v = checks.as_verdict(verdicts.Judgement((layer(0, 1e-10), bad_layer), tf), tokens=16, config="x")
   assert v.result == q.FAIL and v.worst_layer["layer"] == 2 and len(v.layers) == 2
   assert v.reasons == ("layer 2 (compressed_sparse_attention, moe): pinned update NMSE 2.00e-03 > bound 4.00e-05",
-                       "layer 2: 1 index flips not near-ties (first at position 17: gap 5.00e-01 > 1.00e-03)",
+                       "layer 2: 1 index flips not near-ties (first, index, at position 17: gap 5.00e-01 > 1.00e-03)",
                        "teacher-forced KL 1.00e-03 > 3 x reference_bf16's 1.00e-04")
+  both = dataclasses.replace(bad_layer, update_nmse=1e-5, bad_flips=(route_flip, flip, flip), bands=2)
+  assert verdicts.Judgement((both,), None).reasons() == [
+      "layer 2: 1 route / 2 index flips not near-ties (first, route, at position 3: gap 1.00e-01 > 1.00e-03)"]
+  banded = dataclasses.replace(bad_layer, bad_flips=(), bands=2)
+  assert verdicts.Judgement((banded,), None).reasons()[0].endswith("> bound 4.00e-05 in 2 bands")
   ok = checks.as_verdict(verdicts.Judgement((layer(0, 1e-10),), dataclasses.replace(tf, mean_kl=2e-4)), tokens=16)
   assert ok.result == q.PASS and ok.reasons == () and ok.teacher_forced["passed"]
   nan = verdicts.Judgement((layer(0, math.nan),), None)
