@@ -131,8 +131,8 @@ def _layer_over_bands(parts, cache, X: list, band_tokens: list, B: int, inner: F
     for b in range(len(X)):
       X[b], cache, d = _layer_step(*parts, X[b], band_tokens[b], jnp.int32(b * B), cache, inner,
                                    None if pins is None else pins[b])
-      made.append(d)
-    return made if keep else []
+      made += [d] * keep  # (a CSA layer's index rows at 128K: ~250 MB, kept only when asked for)
+    return made
   rows = []
   for b in range(len(X)):
     X[b], cache, r = _attend_step(*parts, X[b], jnp.int32(b * B), cache, inner,

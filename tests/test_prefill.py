@@ -352,16 +352,16 @@ def test_moe_over_bands_matches_the_layer_step_per_band(tiny, monkeypatch, band,
   np.testing.assert_array_equal(again[1].route_ids, moved[1].route_ids)
 
 
-@pytest.mark.parametrize("over", [False, True])
-def test_layer_in_bands_is_the_prefills_layer(tiny, monkeypatch, over):
+def test_layer_in_bands_is_the_prefills_layer(tiny, monkeypatch):
   """prefill.layer_in_bands (how the per-layer verdicts run a layer in bands) runs the programs the prefill runs for
   that layer: layer after layer from the embedded streams it gives the prefill's logits and decisions bit for bit,
-  band by band or with the MoE over bands (5 bands of 8 as 3 + 2); pinned decisions are imposed."""
+  here with the MoE over bands (5 bands of 8 as 3 + 2; band by band, the prefill's stationary loop runs the same
+  function: test_weights_stationary_order_is_bit_identical); pinned decisions are imposed."""
   m, tokens, _ = tiny
   tokens = tokens[:40]  # whole bands: no padding
   monkeypatch.setattr(prefill, "MOE_TOKENS", 24)
   f = stationary(features.resolve("cpu_interpret", dict(prefill_band_tokens=8)))
-  f = dataclasses.replace(f, prefill_moe_over_bands=over)
+  f = dataclasses.replace(f, prefill_moe_over_bands=True)
   made = []
   want = np.asarray(prefill.prefill(m, tokens, f, all_logits=True, decisions=made))
   X = m.embed_streams(jnp.asarray(tokens))

@@ -175,16 +175,3 @@ def test_a_carry_bug_passes_one_band_and_fails_in_two_at_its_layer_and_end_to_en
   assert verdicts.banded_features(dataclasses.replace(exact(), prefill_band_tokens=0), 16).prefill_band_tokens == 0
   assert verdicts.banded_features(exact(), 16).prefill_band_tokens == 16
 
-
-def test_the_layer_checks_in_bands_see_a_compressed_layers_carry(tiny):
-  """compressed_rows_dropped (a CSA layer loses the earlier bands' compressed rows and indexer keys) fails its own
-  layer in two bands, by its pinned update and by choices that are not near-ties (the indexer's among them), all in
-the second band; in one band it passes."""
-  m, ids = tiny
-  layer = mutations.default_layer(m.cfg, "compressed_rows_dropped")
-  run = mutations.run_layer(mutations.compressed_rows_dropped, {layer})
-  [two] = verdicts.layer_verdicts(m, ids, exact(), run, only={layer}, band_tokens=len(ids) // 2)
-  assert two.bands == 2 and two.update_nmse > 1e3 * two.bound and two.bad_flips
-  assert "index" in {f.kind for f in two.bad_flips} and min(f.position for f in two.bad_flips) >= len(ids) // 2
-  [one] = verdicts.layer_verdicts(m, ids, exact(), run, only={layer})
-  assert one.passed and one.bands == 1
