@@ -105,20 +105,23 @@ def test_every_mutation_has_a_layer_kind_in_tiny_sparse():
     mutations.default_layer(config.tiny_window(), "index_topk_minus_one")
 
 
-def test_layer_verdicts_command_on_a_mesh(tmp_path):
-  """The entry point on a mesh of one device: every layer of the configuration (bf16 operands, so each layer's error
-  is real) passes, the planted bug fails, and the record says the model ran on the mesh."""
+def test_layer_verdicts_command_on_a_mesh_in_bands(tmp_path):
+  """The entry point on a mesh of one device, its runs in two bands: every layer of the configuration (bf16 operands,
+  so each layer's error is real) passes, both planted bugs fail (the carry bug at its own layer), and the record says
+  the model ran on the mesh."""
   out = tmp_path / "verdicts.json"
   p = subprocess.run([sys.executable, "-m", "experiments.layer_verdicts", "--preset=tiny_window", "--tokens=16",
-                      "--mesh=expert=1", "--bf16_matmul", "--mutations=dropped_sink", f"--out={out}"], capture_output=True, text=True,
-                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                      "--bands=2", "--mesh=expert=1", "--bf16_matmul", "--mutations=dropped_sink,kv_tail_dropped",
+                      f"--out={out}"], capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert p.returncode == 0, p.stderr[-3000:]
   assert "mesh expert=1: 8 of 8 routed experts per device on 1 devices" in p.stdout
   doc = json.loads(out.read_text())
-  assert doc["mesh"] == "expert=1" and doc["configuration"]["passed"]
-  assert [v["layer"] for v in doc["configuration"]["layers"]] == [0, 1]
+  assert doc["mesh"] == "expert=1" and doc["bands"] == 2 and doc["configuration"]["passed"]
+  assert [(v["layer"], v["bands"]) for v in doc["configuration"]["layers"]] == [(0, 2), (1, 2)]
   assert all(0 < v["update_nmse"] <= v["bound"] for v in doc["configuration"]["layers"])
   assert not doc["mutations"]["dropped_sink"]["passed"]
+  carry = doc["mutations"]["kv_tail_dropped"]
+  assert not carry["passed"] and carry["bands"] == 2 and carry["update_nmse"] > 1e3 * carry["bound"]
 
 
 def test_layer_verdicts_refuses_a_carry_bug_in_one_band():
