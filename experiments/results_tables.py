@@ -149,10 +149,10 @@ RECORD_COLUMNS = ("length", "config", "mutation", "killed", "also_off", "switche
                   "worst_layer_reference_bf16", "route_flips", "index_flips", "bad_flips", "tf_kl", "tf_kl_bound",
                   "tf_kl_reference_bf16", "tf_kl_bands", "upstream_gate", "final_kl", "final_nmse", "final_top1_agree",
                   "final_prefix_tokens", "features", "git_commit", "weights_fingerprint", "finished")
-LAYER_COLUMNS = ("config", "mutation", "verdict_tokens", "result", "layer", "attention", "routing", "update_nmse",
-                 "bound", "reference_bf16_nmse", "nmse_over_bound", "nmse_over_reference", "route_flips",
-                 "index_flips", "n_bad_flips", "passed")
-VERDICT_COLUMNS = ("config", "mutation", "mutation_layer", "result", "tokens", "reasons", "worst_layer",
+LAYER_COLUMNS = ("config", "mutation", "verdict_tokens", "result", "layer", "attention", "routing", "bands",
+                 "update_nmse", "bound", "reference_bf16_nmse", "nmse_over_bound", "nmse_over_reference",
+                 "route_flips", "index_flips", "n_bad_flips", "passed")
+VERDICT_COLUMNS = ("config", "mutation", "mutation_layer", "result", "tokens", "band_tokens", "reasons", "worst_layer",
                    "worst_layer_nmse", "worst_layer_bound", "route_flips", "index_flips", "bad_flips", "tf_kl",
                    "tf_max_kl", "tf_kl_bound", "tf_kl_reference_bf16", "tf_kl_bands", "upstream_gate", "wall_s")
 
@@ -185,7 +185,8 @@ def _record_row(r: Mapping[str, Any], judged: bool = True) -> dict[str, Any]:
       index_flips=sum(x["index_flips"] for x in layers) if layers else None,
       bad_flips=sum(x["n_bad_flips"] for x in layers) if layers else None,
       tf_kl=tf.get("mean_kl"), tf_kl_bound=tf.get("bound"), tf_kl_reference_bf16=tf.get("reference_bf16_mean_kl"),
-      tf_kl_bands=tf.get("bands", 1) if tf else None, upstream_gate=tf.get("upstream_gate", p.get("kl_gate")), final_kl=p.get("kl"), final_nmse=p.get("nmse"),
+      tf_kl_bands=tf.get("bands", 1) if tf else None, upstream_gate=tf.get("upstream_gate", p.get("kl_gate")),
+      final_kl=p.get("kl"), final_nmse=p.get("nmse"),
       final_top1_agree=p.get("top1_agree"), final_prefix_tokens=p.get("prefix_tokens"),
       features=r.get("features"), git_commit=(r.get("env") or {}).get("git_commit"),
       weights_fingerprint=r.get("weights_fingerprint"), finished=r.get("finished"))
@@ -195,7 +196,8 @@ def _verdict_rows(v: Mapping[str, Any]) -> tuple[dict, list[dict]]:
   """A verdict as one summary row and one row per judged layer."""
   tf, worst, layers = v.get("teacher_forced") or {}, v.get("worst_layer") or {}, v.get("layers") or ()
   head = dict(config=v.get("config"), mutation=v.get("mutation"), mutation_layer=v.get("mutation_layer"),
-              result=v["result"], tokens=v["tokens"], reasons="; ".join(v.get("reasons") or ()),
+              result=v["result"], tokens=v["tokens"], band_tokens=v.get("band_tokens", 0),
+              reasons="; ".join(v.get("reasons") or ()),
               worst_layer=worst.get("layer"), worst_layer_nmse=worst.get("update_nmse"),
               worst_layer_bound=worst.get("bound"),
               route_flips=sum(x["route_flips"] for x in layers), index_flips=sum(x["index_flips"] for x in layers),
@@ -208,7 +210,7 @@ def _verdict_rows(v: Mapping[str, Any]) -> tuple[dict, list[dict]]:
     ref = x.get("reference_bf16_nmse")
     rows.append(dict(config=v.get("config"), mutation=v.get("mutation"), verdict_tokens=v["tokens"],
                      result=v["result"], layer=x["layer"], attention=x["attention"], routing=x["routing"],
-                     update_nmse=x["update_nmse"], bound=x["bound"], reference_bf16_nmse=ref,
+                     bands=x.get("bands", 1), update_nmse=x["update_nmse"], bound=x["bound"], reference_bf16_nmse=ref,
                      nmse_over_bound=x["update_nmse"] / x["bound"] if x["bound"] else None,
                      nmse_over_reference=x["update_nmse"] / ref if ref else None, route_flips=x["route_flips"],
                      index_flips=x["index_flips"], n_bad_flips=x["n_bad_flips"], passed=x["passed"]))

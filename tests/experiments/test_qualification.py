@@ -20,7 +20,7 @@ from absl import flags
 
 from ds4jax import config, features, model
 from ds4jax.features import FeatureError
-from experiments import mutations, verdicts
+from experiments import mutations, results_tables, verdicts
 from experiments import qualification as q
 from experiments.qualification import checks, inputs, matrix, qualify, report, store
 
@@ -856,6 +856,8 @@ def test_real_model_catches_every_planted_bug(tmp_path):
       assert any("in 2 bands" in why for why in r.verdict.reasons), r.verdict.reasons
   n = len(mutations.MUTATIONS)
   assert lines[-1] == f"verdicts: 1 pass, 0 fail, 0 not run; planted bugs: {n} of {n} caught" and not q.failed(doc)
+  tables = results_tables.load(opts.out)  # the notebooks' view: each judged layer ran in two bands
+  assert set(tables.layers.bands) == {2} and set(tables.verdicts.band_tokens) == {12}
 
 
 def test_table_shows_a_verdict_whose_run_was_not_timed():

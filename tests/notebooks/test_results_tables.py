@@ -103,6 +103,7 @@ def test_qualification_records_and_verdicts_carry_the_files_numbers(tables):
   row = layers.set_index("layer").loc[7]
   assert row.nmse_over_bound == x["update_nmse"] / x["bound"]
   assert row.nmse_over_reference == x["update_nmse"] / x["reference_bf16_nmse"]
+  assert set(q.layers.bands) == {1} and set(q.verdicts.band_tokens) == {0}  # judged before verdicts in bands
   bugs = q.verdicts[q.verdicts.mutation.notna()].set_index("mutation")
   assert set(bugs.result) == {"FAIL"} and bugs.loc["index_topk_minus_one"].bad_flips == 2049
   assert q.noise_floor.kl.iloc[0] == doc["noise_floor"]["4096"]["kl"]
