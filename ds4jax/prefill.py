@@ -276,6 +276,7 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
       if progress:
         jax.block_until_ready(x)
         progress(f"band {b + 1}/{n_bands}: tokens [{b * B}, {min(b * B + B, S)}) done, {time.perf_counter() - t0:.1f}s")
+      del x  # before the next band's streams come
   if keep:
     decisions[:] = [_joined(bands, S) for bands in made_by_band]
   if all_logits:

@@ -26,7 +26,7 @@ from ds4jax import model as model_lib
 from ds4jax import moe as moe_lib
 from ds4jax.features import KNOBS, Features
 from ds4jax.quant import policy as quant_policy
-from experiments import processes, run_record, verdicts
+from experiments import mutations, processes, run_record, verdicts
 from experiments.qualification import checks, inputs, report, store
 from experiments.qualification.matrix import Configuration, configurations, exact_features
 from experiments.qualification.options import Options, StartupError, validate, verdict_band_tokens
@@ -280,8 +280,9 @@ def _unjudged(results: store.Results, setup: Setup, v_tokens: int, configs: list
 def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo, fingerprint: str):
   """(free, pinned, scored) runs of the verdict passes this call will make (ds4jax.prefill.precompile), in the
   verdicts' bands (--verdict_bands): scored, the exact path recording its scores (one band); pinned, each judged
-  configuration, the bf16 reference math and (for planted bugs) the exact path, pinned to the exact path's
-  decisions, per layer and in the teacher-forced KL's prefills; free, the same configurations unpinned."""
+  configuration, the bf16 reference math (where a bound needs it) and (for planted bugs) the exact path, pinned to
+  the exact path's decisions, per layer and in the teacher-forced KL's prefills; free, the same configurations
+  unpinned, and with planted bugs the exact path's one band (the layers no configuration judges)."""
   exact = exact_features(setup.device_class)
   bf16_reference = dataclasses.replace(exact, bf16_matmul=True)
   free, pinned, scored = [], [], []
@@ -294,8 +295,11 @@ def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo,
     scored.append((v, exact))
     fast = list(dict.fromkeys(c.features for c in judged if not c.mutation))
     bugs = [exact] * any(c.mutation for c in judged)
-    free += [(v, verdicts.banded_features(f, band)) for f in [*fast, *bugs]]
-    pinned += [(v, verdicts.banded_features(f, band)) for f in dict.fromkeys([*fast, bf16_reference, *bugs])]
+    kl = any(not c.mutation or c.mutation in mutations.CARRY for c in judged)
+    on_file = _reference_kl(results, fingerprint, inputs.sha256_array(setup.ids[:v]), v, setup.device_class, band)
+    reference = [bf16_reference] * (any(f.bf16_matmul for f in fast) or (kl and on_file is None))
+    free += dict.fromkeys([(v, verdicts.banded_features(f, band)) for f in [*fast, *bugs]] + [(v, f) for f in bugs])
+    pinned += [(v, verdicts.banded_features(f, band)) for f in dict.fromkeys([*fast, *reference, *bugs])]
   return free, pinned, scored
 
 

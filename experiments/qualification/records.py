@@ -136,6 +136,9 @@ def record_from_json(d: dict[str, Any]) -> Record:
 
 
 def verdict_from_json(d: dict[str, Any]) -> Verdict:
+  # Files of 2026-12-04 (3a53a39 to ad0acc7) say `kl_band_tokens`: their KL ran in those bands, their layers in one.
+  # Read as band_tokens 0, they are not reused for verdicts in bands, which judge the layers in bands too.
+  d = {k: v for k, v in d.items() if k != "kl_band_tokens"}
   return Verdict(**_tuples(d, ("reasons", "layers")))
 
 

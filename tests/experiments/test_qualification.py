@@ -22,7 +22,7 @@ from ds4jax import config, features, model
 from ds4jax.features import FeatureError
 from experiments import mutations, results_tables, verdicts
 from experiments import qualification as q
-from experiments.qualification import checks, inputs, matrix, qualify, report, store
+from experiments.qualification import checks, inputs, matrix, qualify, records, report, store
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ON = {"moe_compact_queue": True, "moe_persistent": True, "moe_fused_combine": True}
@@ -141,6 +141,13 @@ def test_final_parity_on_hand_made_inputs():
   assert not p.top1_agree and p.kl > 1 and not p.within_gate
   p = checks.final_parity([np.nan, 1.0, 0.0], [0.0, 1.0, 4.0], kl_gate=0.006)
   assert not p.finite and not p.within_gate
+
+
+def test_a_verdict_of_the_kl_only_bands_reads_as_one_band():
+  """A verdict written while only the KL ran in bands (`kl_band_tokens`, 2026-12-04) loads, as band_tokens 0: a pass
+  in bands judges it again, since its layers ran in one band."""
+  v = records.verdict_from_json(dict(result="PASS", tokens=16, kl_band_tokens=8, reasons=[], layers=[]))
+  assert v.band_tokens == 0 and v.result == "PASS"
 
 
 def test_a_judgement_becomes_a_verdict_with_its_reasons():
@@ -552,6 +559,21 @@ def test_precompile_covers_the_verdict_pass_once(tmp_path, tiny_model):
   fake.compiled_verdicts.clear()
   run(dataclasses.replace(opts, lengths=(48,), append=True), tiny_model, fake)  # judged on the same 16 tokens
   assert fake.compiled_verdicts == [([], [])]
+
+
+def test_planted_bugs_in_bands_precompile_what_their_pass_runs(tmp_path, tiny_model):
+  """A pass that judges planted bugs only, in two bands: the exact path in bands (the bug's layer) and in one band
+  (the layers no bug is in) are precompiled; the bf16 reference math only where its KL bounds something (a carry
+  bug's teacher-forced KL), not for a bug judged at its layer alone."""
+  banded = verdicts.banded_features(EXACT, 8)
+  bf16_reference = verdicts.banded_features(dataclasses.replace(EXACT, bf16_matmul=True), 8)
+  for bug, reference in (("dropped_sink", []), ("kv_tail_dropped", [(16, bf16_reference)])):
+    fake = FakeRunner()
+    run(options(tmp_path / bug, configs=("all_off",), mutations=(bug,), verdict_bands=2, precompile_workers=2),
+        tiny_model, fake)
+    pinned, scored = fake.compiled_verdicts[0]
+    assert fake.compiled[0] == [(16, banded), (16, EXACT)] and scored == [(16, EXACT)]
+    assert pinned == reference + [(16, banded)]
 
 
 def test_records_say_which_switches_only_lowered(tmp_path, tiny_model):
