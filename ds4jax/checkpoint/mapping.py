@@ -71,12 +71,30 @@ def _scale_name(name: str) -> str:
   return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
 
-def _scale_bytes(ckpt: SafetensorsCheckpoint, scale: str) -> np.ndarray:
-  """The raw UE8M0 bytes of a scale tensor; a NaN byte (0xFF) is a corrupt checkpoint."""
+def _scale_bytes(ckpt: SafetensorsCheckpoint, name: str) -> np.ndarray:
+  """The raw UE8M0 bytes of the scale tensor of FP8/FP4 tensor `name`; a missing scale, another dtype or a NaN byte
+  (0xFF) is a corrupt checkpoint."""
+  scale = _scale_name(name)
+  if scale not in ckpt:
+    raise CheckpointError(f"{ckpt.where(name)}: stored as {ckpt.spec(name).dtype} but its scale tensor {scale!r} "
+                          "is missing")
+  if ckpt.spec(scale).dtype not in ("F8_E8M0", "U8"):
+    raise CheckpointError(f"{ckpt.where(scale)}: scales must be F8_E8M0 (UE8M0 bytes), got {ckpt.spec(scale).dtype}")
   try:
     return ue8m0.check_scale_bytes(np.asarray(ckpt.read(scale)).view(np.uint8), ckpt.where(scale))
   except ValueError as e:
     raise CheckpointError(str(e)) from e
+
+
+def _code_bytes(ckpt: SafetensorsCheckpoint, name: str) -> np.ndarray:
+  """The stored codes of FP8/FP4 tensor `name`; an FP8 NaN byte (0x7F / 0xFF: e4m3fn has no inf) is a corrupt
+  checkpoint, whether the codes are then decoded or copied."""
+  codes = np.asarray(ckpt.read(name))
+  if ckpt.spec(name).dtype == "F8_E4M3":
+    nan = (codes.view(np.uint8) & 0x7F) == 0x7F
+    if nan.any():
+      raise CheckpointError(f"{ckpt.where(name)}: NaN byte at index {tuple(int(i) for i in np.argwhere(nan)[0])}")
+  return codes
 
 
 def read_tensor(ckpt: SafetensorsCheckpoint, name: str, used: set[str]) -> np.ndarray:
@@ -86,16 +104,11 @@ def read_tensor(ckpt: SafetensorsCheckpoint, name: str, used: set[str]) -> np.nd
   if spec.dtype in FLOAT_DTYPES or spec.dtype in INT_DTYPES:
     return ckpt.read(name)
   if spec.dtype in ("F8_E4M3", "I8", "U8"):
-    scale = _scale_name(name)
-    if scale not in ckpt:
-      raise CheckpointError(f"{ckpt.where(name)}: stored as {spec.dtype} but its scale tensor {scale!r} is missing")
-    if ckpt.spec(scale).dtype not in ("F8_E8M0", "U8"):
-      raise CheckpointError(f"{ckpt.where(scale)}: scales must be F8_E8M0 (UE8M0 bytes), got {ckpt.spec(scale).dtype}")
-    used.add(scale)
-    scale_bytes = _scale_bytes(ckpt, scale)
+    codes, scale_bytes = _code_bytes(ckpt, name), _scale_bytes(ckpt, name)
+    used.add(_scale_name(name))
     dequantize = _dequantize_fp8 if spec.dtype == "F8_E4M3" else _dequantize_fp4
     try:
-      return np.asarray(dequantize(np.asarray(ckpt.read(name)), scale_bytes))
+      return np.asarray(dequantize(codes, scale_bytes))
     except (ValueError, TypeError) as e:
       raise CheckpointError(f"{ckpt.where(name)}: {e}") from e
   raise CheckpointError(f"{ckpt.where(name)}: unsupported dtype {spec.dtype} for a model weight")
@@ -156,8 +169,8 @@ def _read_stored(ckpt: SafetensorsCheckpoint, names: list[str], fmt: str, used: 
   want = {"fp8_e4m3": ("F8_E4M3",), "fp4_e2m1": ("I8", "U8")}.get(fmt)
   if not want or any(ckpt.spec(n).dtype not in want or _scale_name(n) not in ckpt for n in names):
     return None
-  codes = [np.asarray(ckpt.read(n)) for n in names]
-  scales = [_scale_bytes(ckpt, _scale_name(n)) for n in names]
+  codes = [_code_bytes(ckpt, n) for n in names]
+  scales = [_scale_bytes(ckpt, n) for n in names]
   used.update(names + [_scale_name(n) for n in names])
   stack = (lambda xs: np.stack(xs)) if stacked else (lambda xs: xs[0])
   key = "weight" if fmt == "fp8_e4m3" else "packed"

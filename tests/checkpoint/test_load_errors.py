@@ -11,12 +11,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import safetensors.numpy
 
 from ds4jax.checkpoint import mapping
 from ds4jax.checkpoint.safetensors_reader import CheckpointError
 from ds4jax.checkpoint.safetensors_writer import save_file
+from ds4jax.layers import dense
 from ds4jax.quant import fp8_e4m3
 
 SAVED = Path(__file__).parent / "hf_saved"
@@ -46,13 +48,13 @@ def copy_of(name, tmp_path):
   return tmp_path / name
 
 
-def load(path):
-  return mapping.load_checkpoint(path, dtype=jnp.float32, log=None)
+def load(path, policy="bf16"):
+  return mapping.load_checkpoint(path, dtype=jnp.float32, log=None, policy=policy)
 
 
-def one_line_error(path):
+def one_line_error(path, policy="bf16"):
   with pytest.raises(CheckpointError) as e:
-    load(path)
+    load(path, policy)
   message = str(e.value)
   assert "\n" not in message
   return message
@@ -83,19 +85,62 @@ def rewrite(directory, edit):
   save_file(path, tensors, dtype_names)
 
 
-def test_corrupt_scale_byte_names_file_and_tensor(tmp_path):
+def fp8_wq_b(directory, scale_dtype="F8_E8M0", code=None, scale_byte=None):
+  """Stores layer 1's wq_b ([64, 16]: one 128x128 block) in FP8 with its UE8M0 scale, optionally corrupted: one code
+  byte or one scale byte replaced, or the scale stored under another dtype."""
+  def to_fp8(t, dtype_names):
+    codes, scale = fp8_e4m3.quantize(t["layers.1.attn.wq_b.weight"])
+    if code is not None:
+      codes.view("uint8")[3, 5] = code
+    if scale_byte is not None:
+      scale[0, 0] = scale_byte
+    t["layers.1.attn.wq_b.weight"], t["layers.1.attn.wq_b.scale"] = codes, scale
+    dtype_names["layers.1.attn.wq_b.scale"] = scale_dtype
+
+  rewrite(directory, to_fp8)
+
+
+# bf16 decodes the stored FP8 tensor; dense=fp8_e4m3 copies it as it is: each path must refuse the corrupt bytes.
+POLICIES = ["bf16", "dense=fp8_e4m3"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_corrupt_scale_byte_names_file_and_tensor(tmp_path, policy):
   """One FP8 weight whose UE8M0 scale holds a NaN byte (0xFF)."""
   d = copy_of("official", tmp_path)
+  fp8_wq_b(d, scale_byte=0xFF)
+  assert one_line_error(d, policy).startswith(f"{d / 'model.safetensors'}: layers.1.attn.wq_b.scale: corrupted "
+                                              "scale byte 0xFF at index (0, 0)")
 
-  def to_fp8(t, dtype_names):
-    codes, scale = fp8_e4m3.quantize(t["layers.1.attn.wq_b.weight"])  # [64, 16]: one 128x128 block
-    scale[0, 0] = 0xFF
-    t["layers.1.attn.wq_b.weight"], t["layers.1.attn.wq_b.scale"] = codes, scale
-    dtype_names["layers.1.attn.wq_b.scale"] = "F8_E8M0"
 
-  rewrite(d, to_fp8)
-  assert one_line_error(d).startswith(f"{d / 'model.safetensors'}: layers.1.attn.wq_b.scale: corrupted scale byte "
-                                      f"0xFF at index (0, 0)")
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_fp8_nan_code_names_file_and_tensor(tmp_path, policy, code):
+  """float8_e4m3fn has no inf: 0x7F and 0xFF are NaN, which no quantizer writes."""
+  d = copy_of("official", tmp_path)
+  fp8_wq_b(d, code=code)
+  assert one_line_error(d, policy) == (f"{d / 'model.safetensors'}: layers.1.attn.wq_b.weight: NaN byte at index "
+                                       "(3, 5)")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_scale_of_another_dtype_names_file_and_tensor(tmp_path, policy):
+  d = copy_of("official", tmp_path)
+  fp8_wq_b(d, scale_dtype="I8")
+  assert one_line_error(d, policy) == (f"{d / 'model.safetensors'}: layers.1.attn.wq_b.scale: scales must be "
+                                       "F8_E8M0 (UE8M0 bytes), got I8")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fp8_weight_intact_loads_under_either_policy(tmp_path, policy):
+  """The control of the three above: the same FP8 tensor, uncorrupted, loads and keeps its values."""
+  d = copy_of("official", tmp_path)
+  fp8_wq_b(d)
+  weight = load(d, policy).layers[1].attn.wq_b.weight
+  original = safetensors.numpy.load_file(str(SAVED / "official" / "model.safetensors"))["layers.1.attn.wq_b.weight"]
+  want = fp8_e4m3.dequantize(*fp8_e4m3.quantize(original))
+  assert float(jnp.abs(want).max()) > 0
+  np.testing.assert_array_equal(np.asarray(dense(weight), np.float32), np.asarray(want, np.float32))
 
 
 def test_shape_mismatch_names_file_and_tensor(tmp_path):
