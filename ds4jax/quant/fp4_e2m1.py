@@ -111,5 +111,8 @@ def quantize(w) -> tuple[np.ndarray, np.ndarray]:
   # Exact scaling (see fp8_e4m3.quantize), then one rounding into E2M1. float4_e2m1fn's bit pattern, one value per
   # byte, is exactly our nibble code (bit 3 sign, then e, m).
   x = np.ldexp(blocks.astype(np.float64), -exponent[..., None]).astype(np.float32)
-  nibbles = x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(w.shape)
-  return pack(nibbles), ue8m0.encode(exponent)
+  nibbles = x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+  # As in fp8_e4m3.quantize: a code rounded up past float32's top steps one code toward zero.
+  value = np.ldexp(nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float64), exponent[..., None])
+  nibbles = nibbles - (np.abs(value) > np.finfo(np.float32).max).astype(np.uint8)
+  return pack(nibbles.reshape(w.shape)), ue8m0.encode(exponent)

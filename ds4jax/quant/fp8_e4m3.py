@@ -86,4 +86,8 @@ def quantize(w, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
   # w · 2^-e is exact in float64 and again in float32 (values ≤ 448; only far-subnormal ones round, and those are 0
   # in fp8 anyway). ml_dtypes goes through float32 itself, so casting from float32 rounds only once.
   x = np.ldexp(w.astype(np.float64), -e_full).astype(np.float32)
-  return x.astype(ml_dtypes.float8_e4m3fn), ue8m0.encode(exponent)
+  codes = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+  # Within 2^-4 of float32's top a code can round up to one whose value overflows: take the next code toward zero
+  # (e4m3fn's magnitude grows with the byte). The sign bit is untouched.
+  over = np.abs(np.ldexp(codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64), e_full)) > np.finfo(np.float32).max
+  return (codes - over.astype(np.uint8)).view(ml_dtypes.float8_e4m3fn), ue8m0.encode(exponent)

@@ -166,3 +166,11 @@ def test_nan_scale_byte_rejected_on_host(rng):
   packed = rng.integers(-128, 128, size=(6, 64), dtype=np.int8)
   out = np.asarray(dequantize_jit(packed, scale))
   assert np.all(np.isnan(out[4, 96:])) and not np.any(np.isnan(out[:4]))
+
+
+def test_quantize_near_float32_top_stays_finite():
+  """3.3e38 scales to 3.88 · 2^126, which rounds to 4 · 2^126 = 2^128 (inf): it takes the code below, 3."""
+  w = np.array([[3.3e38, -3.3e38, 3.4e38, 1.0e38] + [0.0] * 28], np.float32)
+  packed, scale = fp4_e2m1.quantize(w)
+  np.testing.assert_array_equal(oracle(packed, scale)[0, :4].astype(np.float64),
+                                [3 * 2.0**126, -3 * 2.0**126, 3 * 2.0**126, 1 * 2.0**126])

@@ -229,3 +229,11 @@ def test_check_scale_bytes_accepts_good_and_rejects_dtype(rng):
   assert ue8m0.check_scale_bytes(good) is not None
   with pytest.raises(TypeError, match="raw uint8"):
     ue8m0.check_scale_bytes(good.astype(np.int16))
+
+
+def test_quantize_near_float32_top_stays_finite():
+  """3.3e38 scales to 248.3 · 2^120, which rounds to 256 · 2^120 = 2^128 (inf): it takes the code below, 240."""
+  w = np.array([[3.3e38, -3.3e38, 3.4e38, 1.0e38] + [0.0] * 124], np.float32)
+  codes, scale = fp8_e4m3.quantize(w)
+  value = codes.astype(np.float64)[0, :4] * np.ldexp(1.0, int(scale[0, 0]) - 127)
+  np.testing.assert_array_equal(value, [240 * 2.0**120, -240 * 2.0**120, 240 * 2.0**120, 72 * 2.0**120])
