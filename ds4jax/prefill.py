@@ -207,7 +207,9 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
   """
   t = model_lib.check_tokens(tokens, m.cfg)
   S = t.shape[0]
-  want = [S - 1] if positions is None else [int(p) for p in positions]
+  if all_logits and positions is not None:
+    raise ValueError("all_logits gives every position's logits: pass positions only without it")
+  want = [] if all_logits else [S - 1] if positions is None else [int(p) for p in positions]
   if any(not 0 <= p < S for p in want):
     raise ValueError(f"positions {want} must lie in [0, {S}) for a {S}-token prompt")
   moe_lib.check_wgmma(m.cfg, m.policy, features)

@@ -39,6 +39,22 @@ def test_banded_prefill_matches_one_shot(tiny, band, chunk):
   assert err < 2e-6 * max(1.0, np.abs(ref).max())
 
 
+@pytest.mark.parametrize("n, band", [(1, 0), (4, 1)])
+def test_all_logits_where_a_band_index_is_also_a_position(tiny, n, band):
+  """Bands and positions were once keyed in one dict: band b's logits were lost where position b was wanted too
+  (one token, or bands of one)."""
+  m, tokens, ref = tiny
+  got = run(m, tokens[:n], prefill_band_tokens=band)
+  assert got.shape == ref[:n].shape
+  np.testing.assert_allclose(got, ref[:n], atol=2e-6 * max(1.0, np.abs(ref).max()))
+
+
+def test_all_logits_refuses_positions(tiny):
+  m, tokens, _ = tiny
+  with pytest.raises(ValueError, match="pass positions only without it"):
+    prefill.prefill(m, tokens, all_logits=True, positions=[0])
+
+
 def test_band_state_matters(tiny):
   """Dropping the carried state breaks equivalence: with fresh caches per band the later bands differ."""
   m, tokens, ref = tiny
