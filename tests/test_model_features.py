@@ -1,6 +1,7 @@
 """The model's fast paths, switched by Features: each supported switch against the exact reference, and
 proof (from the jaxpr) that a switch really changes the path that runs."""
 
+import collections
 import dataclasses
 import itertools
 
@@ -15,6 +16,7 @@ from ds4jax import attention, config, features, model, moe, prefill
 from ds4jax.quant import policy as quant_policy
 from ds4jax.features import CAPABILITIES, SWITCHES, Features
 from ds4jax.metrics import nmse
+from kernels_pallas import moe as moe_kernels
 
 DEVICE = features.device_class()  # cpu_interpret here; sm_90 when the suite runs on an H200
 TOKENS = np.arange(2, 42)
@@ -90,6 +92,47 @@ def test_moe_switches_change_the_kernels_that_run(tiny):
   assert sum("gate_up" in n for n in unfused) >= m.cfg.num_layers
 
 
+# Each MoE knob with its requirements, and its off state: what a model that ignores the knob would run instead.
+MOE_KNOBS = {
+    "moe_adaptive_tile": (dict(moe_adaptive_tile=True), dict(moe_adaptive_tile=False)),
+    "moe_compact_queue": (dict(moe_compact_queue=True), dict(moe_compact_queue=False)),
+    "moe_tile_rows": (dict(moe_compact_queue=True, moe_tile_rows=16), dict(moe_tile_rows=0)),
+    "moe_programs_per_core": (dict(moe_compact_queue=True, moe_persistent=True, moe_programs_per_core=2),
+                              dict(moe_programs_per_core=32)),
+}
+
+
+def planned_moe_kernels(m, f: Features) -> list[tuple[str, tuple[int, ...]]]:
+  """(name, grid) of one layer's grouped MoE kernels as kernels_pallas.moe.plan lays them out for `f`'s knobs at
+  TOKENS. The knobs are mapped to the kernels' Config here (as docs/upstream.md §5 pairs them), not through
+  moe.kernel_config, so a knob the model drops on the way shows as grids that differ from the plan."""
+  c = m.cfg
+  tile = dict(block_m=f.moe_tile_rows, adaptive_tile=False) if f.moe_tile_rows else {}
+  cfg = moe_kernels.Config.default(
+      num_tokens=TOKENS.size, top_k=c.experts_per_token, num_experts=c.n_routed_experts, hidden=c.hidden_size,
+      intermediate=c.moe_intermediate_size, dtype=jnp.float32, platform=f.platform,
+      **(dict(adaptive_tile=f.moe_adaptive_tile, compact_queue=f.moe_compact_queue, persistent=f.moe_persistent,
+              programs_per_core=f.moe_programs_per_core, fused_combine=f.moe_fused_combine) | tile))
+  p = moe_kernels.plan(num_tokens=TOKENS.size, top_k=c.experts_per_token, num_experts=c.n_routed_experts,
+                       hidden=c.hidden_size, intermediate=c.moe_intermediate_size, config=cfg)
+  return [(p.kernels[0], p.gate_up_grid), (p.kernels[1], p.down_grid)]
+
+
+@pytest.mark.parametrize("knob", MOE_KNOBS)
+def test_moe_knobs_reach_the_kernel_grids(tiny, knob):
+  """Each MoE knob changes the row tile, the work list or the persistent programs, so the gate/up and down grids:
+  every layer's must be the ones kernels_pallas.moe plans for the knob, and those differ from the grids without it
+  (a model that ignored the knob would still match the reference and run some MoE kernel). Traced, not compiled."""
+  m, _ = tiny
+  on, off = MOE_KNOBS[knob]
+  f = features.resolve(DEVICE, {s: s in on for s in SWITCHES} | on)
+  want = planned_moe_kernels(m, f)
+  assert want != planned_moe_kernels(m, dataclasses.replace(f, **off)), f"{knob} does not change the plan"
+  got = [(n, g) for n, g in features.pallas_calls(lambda t: m(t, features=f), jnp.asarray(TOKENS))
+         if n.startswith(("moe_gate_up", "moe_down"))]
+  assert got == want * m.cfg.num_layers, f"{knob}: the model's MoE grids are not the planned {want}"
+
+
 def test_all_supported_switches_together(tiny):
   m, ref = tiny
   f = features.resolve(DEVICE, {s: s in EXACT for s in SWITCHES})
@@ -137,7 +180,8 @@ def test_bf16_matmul_rounds_the_operands_and_stays_close(tiny):
 @pytest.mark.parametrize("policy", ["lucebox_mix"])  # MIX experts + FP4 dense; official is covered in kernels tests
 def test_quantized_model_fused_and_dequantize_first_paths(policy, seed):
   """moe_sparse_gate_up feeds quantized tiles to the kernels (dequantized in-kernel); without it the
-  stacked weights are dequantized first. Both must match the exact reference of the same quantized model."""
+  stacked weights are dequantized first. Both must match the exact reference of the same quantized model, and the
+  kernels' operands show which path ran (both paths decode the same bits: the logits alone cannot tell them apart)."""
   if not CAPABILITIES[DEVICE]["moe_sparse_gate_up"].supported:
     pytest.skip(f"moe_sparse_gate_up is not advertised on {DEVICE}")
   # Two window layers through the banded prefill: the MoE is what is under test, and the two layers share one
@@ -149,6 +193,16 @@ def test_quantized_model_fused_and_dequantize_first_paths(policy, seed):
   first = features.resolve(DEVICE, {s: s == "moe_compact_queue" for s in SWITCHES})
   for f in (fused, first):
     assert nmse(logits(f), ref) < 1e-10
+
+  def operand_dtypes(f):  # traced, not compiled
+    eqns = features.traced_eqns(lambda t: m(t, features=f), jnp.asarray(TOKENS))
+    return {k: {str(v.aval.dtype) for e in eqns if e.params.get("name") == k for v in e.invars}
+            for k in ("moe_gate_up", "moe_down")}
+
+  for kernel, dtypes in operand_dtypes(fused).items():
+    assert "uint8" in dtypes, f"{kernel} reads no quantized tiles under moe_sparse_gate_up: {dtypes}"
+  for kernel, dtypes in operand_dtypes(first).items():  # f32 x and weights, int32 work list
+    assert dtypes == {"float32", "int32"}, f"{kernel} reads {dtypes} with the weights dequantized first"
 
 
 WGMMA_NMSE = 1e-9  # two bf16 paths on the same decoded bits: only the order of the K sums and h's rounding differ
@@ -248,6 +302,25 @@ def test_direct_and_mask_handoffs_are_byte_identical(tiny):
   direct = np.asarray(model.forward(m, TOKENS, features=on(*stream, "direct_indexer_topk")))
   masked = np.asarray(model.forward(m, TOKENS, features=on(*stream)))
   assert np.array_equal(direct, masked)
+
+
+def test_direct_indexer_topk_skips_the_mask(tiny):
+  """The two handoffs give the same bytes (above), so only the trace tells which one ran: the mask path scatters
+  each CSA layer's picks into a dense [S, rows] mask and scans it back (the cumsum of handoff.rows_from_mask);
+  the direct path sorts the XLA indexer's best-first ids instead, and with the indexer kernel (ids come sorted)
+  does neither. Traced, not compiled."""
+  m, _ = tiny
+  on = lambda *s: features.resolve(DEVICE, {k: k in s for k in SWITCHES})
+  ops = lambda *s: collections.Counter(e.primitive.name for e in features.traced_eqns(
+      lambda t: m(t, features=on("mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp", *s)),
+      jnp.asarray(TOKENS)))
+  csa = sum(kind == config.Attention.CSA for kind in m.cfg.attention)
+  for indexer in ((), ("indexer_score_kernel",)):
+    masked, direct = ops(*indexer), ops(*indexer, "direct_indexer_topk")
+    assert masked["cumsum"] == csa >= 1, f"the mask path does not scan a mask back ({indexer})"
+    assert direct["cumsum"] == 0, f"direct_indexer_topk still builds and scans the mask ({indexer})"
+    sorts = direct["sort"] - masked["sort"]
+    assert sorts == (0 if indexer else csa), f"direct_indexer_topk sorts {sorts} id lists ({indexer})"
 
 
 def test_attention_switches_change_the_kernels_that_run(tiny):

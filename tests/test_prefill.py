@@ -1,5 +1,6 @@
 """Layer-major banded prefill (ds4jax/prefill.py) against one-shot prefill of the same prompt."""
 
+import collections
 import dataclasses
 
 import jax.numpy as jnp
@@ -37,6 +38,31 @@ def test_banded_prefill_matches_one_shot(tiny, band, chunk):
   print(f"band {band} chunk {chunk}: max abs error {err:.2e} (logits up to {np.abs(ref).max():.2f})")
   assert got.shape == ref.shape and np.isfinite(got).all()
   assert err < 2e-6 * max(1.0, np.abs(ref).max())
+
+
+def test_long_context_chunk_splits_the_band_attention(tiny):
+  """The (16, 8) case above matches the one-shot logits whether or not the band's attention is chunked (a query's
+  result does not depend on its chunk), so the trace of prefill's CSA layer step over a band of 16 shows it: with
+  chunks of 8 the attention gains a loop of 2 chunks and its softmax spans [8, heads, keys] instead of
+  [16, heads, keys]; nothing else changes. Traced, not compiled."""
+  m, tokens, _ = tiny
+  block = m.layers[m.cfg.attention.index(config.Attention.CSA)]
+  band = jnp.asarray(tokens[:16])
+
+  def trace(chunk):
+    """The loop lengths and the shapes of the rank-3 exps (softmaxes) in one layer step of the band."""
+    f = features.resolve("cpu_interpret", dict(prefill_band_tokens=16, long_context_chunk=chunk))
+    eqns = features.traced_eqns(lambda X: prefill.layer_step(block, X, band, 0, block.attn.empty_cache(16, 16), f)[0],
+                                model.embed_streams(m.embed[...], band, m.cfg.hc_mult))
+    return (collections.Counter(e.params["length"] for e in eqns if e.primitive.name == "scan"),
+            {v.aval.shape for e in eqns if e.primitive.name == "exp" for v in e.outvars if v.aval.ndim == 3})
+
+  (loops, softmax), (chunked_loops, chunked_softmax) = trace(0), trace(8)
+  assert chunked_loops - loops == {2: 1} and not loops - chunked_loops, "the band's attention is not in 2 chunks"
+  changed, H = softmax ^ chunked_softmax, m.cfg.num_heads
+  keys = {s[2] for s in changed}  # the attention's softmax is [queries, heads, keys]
+  assert len(keys) == 1, f"more than the attention's softmax changed: {changed}"
+  assert softmax - chunked_softmax == {(16, H, *keys)} and chunked_softmax - softmax == {(8, H, *keys)}, changed
 
 
 @pytest.mark.parametrize("n, band", [(1, 0), (4, 1)])

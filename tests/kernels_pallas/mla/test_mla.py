@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ds4jax.metrics import nmse
+from kernels_pallas.indexer.handoff import selected_rows
 from kernels_pallas.mla import Config, default_platform, kernel_name, sparse_mla, sparse_mla_reference
 from kernels_pallas.mla.reference import apply_rope
 
@@ -223,13 +224,20 @@ def test_traced_q_start_one_compile(rng):
 
 
 def test_indices_direct_vs_mask_path_byte_identical(rng):
-  """The direct top-k list and the one rebuilt from the additive mask (lucebox §1.3) give identical bytes."""
-  from kernels_pallas.indexer.handoff import selected_rows  # pylint: disable=import-outside-toplevel
-  c = CASES[4]
-  p = make_problem(rng, c)
+  """The mask path (lucebox §1.3) scans the additive mask back into ascending physical rows, whatever order the
+  indexer picked them in: from best-first picks it rebuilds the ascending list the direct path hands the kernel (the
+  model sorts them: ds4jax/attention.py kernel_row_list), so the kernel reads the same rows in the same order and
+  gives identical bytes. (Rebuilt from the ascending list itself, it could not differ.)"""
+  p = make_problem(rng, CASES[4], q_start=40)  # up to 12 visible rows to pick from, not 2
   R = p["comp_kv"].shape[0]
-  rebuilt = selected_rows(p["indices"], R, direct_indexer_topk=False)
-  np.testing.assert_array_equal(np.asarray(rebuilt), np.asarray(p["indices"]))
+  ascending = np.asarray(p["indices"])
+  best_first = ascending.copy()
+  for row in best_first:  # each query's picks in the order of their scores (random here), the −1 tail kept
+    n = int((row >= 0).sum())
+    row[:n] = rng.permutation(row[:n])
+  assert not np.array_equal(best_first, ascending)
+  rebuilt = selected_rows(jnp.asarray(best_first), R, direct_indexer_topk=False)
+  np.testing.assert_array_equal(np.asarray(rebuilt), ascending)
   direct = run(p)
   via_mask = run(dict(p, indices=rebuilt))
   assert np.array_equal(direct, via_mask)
