@@ -4,9 +4,10 @@ Each mutation takes a layer's block and returns a changed copy (the model itself
 it into the runner `verdicts.layer_verdicts` injects, mutating the chosen layers only. The bugs are in the exact
 math, the kind a kernel or a port gets wrong: an attention sink dropped, one expert's output scale one UE8M0 step
 off, the window off by one, the indexer keeping k - 1 rows, the routed scaling factor dropped from the combine
-weights, the compressor's per-slot gate bias dropped; and two in what a layer carries from band to band (CARRY:
-the window's KV rows, the compressed rows), which a run of one band from position 0 cannot show: the verdicts judge
-those with their runs in bands (--verdict_bands >= 2), at their own layer and end to end.
+weights, the compressor's per-slot gate bias dropped, a hash-routed layer routed by its scores; and two in what a
+layer carries from band to band (CARRY: the window's KV rows, the compressed rows), which a run of one band from
+position 0 cannot show: the verdicts judge those with their runs in bands (--verdict_bands >= 2), at their own layer
+and end to end.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from ds4jax.config import Attention
+from ds4jax.config import Attention, Routing
 from ds4jax.layers import QuantizedWeight
 from experiments import verdicts
 
@@ -69,6 +70,18 @@ def compressor_bias_dropped(block):
 
 
 @functools.cache
+def hash_routed_by_score(block):
+  """A hash-routed layer picks its experts by the top k of its router's scores, as a top-k layer does, not by the
+  token's id (a port that treats every layer alike). The pinned runs impose the exact path's experts, so only the
+  decision accounting can see it."""
+  b = nnx.clone(block)
+  if b.ffn.gate.routing is not Routing.HASH:
+    raise ValueError("hash_routed_by_score needs a hash-routed layer")
+  b.ffn.gate.routing = Routing.TOPK
+  b.ffn.gate.bias = nnx.data(nnx.Param(jnp.zeros_like(b.ffn.gate.weight[...][:, 0])))  # was None (static)
+  return b
+
+
 def _forgetting(attention_cls, fields: tuple[str, ...]):
   """`attention_cls` whose band receives its carried cache with `fields` zeroed."""
   class Forgetting(attention_cls):
@@ -103,7 +116,7 @@ def compressed_rows_dropped(block):
 
 MUTATIONS: dict[str, Callable] = {f.__name__: f for f in (
     dropped_sink, expert_scale_step, window_off_by_one, index_topk_minus_one, routed_scale_dropped,
-    compressor_bias_dropped, kv_tail_dropped, compressed_rows_dropped)}
+    compressor_bias_dropped, hash_routed_by_score, kv_tail_dropped, compressed_rows_dropped)}
 # Bugs in what a layer carries between bands: invisible in one band, judged in bands (per layer and end to end).
 CARRY = {"kv_tail_dropped", "compressed_rows_dropped"}
 # The layer kinds a bug lives in (absent: any layer).
@@ -111,10 +124,14 @@ NEEDS = dict(index_topk_minus_one={Attention.CSA}, compressor_bias_dropped={Atte
              compressed_rows_dropped={Attention.CSA, Attention.HCA})
 
 
+ROUTING_NEEDS = dict(hash_routed_by_score=Routing.HASH)
+
+
 def default_layer(cfg, name: str) -> int:
-  """The first layer of `cfg` whose kind the bug `name` lives in."""
-  kinds = NEEDS.get(name)
-  return next(i for i, k in enumerate(cfg.attention) if kinds is None or k in kinds)
+  """The first layer of `cfg` whose kind (attention and routing) the bug `name` lives in."""
+  kinds, routing = NEEDS.get(name), ROUTING_NEEDS.get(name)
+  return next(i for i, k in enumerate(cfg.attention)
+              if (kinds is None or k in kinds) and (routing is None or cfg.routing[i] is routing))
 
 
 def mutated_model(m, mutation: Callable, layers: set[int]):

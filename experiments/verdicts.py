@@ -9,7 +9,8 @@ For each layer, on the exact path's input streams X_l (nothing accumulated from 
   decisions       the layer runs unpinned; every routing or indexer choice that differs from the exact path's must
                   be a near-tie in the exact scores: the gap between what it dropped and what it took at most
                   NEAR_TIE_ULPS roundings of the configuration's operand precision at that token's score scale.
-                  Any other flip FAILs, named by layer, position and gap.
+                  Any other flip FAILs, named by layer, position and gap; on a hash-routed layer (experts by token
+                  id) every route flip does.
 
 End to end, with every layer's choices pinned to the exact path's:
 
@@ -42,6 +43,7 @@ import numpy as np
 from ds4jax import features as features_lib
 from ds4jax import metrics
 from ds4jax import prefill as prefill_lib
+from ds4jax.config import Routing
 from ds4jax.decisions import Decisions
 
 BF16_FACTOR = 4.0
@@ -108,18 +110,25 @@ def _members(ids: np.ndarray, width: int) -> np.ndarray:
   return mask
 
 
-def flips(exact_ids, exact_scores, got_ids, eps: float, layer: int, kind: str) -> tuple[int, list[Flip]]:
-  """(how many choices differ from the exact path's, the flips that are not near-ties in the exact scores)."""
+def flips(exact_ids, exact_scores, got_ids, eps: float, layer: int, kind: str,
+          ties: bool = True) -> tuple[int, list[Flip]]:
+  """(how many choices differ from the exact path's, the flips that are not near-ties in the exact scores).
+  `ties` False: the exact path does not choose by these scores (hash routing picks by token id), so no difference
+  is a tie. An id outside the scores (e.g. a kernel's "none" sentinel other than -1) is never a tie."""
   scores = np.asarray(exact_scores, np.float64)
-  want, got = _members(np.asarray(exact_ids), scores.shape[1]), _members(np.asarray(got_ids), scores.shape[1])
+  got_ids = np.asarray(got_ids)
+  outside = (got_ids >= scores.shape[1]).any(axis=1)
+  want = _members(np.asarray(exact_ids), scores.shape[1])
+  got = _members(np.where(got_ids >= scores.shape[1], -1, got_ids), scores.shape[1])
   dropped, taken = want & ~got, got & ~want
   n = int(dropped.sum())
   bad = []
-  for t in np.nonzero(dropped.any(axis=1) | taken.any(axis=1))[0]:
+  for t in np.nonzero(dropped.any(axis=1) | taken.any(axis=1) | outside)[0]:
     s = scores[t]
     top = np.max(s[dropped[t]]) if dropped[t].any() else -np.inf
     low = np.min(s[taken[t]]) if taken[t].any() else np.inf
-    gap = float(top - low) if np.isfinite(low) else np.inf  # taking an invisible row is never a tie
+    # taking an invisible row (or an id past the scores) is never a tie, nor any difference where scores don't pick
+    gap = float(top - low) if np.isfinite(low) and ties and not outside[t] else np.inf
     finite = s[np.isfinite(s)]
     tol = NEAR_TIE_ULPS * eps * (float(np.max(np.abs(finite))) if finite.size else 0.0)
     if not gap <= tol:
@@ -192,7 +201,7 @@ def _layer_pass(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features]
                 log: Callable[[str], None], only: Mapping[str, set[int]], band_tokens: int):
   """Layer by layer on the exact path's streams: every configuration's verdict at each judged layer (all, or those
   in `only[name]`), its runs in bands of `band_tokens` (banded_features). Returns (verdicts by configuration, the
-  exact path's decisions per layer, its final streams)."""
+  exact path's decisions per layer, its final streams, the error of each configuration whose run failed)."""
   dev_cls = next(iter(configs.values())).device_class
   exact = dataclasses.replace(features_lib.REFERENCE, device_class=dev_cls)
   bf16_reference = banded_features(dataclasses.replace(exact, bf16_matmul=True), band_tokens)
@@ -200,9 +209,11 @@ def _layer_pass(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features]
   B = len(ids)
   X = m.embed_streams(toks)
   out: dict[str, list[LayerVerdict]] = {name: [] for name in configs}
+  errors: dict[str, Exception] = {}  # a configuration whose run failed (e.g. out of memory) is judged no further
   pinned_all = []
   for i, block in enumerate(m.layers):
-    here = {name: banded_features(c, band_tokens) for name, c in configs.items() if name not in only or i in only[name]}
+    here = {name: banded_features(c, band_tokens) for name, c in configs.items()
+            if (name not in only or i in only[name]) and name not in errors}
     judged = bool(here)
     ref, _, want = prefill_lib.layer_step(block, jnp.copy(X), toks, 0, block.attn.empty_cache(B, B), exact,
                                           record_scores=judged)
@@ -217,12 +228,18 @@ def _layer_pass(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features]
       ref_bf16, _ = update_errors(y, ref, X)
     for name, config in here.items():
       run_layer = runners.get(name, default_run_layer)
-      got, _ = run_layer(i, block, jnp.copy(X), toks, config, pinned)
+      try:
+        got, _ = run_layer(i, block, jnp.copy(X), toks, config, pinned)
+        _, free = run_layer(i, block, jnp.copy(X), toks, config, None)
+      except Exception as e:  # noqa: BLE001 -- this configuration's verdict says why; the others go on
+        errors[name] = e
+        log(f"{name}: layer {i} failed: {type(e).__name__}: {str(e)[:300]}")
+        continue
       nmse, _ = update_errors(got, ref, X)
       bound = min(BF16_FACTOR * ref_bf16, ABS_CAP) if config.bf16_matmul else F32_BOUND
       eps = OPERAND_EPS[jnp.dtype(config.matmul_dtype).name]
-      _, free = run_layer(i, block, jnp.copy(X), toks, config, None)
-      n_route, bad = flips(want.route_ids, want.route_scores, free.route_ids, eps, i, "route")
+      n_route, bad = flips(want.route_ids, want.route_scores, free.route_ids, eps, i, "route",
+                           ties=m.cfg.routing[i] == Routing.TOPK)
       n_index = 0
       if want.index_rows is not None:
         n_index, bad_index = flips(want.index_rows, want.index_scores, free.index_rows, eps, i, "index")
@@ -234,7 +251,7 @@ def _layer_pass(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features]
           f"NMSE {nmse:.1e} (bound {bound:.1e}), {n_route} route / {n_index} index flips, {len(bad)} not near-ties"
           f"{f' ({v.bands} bands)' if v.bands > 1 else ''}: {'PASS' if v.passed else 'FAIL'}")
     X = ref
-  return out, pinned_all, X
+  return out, pinned_all, X, errors
 
 
 def layer_verdicts(m, ids: np.ndarray, config: features_lib.Features,
@@ -242,8 +259,11 @@ def layer_verdicts(m, ids: np.ndarray, config: features_lib.Features,
                    only: set[int] | None = None, band_tokens: int = 0) -> list[LayerVerdict]:
   """The verdict of every layer of `m` (or of the layers in `only`) for `config` on the prompt `ids` (in bands of
   `band_tokens`, banded_features)."""
-  return _layer_pass(m, ids, {"config": config}, {"config": run_layer}, log,
-                     {} if only is None else {"config": only}, band_tokens)[0]["config"]
+  verdicts_by_name, _, _, errors = _layer_pass(m, ids, {"config": config}, {"config": run_layer}, log,
+                                               {} if only is None else {"config": only}, band_tokens)
+  if errors:
+    raise errors["config"]
+  return verdicts_by_name["config"]
 
 
 @jax.jit
@@ -263,7 +283,7 @@ def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
           log: Callable[[str], None] = lambda s: None, only: Mapping[str, set[int]] | None = None,
           end_to_end: Collection[str] | None = None,
           on_layers: Callable[[dict[str, Judgement]], None] | None = None,
-          reference_kl: float | None = None, band_tokens: int = 0) -> dict[str, Judgement]:
+          reference_kl: float | None = None, band_tokens: int = 0) -> dict[str, Judgement | Exception]:
   """Every configuration's per-layer verdicts and teacher-forced KL on the prompt `ids`, sharing one exact pass.
   `runners` / `models`: a configuration's layer runner and model where they are not the defaults (planted bugs);
   `only`: the layers judged per configuration where not all (a planted bug's own layer); `end_to_end`: the
@@ -271,13 +291,15 @@ def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
   called with the per-layer judgements (no KL yet) once the layer pass is done, before the KL prefills, so a caller
   can keep them if the KL never finishes. `reference_kl`: the bf16 reference math's mean teacher-forced KL on this
   model and prompt where already measured (a prefill saved), else None. `band_tokens`: the band size of the
-  configurations' runs, per layer and end to end (banded_features; 0 = each configuration's own)."""
+  configurations' runs, per layer and end to end (banded_features; 0 = each configuration's own). A configuration
+  whose own run fails (its layer runs or its KL prefill) gets the exception instead of a judgement; the others are
+  judged on."""
   runners, models, only = runners or {}, models or {}, only or {}
-  layers, pinned, X = _layer_pass(m, ids, configs, runners, log, only, band_tokens)
+  layers, pinned, X, errors = _layer_pass(m, ids, configs, runners, log, only, band_tokens)
   tf: dict[str, TeacherForced | None] = dict.fromkeys(configs)
-  end_to_end = list(configs) if end_to_end is None else [n for n in configs if n in end_to_end]
+  end_to_end = [n for n in (configs if end_to_end is None else end_to_end) if n in configs and n not in errors]
   if on_layers is not None and end_to_end:
-    on_layers({name: Judgement(tuple(layers[name]), None) for name in configs})
+    on_layers({name: Judgement(tuple(layers[name]), None) for name in configs if name not in errors})
   if end_to_end:
     exact_logp = jax.nn.log_softmax(prefill_lib.logits_of_streams(m, X), axis=-1)
     del X
@@ -297,13 +319,18 @@ def judge(m, ids: np.ndarray, configs: Mapping[str, features_lib.Features],
     log(f"teacher-forced KL of the reference math with bf16 operands: {ref_kl:.2e} (mean of {len(ids)} positions"
         f"{'; on file' if on_file else f'; {bands(bf16_reference)} band(s)'})")
     for name in end_to_end:
-      kl, mean = mean_kl(models.get(name, m), configs[name])
+      try:
+        kl, mean = mean_kl(models.get(name, m), configs[name])
+      except Exception as e:  # noqa: BLE001 -- e.g. out of memory in this configuration's prefill alone
+        errors[name] = e
+        log(f"{name}: teacher-forced KL failed: {type(e).__name__}: {str(e)[:300]}")
+        continue
       worst_at = int(np.nanargmax(kl)) if np.isfinite(kl).any() else 0
       tf[name] = TeacherForced(len(ids), mean, float(np.max(kl)), worst_at, ref_kl, KL_FACTOR * ref_kl,
                                bands=bands(configs[name]))
       log(f"{name}: teacher-forced KL {mean:.2e} in {tf[name].bands} band(s) (bound {KL_FACTOR * ref_kl:.2e}; worst "
           f"position {worst_at}: {kl[worst_at]:.2e}): {'PASS' if tf[name].passed else 'FAIL'}")
-  return {name: Judgement(tuple(layers[name]), tf[name]) for name in configs}
+  return {name: errors.get(name) or Judgement(tuple(layers[name]), tf[name]) for name in configs}
 
 
 def worst(verdicts: list[LayerVerdict]) -> LayerVerdict:

@@ -72,11 +72,13 @@ KL_PENDING = "teacher-forced KL not taken: the call ended during it"
 
 
 def layers_only(j: verdicts.Judgement, why: str = KL_PENDING, **meta) -> Verdict:
-  """The per-layer verdicts of a judgement without its teacher-forced KL, as "not run" (a later call judges it
-  again): saved before the KL prefills, so a call that ends or fails during them loses nothing measured."""
+  """The per-layer verdicts of a judgement without its teacher-forced KL: saved before the KL prefills, so a call
+  that ends or fails during them loses nothing measured. A failing layer decides the verdict whatever the KL would
+  say: FAIL, with why the KL is missing; else "not run" (a later call judges it again)."""
   worst = verdicts.worst(list(j.layers)) if j.layers else None
-  layer_result = PASS if all(v.passed for v in j.layers) else FAIL
-  return Verdict(result=NOT_RUN, reasons=(f"{why} (per-layer verdicts: {layer_result})",),
+  failed = not all(v.passed for v in j.layers)
+  return Verdict(result=FAIL if failed else NOT_RUN,
+                 reasons=(*j.reasons(), why) if failed else (f"{why} (per-layer verdicts: PASS)",),
                  worst_layer=_layer_json(worst) if worst else None, layers=tuple(_layer_json(v) for v in j.layers),
                  **meta)
 

@@ -8,7 +8,7 @@ import dataclasses
 from ds4jax import config as config_lib
 from ds4jax import features as features_lib
 from ds4jax.features import KNOBS, SWITCHES, Features
-from experiments import mutations
+from experiments import mutations, verdicts
 
 KILLABLE_KNOBS = ("long_context_chunk", "prefill_band_tokens")  # killed = set to 0 (one chunk / one band)
 MUTANT_PREFIX = "mutant_"
@@ -47,6 +47,15 @@ def without(base: Features, switch: str) -> Features:
 def exact_features(device_cls: str) -> Features:
   """The exact path: every switch off (ds4jax.features.REFERENCE) on the given device class."""
   return dataclasses.replace(features_lib.REFERENCE, device_class=device_cls)
+
+
+def is_the_reference(c: Configuration, verdict_tokens: int, band_tokens: int) -> bool:
+  """The exact path in one band is the reference the verdicts judge against: nothing to judge. In the verdicts'
+  bands it is judged like any configuration (held to F32_BOUND): what it carries between bands is code the
+  reference never runs, shared with every configuration and with the bf16 reference math whose error sets their
+  bounds."""
+  return (c.features == exact_features(c.features.device_class) and not c.mutation
+          and verdicts.n_bands(verdict_tokens, verdicts.banded_features(c.features, band_tokens)) == 1)
 
 
 def configurations(base: Features, cfg: config_lib.DeepseekV4Config | None = None,

@@ -28,7 +28,7 @@ from ds4jax.features import KNOBS, Features
 from ds4jax.quant import policy as quant_policy
 from experiments import mutations, processes, run_record, verdicts
 from experiments.qualification import checks, inputs, report, store
-from experiments.qualification.matrix import Configuration, configurations, exact_features
+from experiments.qualification.matrix import Configuration, configurations, exact_features, is_the_reference
 from experiments.qualification.options import Options, StartupError, validate, verdict_band_tokens
 from experiments.qualification.records import NOT_RUN, Record, Verdict
 from experiments.qualification.runner import Clock, ModelRunner, Runner, time_configuration
@@ -122,9 +122,10 @@ def _done_pairs(opts: Options, setup: Setup, fingerprint: str) -> set[tuple[int,
       raise StartupError(
           f"{opts.out} holds a record for length {r.length} / {r.config} made with different "
           f"{', '.join(why)}: a matched matrix needs the same weights, prompt and features; use another --out")
-    same_bands = r.verdict is not None and r.verdict.band_tokens == verdict_band_tokens(
-        opts, min(r.length, opts.verdict_tokens))
-    judged = r.result != NOT_RUN and same_bands
+    v_tokens = min(r.length, opts.verdict_tokens)
+    same_verdict = r.verdict is not None and (r.verdict.tokens, r.verdict.band_tokens) == (
+        v_tokens, verdict_band_tokens(opts, v_tokens))
+    judged = r.result != NOT_RUN and same_verdict
     if judged and (r.status in ("ok", "not_timed")
                    or (r.status == "too_slow" and 0 < opts.max_cold_s < r.timing.cold_s)):
       done.add(r.key)
@@ -289,7 +290,7 @@ def _verdict_programs(opts: Options, setup: Setup, results: store.Results, todo,
   for v in sorted({min(n, opts.verdict_tokens) for n, _ in todo}):
     band = verdict_band_tokens(opts, v)
     judged = [c for c in _unjudged(results, setup, v, [c for _, c in todo], fingerprint, band)
-              if c.features != exact or c.mutation]
+              if not is_the_reference(c, v, band)]
     if not judged:
       continue
     scored.append((v, exact))

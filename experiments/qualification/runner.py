@@ -17,7 +17,7 @@ from ds4jax import prefill as prefill_lib
 from ds4jax.features import Features
 from experiments import mutations, run_record, verdicts
 from experiments.qualification.inputs import sha256_array
-from experiments.qualification.matrix import Configuration, exact_features
+from experiments.qualification.matrix import Configuration, is_the_reference
 from experiments.qualification.options import Options
 from experiments.qualification.records import Timing
 
@@ -58,10 +58,9 @@ class ModelRunner:
     # A planted bug is judged in its own layer (the others are the exact path's): pinned parity and decision
     # accounting there. Its teacher-forced KL would cost a whole exact-path prefill per bug on the full model; only
     # a bug in what a layer carries between bands (mutations.CARRY) pays for one, so the KL too is seen to fail.
-    # The exact path is the reference itself: its pinned runs would repeat the reference's (costly on the full
-    # model, ~40% of the pass); the CPU tests check that they do (tests/experiments/test_verdicts.py).
-    exact = {c.name: verdicts.Judgement((), None) for c in configs
-             if c.features == exact_features(c.features.device_class) and not c.mutation}
+    # The exact path in one band is the reference itself: its pinned runs would repeat the reference's (costly on
+    # the full model, ~40% of the pass); the CPU tests check that they do (tests/experiments/test_verdicts.py).
+    exact = {c.name: verdicts.Judgement((), None) for c in configs if is_the_reference(c, len(ids), band_tokens)}
     cannot: dict[str, Exception] = {}
     runners, models = {}, {}
     for c in configs:

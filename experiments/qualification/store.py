@@ -17,7 +17,7 @@ from experiments import processes, run_record
 from experiments.qualification import report
 from experiments.qualification.inputs import sha256_array
 from experiments.qualification.options import StartupError
-from experiments.qualification.records import (SCHEMA, NoiseFloor, Record, Verdict, record_from_json, to_json,
+from experiments.qualification.records import (FAIL, SCHEMA, NoiseFloor, Record, Verdict, record_from_json, to_json,
                                                 verdict_from_json)
 
 
@@ -111,28 +111,31 @@ def merge_results(out: str, sources: list[str]) -> Results:
   """Merges results files of one matched matrix (e.g. bounded calls run side by side, one per GPU) into `out`
   (created if missing) and rewrites its .md table; returns the merged results.
 
-  A (length, config) record from a source replaces the one in `out` unless that one measured more (`rank`).
-  Records must share the weights fingerprint and the mesh, and per length the prompt ids and per config the features;
-  invocations and noise floors are kept once each. Raises StartupError on a mixed set, before writing."""
+  A (length, config) record from a source replaces the one in `out` unless that one measured more (`rank`), or as
+  much and FAILed where this one does not (a FAIL is never merged away). Records must share the weights
+  fingerprint and the mesh, and per length the prompt ids and per (length, config) the features (all_on may stand
+  for other features at another length); invocations and noise floors are kept once each. Raises StartupError on a
+  mixed set, before writing."""
   doc = load_results(out) if os.path.exists(out) else Results()
   by_key = {r.key: r for r in doc.records}
   fingerprint = next(iter(by_key.values())).weights_fingerprint if by_key else None
   prompt_sha = {r.length: r.prompt["sha256"] for r in by_key.values()}
-  features = {r.config: r.features for r in by_key.values()}
+  features = {k: r.features for k, r in by_key.items()}
   mesh = (next(iter(by_key.values())).options or {}).get("mesh", "") if by_key else None
   for path in sources:
     src = load_results(path)
     for r in src.records:
       fingerprint = fingerprint or r.weights_fingerprint
       mesh = (r.options or {}).get("mesh", "") if mesh is None else mesh
-      why = same_run(r, fingerprint, prompt_sha, features.get(r.config), mesh)
+      why = same_run(r, fingerprint, prompt_sha, features.get(r.key), mesh)
       if why:
         raise StartupError(f"{path}: record {r.key} differs from the records merged so far in {', '.join(why)}: "
                            "not one matched matrix")
-      if r.key not in by_key or rank(r) >= rank(by_key[r.key]):
+      old = by_key.get(r.key)
+      if old is None or rank(r) > rank(old) or (rank(r) == rank(old) and (old.result != FAIL or r.result == FAIL)):
         by_key[r.key] = r
       prompt_sha.setdefault(r.length, r.prompt["sha256"])
-      features.setdefault(r.config, r.features)
+      features.setdefault(r.key, r.features)
     doc.invocations += [i for i in src.invocations if i not in doc.invocations]
     for n, floor in src.noise_floor.items():
       doc.noise_floor.setdefault(n, floor)

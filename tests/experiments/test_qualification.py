@@ -271,16 +271,18 @@ def test_a_verdict_that_cannot_be_taken_says_why(tmp_path, tiny_model):
 
 def test_per_layer_verdicts_outlive_a_call_that_ends_in_the_kl(tmp_path, tiny_model):
   """The per-layer verdicts are on file before the teacher-forced KL: a call killed there (KeyboardInterrupt
-  standing in) leaves them as "not run" with their layers, a KL that fails keeps them beside its error, and a
-  verdict taken later replaces both."""
+  standing in) leaves them with their layers, as "not run" where they pass and FAIL where a layer fails (no KL can
+  undo that); a KL that fails keeps them beside its error, and a verdict taken later replaces the "not run"."""
   opts = lambda **kw: options(tmp_path, configs=("all_on", "all_off"), **kw)
   fake = FakeRunner(kl_fail=KeyboardInterrupt())
   with pytest.raises(KeyboardInterrupt):
     run(opts(), tiny_model, fake)
   kept = {v.config: v for v in store.load_results(opts().out).verdicts}
-  assert set(kept) == {"all_on", "all_off"} and {v.result for v in kept.values()} == {q.NOT_RUN}
-  assert kept["all_on"].reasons == ("teacher-forced KL not taken: the call ended during it (per-layer verdicts: "
-                                    "FAIL)",)
+  assert {c: v.result for c, v in kept.items()} == dict(all_on=q.FAIL, all_off=q.NOT_RUN)
+  assert kept["all_on"].reasons[-1] == "teacher-forced KL not taken: the call ended during it"
+  assert kept["all_on"].reasons[0].startswith("layer 1 (")
+  assert kept["all_off"].reasons == ("teacher-forced KL not taken: the call ended during it (per-layer verdicts: "
+                                     "PASS)",)
   assert [d["layer"] for d in kept["all_on"].layers] == [0, 1] and not kept["all_on"].worst_layer["passed"]
   fake.kl_fail = RuntimeError("RESOURCE_EXHAUSTED in the KL prefill")
   doc, _ = run(opts(append=True), tiny_model, fake)
@@ -562,18 +564,19 @@ def test_precompile_covers_the_verdict_pass_once(tmp_path, tiny_model):
 
 
 def test_planted_bugs_in_bands_precompile_what_their_pass_runs(tmp_path, tiny_model):
-  """A pass that judges planted bugs only, in two bands: the exact path in bands (the bug's layer) and in one band
-  (the layers no bug is in) are precompiled; the bf16 reference math only where its KL bounds something (a carry
-  bug's teacher-forced KL), not for a bug judged at its layer alone."""
+  """A pass that judges all_off and planted bugs, in two bands: the exact path in bands (all_off, the bug's layer)
+  and in one band (the layers no bug is in) are precompiled, and the bf16 reference math that bounds all_off's
+  teacher-forced KL in bands (in one band all_off is the reference itself, and a bug judged at its layer alone needs
+  no KL: test_precompile_covers_the_verdict_pass_once)."""
   banded = verdicts.banded_features(EXACT, 8)
   bf16_reference = verdicts.banded_features(dataclasses.replace(EXACT, bf16_matmul=True), 8)
-  for bug, reference in (("dropped_sink", []), ("kv_tail_dropped", [(16, bf16_reference)])):
+  for bug in ("dropped_sink", "kv_tail_dropped"):
     fake = FakeRunner()
     run(options(tmp_path / bug, configs=("all_off",), mutations=(bug,), verdict_bands=2, precompile_workers=2),
         tiny_model, fake)
     pinned, scored = fake.compiled_verdicts[0]
     assert fake.compiled[0] == [(16, banded), (16, EXACT)] and scored == [(16, EXACT)]
-    assert pinned == reference + [(16, banded)]
+    assert pinned == [(16, banded), (16, bf16_reference)]
 
 
 def test_records_say_which_switches_only_lowered(tmp_path, tiny_model):
@@ -686,6 +689,33 @@ def test_merge_results_of_side_by_side_calls(tmp_path, tiny_model):
   on = doc.records[0]  # --append on the CPU (one device) cannot ask for a mesh: the check itself
   assert store.same_run(on, on.weights_fingerprint, {}, None, "expert=2") == ["mesh"]
   assert store.same_run(on, on.weights_fingerprint, {}, None) == []
+
+
+def test_append_with_other_verdict_tokens_judges_again(tmp_path, tiny_model):
+  """A record judged on a 16-token prefix is not done for a call that judges 8: it is judged (and timed) again."""
+  fake = FakeRunner()
+  run(options(tmp_path, configs=("all_off", "all_on")), tiny_model, fake)
+  again, _ = run(options(tmp_path, configs=("all_off", "all_on"), verdict_tokens=8, append=True), tiny_model, fake)
+  assert [n for n, _ in fake.judged] == [16, 8]
+  assert {r.config: r.verdict.tokens for r in again.records} == dict(all_off=8, all_on=8)
+
+
+def test_merge_results_keys_features_by_length_and_keeps_a_fail(tmp_path, tiny_model):
+  """all_on may stand for other features at another length (a default bound to one-band prompts): still one
+  matrix. Of two records that measured as much, a FAIL is never merged away by a PASS, whichever source comes last."""
+  main = str(tmp_path / "main.json")
+  doc, _ = run(options(tmp_path, configs=("all_on",), out=main), tiny_model, FakeRunner())
+  on = doc.records[0]
+  assert on.status == "ok"
+  on = dataclasses.replace(on, verdict=dataclasses.replace(on.verdict, result=q.PASS, reasons=()))
+  longer = dataclasses.replace(on, length=2 * on.length, prompt=on.prompt | dict(sha256="f" * 64),
+                               features=on.features | dict(moe_persistent=not on.features["moe_persistent"]))
+  failed = dataclasses.replace(on, verdict=dataclasses.replace(on.verdict, result=q.FAIL, reasons=("layer 1",)))
+  sources = [str(tmp_path / f"{x}.json") for x in ("longer", "failed", "passed")]
+  for path, rec in zip(sources, (longer, failed, on)):
+    store.save(path, store.Results(records=[rec]))
+  merged = by_key(q.merge_results(str(tmp_path / "out.json"), sources))
+  assert merged[(2 * on.length, "all_on")] == longer and merged[(on.length, "all_on")] == failed
 
 
 # ---- start-up errors ----

@@ -13,6 +13,7 @@ import pytest
 
 from ds4jax import config, features, model
 from experiments import mutations, verdicts
+from experiments.qualification import matrix, runner
 
 DEVICE = "cpu_interpret"
 # the Mosaic GPU switches need D, I multiples of 256, which the tiny model is not (tests/test_model_features.py)
@@ -42,6 +43,15 @@ def test_flips_are_near_ties_or_named():
   n, bad = verdicts.flips(want, scores, np.array([[0, 1, -1]]), 2.0 ** -8, 7, "index")  # a row left out
   assert n == 1 and bad[0].gap == np.inf
   assert verdicts.flips(want, scores, np.array([[2, 0, 1]]), 2.0 ** -24, 0, "route") == (0, [])  # order is free
+  # an id past the scores (a kernel's "none" other than -1) is never a tie, and no reason to stop judging
+  n, bad = verdicts.flips(want, scores, np.array([[0, 1, 5]]), 2.0 ** -8, 7, "index")
+  assert n == 1 and len(bad) == 1 and bad[0].gap == np.inf
+  n, bad = verdicts.flips(want, scores, np.array([[0, 1, 2], [0, 1, 2**31 - 1]])[:1], 2.0 ** -8, 7, "index")
+  assert (n, bad) == (0, [])
+  # hash routing does not pick by the scores: the near-tie above is a bad flip there
+  n, bad = verdicts.flips(want, scores, np.array([[0, 1, 3]]), 2.0 ** -8, 7, "route", ties=False)
+  assert n == 1 and len(bad) == 1 and bad[0].gap == np.inf
+  assert verdicts.flips(want, scores, np.array([[2, 0, 1]]), 2.0 ** -8, 7, "route", ties=False) == (0, [])
 
 
 def test_update_nmse_ignores_the_residual(rng):
@@ -100,9 +110,54 @@ def test_every_mutation_has_a_layer_kind_in_tiny_sparse():
   cfg = config.tiny_sparse()
   assert {n: mutations.default_layer(cfg, n) for n in mutations.MUTATIONS} == dict(
       dropped_sink=0, expert_scale_step=0, window_off_by_one=0, index_topk_minus_one=1, routed_scale_dropped=0,
-      compressor_bias_dropped=1, kv_tail_dropped=0, compressed_rows_dropped=1)
+      compressor_bias_dropped=1, hash_routed_by_score=0, kv_tail_dropped=0, compressed_rows_dropped=1)
   with pytest.raises(StopIteration):
     mutations.default_layer(config.tiny_window(), "index_topk_minus_one")
+  with pytest.raises(StopIteration):  # a model without a hash-routed layer
+    mutations.default_layer(dataclasses.replace(cfg, routing=cfg.routing[1:2] * 4), "hash_routed_by_score")
+
+
+def test_a_hash_layer_routed_by_its_scores_fails_only_by_its_flips(tiny):
+  """hash_routed_by_score: pinned to the exact path's experts its layer is exact (NMSE 0), so only the decision
+  accounting sees it; the experts it takes over the token's own have higher scores (no negative gap can be a tie
+  where the exact path does not pick by score)."""
+  m, ids = tiny
+  bug = mutations.run_layer(mutations.hash_routed_by_score, {0})
+  [v] = verdicts.layer_verdicts(m, ids, exact(), bug, only={0})
+  assert v.routing == "hash_moe" and v.update_nmse == 0.0 and v.route_flips > 0
+  assert not v.passed and v.bad_flips and all(f.kind == "route" and f.gap == np.inf for f in v.bad_flips)
+
+
+def test_a_configuration_whose_run_fails_leaves_the_others_judged(tiny):
+  """One configuration's layer run failing (out of memory, say), or its KL prefill, is its own verdict's error: the
+  others are judged on, end to end."""
+  m, ids = tiny
+
+  def out_of_memory(*args):
+    raise RuntimeError("RESOURCE_EXHAUSTED in layer 0")
+
+  names = ("ok", "layer_fails", "kl_fails")
+  out = verdicts.judge(m, ids, dict.fromkeys(names, exact()), runners=dict(layer_fails=out_of_memory),
+                       models=dict(kl_fails=None), only=dict.fromkeys(names, {0}), reference_kl=0.25)
+  assert isinstance(out["layer_fails"], RuntimeError) and isinstance(out["kl_fails"], Exception)
+  assert out["ok"].passed and out["ok"].teacher_forced.mean_kl < 1e-6 and len(out["ok"].layers) == 1
+
+
+def test_the_exact_path_in_bands_is_judged_and_fails_a_bug_every_path_shares(tiny):
+  """In one band the exact path is the reference: nothing to judge. In the verdicts' bands it runs the carry
+  between bands, which the reference never runs and which every configuration and the bf16 reference math (whose
+  error sets their bounds) share: a bug there raises a configuration's bound with its error. Held to F32_BOUND,
+  the exact path in bands catches it."""
+  m, ids = tiny
+  all_off = [matrix.Configuration(name="all_off", features=exact())]
+  judge = lambda model_, band: runner.ModelRunner().judge(model_, ids, all_off, lambda s: None,
+                                                          band_tokens=band)["all_off"]
+  assert judge(m, 0) == verdicts.Judgement((), None)
+  good = judge(m, len(ids) // 2)
+  assert len(good.layers) == len(m.layers) and good.passed and {v.bands for v in good.layers} == {2}
+  assert max(v.update_nmse for v in good.layers) < 1e-3 * verdicts.F32_BOUND
+  shared_bug = judge(mutations.mutated_model(m, mutations.kv_tail_dropped, set(range(len(m.layers)))), len(ids) // 2)
+  assert not shared_bug.passed and "in 2 bands" in shared_bug.reasons()[0]
 
 
 def test_layer_verdicts_command_on_a_mesh_in_bands(tmp_path):
