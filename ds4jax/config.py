@@ -162,7 +162,10 @@ class DeepseekV4Config:
   # ---- HF config.json ----
   def to_hf_config(self) -> dict[str, Any]:
     """HF transformers' `config.json` form (its internal layer_types / rope_parameters schema)."""
-    compress = {"rope_type": "default", "rope_theta": self.compress_rope_theta}
+    # transformers reads the rope dims from each sub-dict's partial_rotary_factor (1.0 where it is missing: RoPE over
+    # the whole head), as its own config.json writes them
+    partial = self.rope_head_dim / self.head_dim
+    compress = {"rope_type": "default", "rope_theta": self.compress_rope_theta, "partial_rotary_factor": partial}
     if self.yarn:
       compress.update(rope_type="yarn", attention_factor=1.0, **dataclasses.asdict(self.yarn))
     return dict(
@@ -174,8 +177,9 @@ class DeepseekV4Config:
         qk_rope_head_dim=self.rope_head_dim, q_lora_rank=self.q_lora_rank, o_groups=self.o_groups,
         o_lora_rank=self.o_lora_rank, sliding_window=self.sliding_window, index_n_heads=self.index_n_heads,
         index_head_dim=self.index_head_dim, index_topk=self.index_topk, rope_theta=self.rope_theta,
-        compress_rope_theta=self.compress_rope_theta,
-        rope_parameters={"main": {"rope_type": "default", "rope_theta": self.rope_theta}, "compress": compress},
+        compress_rope_theta=self.compress_rope_theta, partial_rotary_factor=partial,
+        rope_parameters={"main": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                  "partial_rotary_factor": partial}, "compress": compress},
         n_routed_experts=self.n_routed_experts, n_shared_experts=1, num_experts_per_tok=self.experts_per_token,
         moe_intermediate_size=self.moe_intermediate_size, routed_scaling_factor=self.routed_scaling_factor,
         swiglu_limit=self.swiglu_limit, scoring_func="sqrtsoftplus", hc_mult=self.hc_mult,
@@ -224,12 +228,13 @@ class DeepseekV4Config:
       n_hash = c.get("num_hash_layers", 3)
       routing = [Routing.HASH] * min(n_hash, n_layers) + [Routing.TOPK] * max(0, n_layers - n_hash)
     head_dim = c["head_dim"]
-    if c.get("qk_rope_head_dim") is not None:
+    # transformers' order: partial_rotary_factor, else the legacy qk_rope_head_dim, else 64 / 512
+    if c.get("partial_rotary_factor") is not None:
+      rope_dim = int(head_dim * c["partial_rotary_factor"])
+    elif c.get("qk_rope_head_dim") is not None:
       rope_dim = c["qk_rope_head_dim"]
-    elif c.get("partial_rotary_factor") is not None:
-      rope_dim = int(head_dim * c["partial_rotary_factor"])  # what HF computes
     else:
-      rope_dim = 64
+      rope_dim = int(head_dim * 64 / 512)
     rope_theta = c.get("rope_theta", 10000.0)
     compress_theta = c.get("compress_rope_theta", 160000.0)
     rp = c.get("rope_parameters") or {}

@@ -69,6 +69,29 @@ def test_hf_internal_form_round_trips():
 
 
 @pytest.mark.parametrize("name", ["mixed", "csa_topk", "hca_hash"])
+def test_hf_config_writes_the_rope_fraction_where_transformers_reads_it(name):
+  """transformers takes each rope table's dims from rope_parameters[kind]["partial_rotary_factor"], 1.0 (the whole
+  head) where it is missing: ours must say it where transformers' own config.json does."""
+  raw = json.loads((GOLDENS / name / "config.json").read_text())
+  ours = DeepseekV4Config.from_hf_config(raw).to_hf_config()
+  assert raw["partial_rotary_factor"] < 1 and ours["partial_rotary_factor"] == raw["partial_rotary_factor"]
+  for kind in ("main", "compress"):
+    assert ours["rope_parameters"][kind]["partial_rotary_factor"] == raw["rope_parameters"][kind][
+        "partial_rotary_factor"]
+
+
+def test_hf_rope_dims_follow_transformers_order():
+  """partial_rotary_factor first, then the legacy qk_rope_head_dim, else 64 / 512 of the head."""
+  hf = config.tiny().to_hf_config()
+  head = hf["head_dim"]
+  dims = lambda **kw: DeepseekV4Config.from_hf_config({k: v for k, v in (hf | kw).items()
+                                                       if v is not None}).rope_head_dim
+  assert dims(partial_rotary_factor=0.25, qk_rope_head_dim=2) == head // 4
+  assert dims(partial_rotary_factor=None, qk_rope_head_dim=2) == 2
+  assert dims(partial_rotary_factor=None, qk_rope_head_dim=None) == head // 8
+
+
+@pytest.mark.parametrize("name", ["mixed", "csa_topk", "hca_hash"])
 def test_golden_config_json_parses(name):
   cfg = DeepseekV4Config.from_hf_config(GOLDENS / name)  # a directory holding HF's own config.json
   raw = json.loads((GOLDENS / name / "config.json").read_text())
