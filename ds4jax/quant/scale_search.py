@@ -202,6 +202,7 @@ def _level_index(x, s, book: Codebook):
 
 def search(halves, books, *, exhaustive: bool = False, threads: int | None = None) -> Choice:
   """Least-error (book, byte, codes) per half-block of `halves` [N, 16], over all `books` (1 or 2) × 127 bytes.
+  Weights beyond 2^10 times the largest value any book reaches are clipped there (they saturate either way).
 
   `threads` (default: the CPU count, at most 8) share chunks of rows; the result does not depend on it.
   """
@@ -210,6 +211,11 @@ def search(halves, books, *, exhaustive: bool = False, threads: int | None = Non
     raise ValueError(f"search expects half-blocks [N, {HALF}], got shape {w.shape}")
   if not 1 <= len(books) <= 2:
     raise ValueError(f"search takes one or two codebooks, got {len(books)}")
+  # Far past every book's reach (~1e7 times it) every byte's float32 error rounds to the same value, and the tie
+  # would go to byte 0: all zeros. Clipped to 2^10 times the reach, such a weight saturates as a nearer one does;
+  # below that nothing changes.
+  reach = max(float(np.abs(b.levels).max()) for b in books) * float(_SCALES[ue4m3.MAX_BYTE]) * 2.0**10
+  w = np.clip(w, -reach, reach)
   n = w.shape[0]
   tasks = [slice(a, a + _ROWS_PER_TASK) for a in range(0, n, _ROWS_PER_TASK)]
   threads = threads or min(os.cpu_count() or 1, 8)

@@ -91,3 +91,19 @@ def test_rejects_bad_arguments(rng):
     scale_search.Codebook([0.0, 1.0, 1.0], [0, 1, 2])
   with pytest.raises(ValueError, match="finite"):
     scale_search.Codebook([0.0, np.nan], [0, 1])
+
+
+@pytest.mark.parametrize("kind", ["rocmfp2", "rocmfp3", "positive_negative"])
+@pytest.mark.parametrize("value", [1e6, 1e12, 3e38])
+def test_weights_far_past_the_largest_scale_saturate(rng, kind, value):
+  """A half-block of huge weights takes the largest scale and the book's extreme level (at 1e12 the float32 errors of
+  every byte were once equal, and the tie gave byte 0: a block of zeros)."""
+  books = BOOKS[kind](rng)
+  w = np.array([[value] * 8 + [-value] * 8], np.float32)
+  c = scale_search.search(w, books)
+  book = books[int(c.book[0])]
+  level = dict(zip(book.codes.tolist(), book.levels.tolist()))
+  decoded = np.array([level[int(x)] for x in c.codes[0]]) * ue4m3.VALUES[c.byte[0]]
+  assert c.byte[0] == ue4m3.MAX_BYTE
+  np.testing.assert_array_equal(decoded[:8], book.levels[-1] * ue4m3.VALUES[ue4m3.MAX_BYTE])
+  np.testing.assert_array_equal(decoded[8:], book.levels[0] * ue4m3.VALUES[ue4m3.MAX_BYTE])
