@@ -9,7 +9,7 @@ import chex
 import numpy as np
 import pytest
 
-from ds4jax import decode, model
+from ds4jax import decode, model, prefill
 from ds4jax.checkpoint.mapping import load_checkpoint
 from ds4jax.metrics import nmse
 
@@ -71,3 +71,21 @@ def test_decode_matches_transformers(golden):
     logits, state = decode.extend(m, state, [t])
     got.append(np.asarray(logits[0]))
   chex.assert_trees_all_close(np.stack(got), g["logits"][prefix - 1:-1], atol=ATOL, rtol=0)
+
+
+def test_indexer_picks_are_transformers(golden):
+  """Each CSA layer's indexer choices, at every position, are the rows transformers' indexer picked (the goldens
+  store them): agreement on the decisions themselves, not only through the logits' tolerance. The picks are real
+  choices: later positions see more compressed rows than the indexer keeps."""
+  name, g, _, _, m = golden
+  layers = sorted(int(k.removeprefix("topk_layer")) for k in g if k.startswith("topk_layer"))
+  if not layers:
+    pytest.skip(f"{name} has no CSA layer")
+  made = []
+  prefill.prefill(m, g["input_ids"], decisions=made)
+  for i in layers:
+    ours, theirs = np.asarray(made[i].index_rows), g[f"topk_layer{i}"]
+    picked = lambda rows: [sorted(r[r >= 0].tolist()) for r in rows]
+    assert picked(ours) == picked(theirs), f"{name} layer {i}"
+    visible = (np.arange(len(g["input_ids"])) + 1) // m.cfg.csa_ratio
+    assert (visible > theirs.shape[1]).any() and (theirs >= 0).sum() > theirs.shape[1]
