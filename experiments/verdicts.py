@@ -21,7 +21,8 @@ End to end, with every layer's choices pinned to the exact path's:
 
 `band_tokens` splits a prompt no longer than one band into bands of that size (banded_features) for the
 configuration's runs and the bf16 reference math's, per layer and end to end, so that what runs only across bands
-(the carried layer state, weights stationary, the MoE over bands) is judged too; the exact path runs one band.
+(the carried layer state, weights stationary, the MoE over bands, query chunks) is judged too; the exact path runs
+one band.
 
 A kernel that is wrong at some shape shows as a layer whose pinned error is far above the rounding of its operands;
 a wrong indexer or router as flips that are not near-ties; a wrong carry between bands as a layer whose pinned error
@@ -187,10 +188,19 @@ class Judgement:
 
 def banded_features(features: features_lib.Features, band_tokens: int) -> features_lib.Features:
   """What a configuration runs in the verdicts: its features in bands of `band_tokens` where it runs in bands at all
-  (0: its own band size; a configuration with prefill_band_tokens=0 stays one band, as it would run)."""
-  if band_tokens and features.prefill_band_tokens:
-    return dataclasses.replace(features, prefill_band_tokens=band_tokens)
-  return features
+  (0: its own band size; a configuration with prefill_band_tokens=0 stays one band, as it would run). Query chunks
+  scale with the band: as many per verdict band as the configuration attends a band in; one that runs one band in
+  chunks (the whole prompt, when longer than a chunk) attends the prefix in chunks of `band_tokens`. So the chunk
+  loop it runs at long prompts is judged too."""
+  if not band_tokens:
+    return features
+  band, chunk = features.prefill_band_tokens, features.long_context_chunk
+  if chunk and not band:
+    chunk = band_tokens
+  elif chunk and chunk < band:
+    per_band = band // chunk
+    chunk = max(c for c in range(1, band_tokens // per_band + 1) if band_tokens % c == 0)  # whole chunks a band
+  return dataclasses.replace(features, prefill_band_tokens=band_tokens if band else 0, long_context_chunk=chunk)
 
 
 def n_bands(n_tokens: int, features: features_lib.Features) -> int:

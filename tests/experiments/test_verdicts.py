@@ -7,11 +7,12 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ds4jax import config, features, model
+from ds4jax import attention, config, features, model
 from experiments import mutations, verdicts
 from experiments.qualification import matrix, runner
 
@@ -128,7 +129,44 @@ def test_a_hash_layer_routed_by_its_scores_fails_only_by_its_flips(tiny):
   assert not v.passed and v.bad_flips and all(f.kind == "route" and f.gap == np.inf for f in v.bad_flips)
 
 
-def test_a_configuration_whose_run_fails_leaves_the_others_judged(tiny):
+def test_verdict_bands_keep_the_configurations_query_chunks():
+  """A configuration's chunks scale with the verdict's bands: chunks within its bands stay chunks within the verdict
+  bands, one that runs a single band in chunks (the whole prompt, as kill_prefill_band_tokens at 32768) runs the
+  prefix in verdict-band chunks, and one whose chunk spans its band stays unchunked."""
+  f = lambda band, chunk: dataclasses.replace(exact(), prefill_band_tokens=band, long_context_chunk=chunk)
+  banded = lambda feats, b: (lambda g: (g.prefill_band_tokens, g.long_context_chunk))(
+      verdicts.banded_features(feats, b))
+  assert banded(f(8192, 2048), 16) == (16, 4)   # four chunks a band
+  assert banded(f(8192, 2048), 12) == (12, 3)
+  assert banded(f(8192, 4096), 12) == (12, 6)
+  assert banded(f(0, 8192), 16) == (0, 16)      # one band, in chunks of the verdict band
+  assert banded(f(8192, 8192), 16) == (16, 8192)  # a chunk that spans the band is no chunk
+  assert banded(f(8192, 0), 16) == (16, 0) and banded(f(0, 0), 16) == (0, 0)
+  assert verdicts.banded_features(f(0, 8192), 0) == f(0, 8192)
+
+
+def test_a_bug_only_in_chunked_attention_fails_in_the_verdict_bands(tiny, monkeypatch):
+  """A configuration that runs its prompt as one band in query chunks (kill_prefill_band_tokens at long prompts)
+  is judged in chunks: a bug that only chunked attention has (planted: its output scaled by 1.01 when a band is
+  split) FAILs it, at its layer and end to end, where the prefix's one unchunked band would pass."""
+  m, ids = tiny
+  attend = attention.Attention.attend
+
+  def chunked_wrong(self, q, *args):
+    o = attend(self, q, *args)
+    return o * 1.01 if attention.query_chunks(q.shape[0], args[-1]) > 1 else o
+
+  monkeypatch.setattr(attention.Attention, "attend", chunked_wrong)
+  jax.clear_caches()  # programs traced before the plant would hide it
+  try:
+    one_band_in_chunks = dataclasses.replace(exact(), prefill_band_tokens=0, long_context_chunk=8192)
+    out = verdicts.judge(m, ids, dict(chunks=one_band_in_chunks), only=dict(chunks={0}),
+                         band_tokens=len(ids) // 2, reference_kl=1e-6)["chunks"]
+  finally:
+    jax.clear_caches()  # nor may the planted programs outlive it
+  assert not out.passed and out.layers[0].update_nmse > 1e3 * verdicts.F32_BOUND
+  assert out.teacher_forced.mean_kl > out.teacher_forced.bound
+
   """One configuration's layer run failing (out of memory, say), or its KL prefill, is its own verdict's error: the
   others are judged on, end to end."""
   m, ids = tiny
