@@ -22,6 +22,7 @@ import numpy as np
 from ds4jax import attention as attention_lib
 from ds4jax import config as config_lib
 from ds4jax import features as features_lib
+from ds4jax import mesh as mesh_lib
 from ds4jax import model as model_lib
 from ds4jax import moe as moe_lib
 from ds4jax.features import KNOBS, Features
@@ -84,6 +85,12 @@ def start_up(opts: Options) -> Setup:
       existing = store.load_results(opts.out)
     except (OSError, ValueError, TypeError) as e:
       raise StartupError(f"--append: cannot read {opts.out}: {e}") from e
+    # Verdicts carry no mesh: a file whose calls ran on another mesh (even one that ended before any record) would
+    # lend them to this one.
+    meshes = {mesh_lib.normalize((i.get("options") or {}).get("mesh", "")) for i in existing.invocations}
+    if meshes - {mesh_lib.normalize(opts.mesh)}:
+      raise StartupError(f"--append: {opts.out} was made with --mesh {sorted(meshes)}, not {opts.mesh!r}: a sharded "
+                         "run is another matched matrix; use another --out")
   selected = {n: [c for c in configs[n] if c.mutation or not opts.configs or c.name in opts.configs]
               for n in opts.lengths}
   for c in (c for n in opts.lengths for c in selected[n]):

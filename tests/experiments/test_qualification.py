@@ -385,6 +385,15 @@ def test_append_refuses_a_different_matrix(tmp_path, tiny_model):
   with pytest.raises(q.StartupError, match="different features"):
     run(options(tmp_path, configs=("all_on",), features={"moe_compact_queue": True}, append=True), tiny_model,
         FakeRunner())
+  # A file of verdicts only (its call ended before any record), made on a mesh: its verdicts are not this run's.
+  doc = json.load(open(options(tmp_path).out))
+  doc["records"] = []
+  for call in doc["invocations"]:
+    call["options"]["mesh"] = "expert=2"
+  with open(options(tmp_path).out, "w") as f:
+    json.dump(doc, f)
+  with pytest.raises(q.StartupError, match=r"was made with --mesh \['expert=2'\], not ''"):
+    run(options(tmp_path, configs=("all_on",), append=True), tiny_model, FakeRunner())
 
 
 def test_failing_configuration_is_recorded_then_retried(tmp_path, tiny_model):
