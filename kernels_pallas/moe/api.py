@@ -104,6 +104,9 @@ def _check(x, route_weights, route_ids, w1: ExpertWeights, w2: ExpertWeights, w3
   if jnp.dtype(x.dtype) not in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError(f"x: unsupported dtype {x.dtype}; expected float32, bfloat16 or float16")
   S, D = x.shape
+  if S == 0 or (route_ids.ndim == 2 and route_ids.shape[1] == 0):
+    raise ValueError(f"the grouped MoE needs at least one token and one route each; got x {tuple(x.shape)}, "
+                     f"route_ids {tuple(route_ids.shape)}")
   if route_ids.ndim != 2 or route_ids.shape[0] != S:
     raise ValueError(f"route_ids shape {tuple(route_ids.shape)} must be [S, K] with S = {S} "
                      f"(x shape {tuple(x.shape)})")

@@ -42,15 +42,18 @@ def moe_reference(x, route_weights, route_ids, w1, w2, w3, *, swiglu_limit: floa
   E = w1.shape[0]
   ids = jnp.asarray(route_ids).astype(jnp.int32)
   valid = (ids >= 0) & (ids < E)
-  combine = jnp.zeros((S, E), F32).at[jnp.arange(S)[:, None], jnp.where(valid, ids, E)].add(
-      jnp.where(valid, jnp.asarray(route_weights, F32), 0.0), mode="drop")
+  rows, slots = jnp.arange(S)[:, None], jnp.where(valid, ids, E)
+  combine = jnp.zeros((S, E), F32).at[rows, slots].add(jnp.where(valid, jnp.asarray(route_weights, F32), 0.0),
+                                                         mode="drop")
+  routed = jnp.zeros((S, E), bool).at[rows, slots].set(True, mode="drop")
 
   def one_expert(acc, expert):
-    a, b, c, cw = expert  # one expert's slice of each weight pytree: decode it here, inside the scan
+    a, b, c, cw, taken = expert  # one expert's slice of each weight pytree: decode it here, inside the scan
     y = swiglu_expert(x, a.dequantize(), b.dequantize(), c.dequantize(), swiglu_limit, operand_dtype)
-    return acc + cw[:, None] * y, None
+    # a token the expert is not routed to adds nothing: not 0 · y, which is NaN where y is not finite
+    return acc + jnp.where(taken[:, None], cw[:, None] * y, 0.0), None
 
-  y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, F32), (w1, w2, w3, combine.T))
+  y, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, F32), (w1, w2, w3, combine.T, routed.T))
   if isinstance(shared, (tuple, list)):
     s1, s2, s3 = (w.dequantize()[0] if is_format(w) else w for w in shared)
     y = y + swiglu_expert(x, s1, s2, s3, swiglu_limit, operand_dtype)

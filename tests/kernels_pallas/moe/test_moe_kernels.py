@@ -105,6 +105,30 @@ def test_all_routes_to_one_expert(rng):
   assert_parity(run(p, cfg), reference(p))
 
 
+def test_a_non_finite_value_reaches_only_the_tokens_routed_to_it(rng):
+  """A NaN weight of an expert no token takes, and a NaN in a token whose routes are all masked, leave every output
+  finite, in the reference (once every token's row came out NaN: 0 · NaN) as in the kernels; a token routed to the
+  NaN expert is NaN in both."""
+  S = 16
+  p = make_problem(rng, S, 2, all_masked=(5,))
+  ids = np.asarray(p["route_ids"]).copy()
+  ids[ids == 3] = 4  # no token takes expert 3
+  ids[9, 0] = 6
+  p["route_ids"] = jnp.asarray(ids)
+  w1 = np.asarray(p["w1"]).copy()
+  w1[3, 0, 0] = w1[6, 0, 0] = np.nan
+  x = np.asarray(p["x"]).copy()
+  x[5, 0] = np.nan
+  p["w1"], p["x"] = jnp.asarray(w1), jnp.asarray(x)
+  want, tokens_of_6 = reference(p), (ids == 6).any(axis=1)
+  assert tokens_of_6.sum() >= 1 and np.isnan(want[tokens_of_6]).all() and np.isfinite(want[~tokens_of_6]).all()
+  assert (want[5] == 0).all()
+  for fused in (True, False):
+    y = run(p, width_config(S, fused))
+    assert np.isnan(y[tokens_of_6]).all()
+    np.testing.assert_allclose(y[~tokens_of_6], want[~tokens_of_6], rtol=1e-5, atol=1e-5)
+
+
 def test_empty_experts_and_partial_row_tiles(rng):
   S = 48
   K = TOP_K[S]
@@ -338,5 +362,7 @@ def test_errors(rng):
   bad(r"route_ids shape \(5, 2\) must be \[S, K\] with S = 4", route_ids=jnp.zeros((5, 2), jnp.int32),
       route_weights=jnp.ones((5, 2), jnp.float32))
   bad(r"x must be \[S, D\]", x=p["x"][None])
+  bad(r"at least one token and one route each; got x \(0, 64\)", x=p["x"][:0], route_ids=p["route_ids"][:0],
+      route_weights=p["route_weights"][:0])
   bad(r"shared must be None, a SharedExpert of weights, or its output \[S, D\]", shared=jnp.zeros((4, 32)))
   bad(r"shared expert shapes", shared=SharedExpert(jnp.zeros((32, 64)), jnp.zeros((32, 64)), jnp.zeros((32, 64))))
