@@ -327,7 +327,10 @@ def gather_planes(x, r: Routing, block_m: int, *, planes: int = PLANES, cols: in
   at ~1 TB/s."""
   n = padded_rows(r.num_routes, block_m)
   S, D = x.shape
-  cols = min(cols or 512 // planes, D // planes)
+  if cols is None:  # the largest power of two (a Triton block) up to 512 // planes that tiles a plane's columns
+    cols = 512 // planes
+    while (D // planes) % cols:
+      cols //= 2
   if D % (planes * cols):
     raise ValueError(f"gather_planes needs D a multiple of {planes * cols}, got {D}")
   tokens = jnp.pad(r.token_of_row, (0, n - r.num_routes))
@@ -609,6 +612,11 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if mix and (t.block_n != WGMMA_M or t.block_m % t.mma_rows or t.mma_rows % WGMMA_M or t.mma_rows > 256):
     raise ValueError(f"FP2-MIX weights need block_n={WGMMA_M} and mma_rows a multiple of {WGMMA_M} up to 256 "
                      f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
+  if not mix and t.mma_in_flight and t.skip_empty and t.wg_rows > WGMMA_M:
+    # a step's wait leaves its own wgmma groups in flight by a static count; a skipped block issues none, so the
+    # wait would also leave the previous step's, whose slot is then released under them
+    raise ValueError(f"mma_in_flight=1 with skip_empty needs wg_rows={WGMMA_M} (one block a warpgroup), got "
+                     f"wg_rows={t.wg_rows}")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   if t.profile_regions not in ("steps", "units"):

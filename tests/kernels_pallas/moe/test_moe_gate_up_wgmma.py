@@ -120,6 +120,8 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(tile_order="m"))
   with pytest.raises(ValueError, match="profile_regions"):  # the profiler's region sets (experiments/profile_moe.py)
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(profile_regions="step"))
+  with pytest.raises(ValueError, match="mma_in_flight=1 with skip_empty needs wg_rows=64"):  # a race, not slowness
+    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(wg_rows=128, mma_in_flight=1))
   with pytest.raises(ValueError, match="bf16/f16"):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
   with pytest.raises(ValueError, match="or be MixStacks"):
@@ -233,6 +235,17 @@ def test_sorted_planes_match_sorted_rows(rng):
   for q in range(4):
     np.testing.assert_array_equal(xp[q], xs[:, q::4])
   np.testing.assert_array_equal(np.asarray(gather_planes(x, r, 128, cols=32, interpret=not ON_GPU)), xp)
+
+
+@pytest.mark.parametrize("d, planes", [(768, 4), (576, 1)])
+def test_gather_planes_tiles_any_hidden_size_the_kernels_take(rng, d, planes):
+  """The default column block is the largest power of two up to 512 // planes that divides a plane's columns: D
+  768 (FP2-MIX takes multiples of 256) and 576 (bf16 takes multiples of 64) gather, where a fixed block refused
+  them (and a block of 192 would not compile: Triton blocks are powers of two)."""
+  x, _, _, ids = problem(rng, 24, 2, d=d, mask_every=5)
+  r = routing.route(ids, E, 32)
+  want = np.asarray(sorted_planes(x, r, 128)) if planes == 4 else np.asarray(sorted_rows(x, r, 128))[None]
+  np.testing.assert_array_equal(np.asarray(gather_planes(x, r, 128, planes=planes, interpret=not ON_GPU)), want)
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
