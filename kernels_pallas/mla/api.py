@@ -93,7 +93,8 @@ def sparse_mla(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio
   freq_cols = jnp.asarray(keyset.freq_columns(inv_freq, g.D))
   if jnp.dtype(out_dtype) not in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"out_dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype)}")
-  return _run(offsets, q, raw_kv, comp_kv, idx, sink.astype(F32), freq_cols, g=g, config=config, impl=impl,
+  sink = keyset.kernel_sink(sink)
+  return _run(offsets, q, raw_kv, comp_kv, idx, sink, freq_cols, g=g, config=config, impl=impl,
               f32_stage=bool(f32_stage), fast_exp=bool(fast_exp), interpret=bool(interpret),
               out_dtype=jnp.dtype(out_dtype))
 

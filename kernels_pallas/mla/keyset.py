@@ -175,6 +175,17 @@ def q_tiles(pr: Program, q_refs):
   return tuple(load_q(pr, q_refs, c) for c in range(pr.g.n_chunks))
 
 
+SINK_FLOOR = -1e30  # a sink logit below any score: no mass, as −∞, and finite through the base-2 rescaling
+
+
+def kernel_sink(sink) -> jax.Array:
+  """The sink as the streaming kernels take it: f32 [H], −∞ (a plain softmax) raised to SINK_FLOOR. Their online
+  max starts at the sink, and an −∞ start meets a stage with every key masked (a band's first positions) as
+  exp(−∞ − −∞) = NaN; from −1e30 it adds exp(−1e30 − μ) = 0, the same softmax whenever a key is visible (the
+  window always holds the query's own). Finite sinks above it keep their bits."""
+  return jnp.maximum(jnp.asarray(sink, F32), SINK_FLOOR)
+
+
 def load_sink(pr: Program, sink_ref):
   return plt.load(sink_ref.at[pr.head], mask=pr.row_ok, other=0).astype(F32)
 

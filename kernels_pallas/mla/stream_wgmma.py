@@ -45,7 +45,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.mla import row_gather
-from kernels_pallas.mla.keyset import clean_indices
+from kernels_pallas.mla.keyset import clean_indices, kernel_sink
 from kernels_pallas.mla.reference import check_inputs
 
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -322,7 +322,7 @@ def sparse_mla_wgmma(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str,
   keys = jnp.where(slots[..., None] >= 0, table[jnp.maximum(slots, 0)], 0) if interpret else table
   if len(inv_freq) != ROPE // 2:
     raise ValueError(f"the wgmma MLA rotates the last {ROPE} dims; got {2 * len(inv_freq)} rope dims")
-  return _call(slots, q, keys, jnp.asarray(sink, F32), rope_table(T, q_start, inv_freq),
+  return _call(slots, q, keys, kernel_sink(sink), rope_table(T, q_start, inv_freq),
                scale=float(D ** -0.5 if scale is None else scale), gathered=bool(interpret),
                split=split, num_sms=num_sms or _sms(interpret), score_columns=score_columns,
                value_columns=value_columns)

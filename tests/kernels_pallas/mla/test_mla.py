@@ -160,6 +160,20 @@ def test_parity(rng, case):
     np.testing.assert_array_equal(outs[("stream", True, False)], outs[("stream", False, False)])
 
 
+@pytest.mark.parametrize("impl, fast_exp", [("stream", False), ("stream", True), ("grouped", False)])
+def test_sink_of_minus_inf_is_a_plain_softmax(rng, impl, fast_exp):
+  """A sink of −∞ is a plain softmax (docs/model.md §4). The online max starts at the sink, and a band's first
+  queries meet a key stage wholly before position 0: from −∞ that gave exp(−∞ − −∞) = NaN everywhere."""
+  T, H, D, W = 4, 4, 64, 40
+  p = dict(q=jnp.asarray(rng.standard_normal((T, H, D)), jnp.float32),
+           raw_kv=jnp.asarray(rng.standard_normal((T + W - 1, D)), jnp.float32), comp_kv=None,
+           sink=jnp.full((H,), -jnp.inf, jnp.float32), q_start=0, raw_start=-(W - 1), kind="window", ratio=1,
+           window=W, inv_freq=freqs(16))
+  want = reference(p)
+  assert np.isfinite(want).all()
+  assert_close(run(p, impl=impl, fast_exp=fast_exp), want)
+
+
 def test_unstaged_fast_exp_runs_and_equals_the_staged_one(rng):
   """Fast exp without f32 staging is a kernel option like any other (the upstream rule that pairs them is checked
   once, by the feature switches): it matches the reference and, staging moving no arithmetic, the staged kernel."""

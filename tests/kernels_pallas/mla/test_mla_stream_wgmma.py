@@ -90,6 +90,16 @@ def test_stream_wgmma_matches_reference(rng, kind, q_start, precision):
   assert err <= bound, err
 
 
+def test_stream_wgmma_sink_of_minus_inf_is_a_plain_softmax(rng):
+  """A sink of −∞ is a plain softmax (docs/model.md §4). The online max starts at the sink, and the first key stage
+  of a band's first queries is wholly before position 0: from −∞ that stage gave exp(−∞ − −∞) = NaN everywhere."""
+  (q, raw, comp, _), kw = problem(rng, "window", 5, 3)
+  sink = jnp.full((H,), -jnp.inf, jnp.float32)
+  out = jax.block_until_ready(sparse_mla_wgmma(q, raw, comp, sink, num_sms=2, interpret=not ON_GPU, **kw))
+  ref = sparse_mla_reference(q.astype(jnp.float32), raw.astype(jnp.float32), None, sink, **kw)
+  assert bool(jnp.isfinite(ref).all()) and nmse(out.astype(jnp.float32), ref) <= 2e-5
+
+
 def test_split3_parts_sum_to_p_exactly(rng):
   # softmax weights over many binades (down to ~1e-13), plus 1 and 0: the three bf16 parts carry all 24 bits
   p = jnp.asarray(rng.random((64, 64)) * np.exp2(-rng.integers(0, 44, (64, 64))), jnp.float32).at[0, :2].set([1, 0])
