@@ -336,6 +336,8 @@ def speculate(m: model_lib.DeepseekV4, state: State, context: Sequence[int], n_n
       break
     draft = list(drafter(index.tokens, q - 1) if drafter else index.draft(q - 1))[:q - 1]
     v = verify(m, state, [pending] + draft)
+    if not v.accepted:  # pending is argmax(state.logits), as verify chooses it: a rejection is a bug, not a tie
+      raise RuntimeError(f"verification rejected the pending token {pending} at length {state.length}")
     bands, drafted, accepted = bands + 1, drafted + len(draft), accepted + v.accepted - 1
     took = draft[:v.accepted - 1]
     out += took
@@ -370,8 +372,12 @@ def verify(m: model_lib.DeepseekV4, state: State, draft: Sequence[int]) -> Verif
   accepted = int(np.argmin(np.append(d == greedy[:q], False)))  # first mismatch
   if accepted == q:
     return Verified(q, int(greedy[q]), after)
-  kept = _band(m, state, d[:accepted])[1] if accepted else state
-  return Verified(accepted, int(greedy[accepted]), kept)
+  if not accepted:
+    return Verified(0, int(greedy[0]), state)
+  kept = _band(m, state, d[:accepted])[1]
+  # The next token is the replayed state's choice, not the wide band's: the next band's first token is checked
+  # against these logits, and a near-tie that the two bands round apart would have it rejected.
+  return Verified(accepted, _argmax(kept.logits), kept)
 
 
 def valid_view(cfg, state: State) -> dict[str, np.ndarray]:

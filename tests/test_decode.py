@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from ds4jax import config, decode, features, model, prefill
 from ds4jax.metrics import nmse
@@ -277,6 +278,27 @@ def test_speculation_gives_greedys_tokens(tiny, sequential):
   assert n - 1 <= spec.bands + spec.accepted < n - 1 + 5  # the last band may overshoot
   ngram = decode.speculate(tiny, states[PROMPT], tokens[:PROMPT], n, ngram=1)
   assert np.array_equal(ngram.tokens, tokens[PROMPT:PROMPT + n])
+
+
+def test_speculation_never_rejects_its_pending_token(tiny, monkeypatch):
+  """After a partly accepted draft the next token is the replayed state's choice. Chosen from the wide band's
+  logits instead, a near-tie that the two bands round apart had the next band reject its own first token, and the
+  output took draft tokens no state decoded, 155 logits below a prefill's choice. Planted here: head row 40 is row
+  5 (scaled up) to ~3e-8 (that way, 7 of 28 bands rejected their first token)."""
+  m = nnx.clone(tiny)
+  w = np.array(m.head.weight[...])
+  w[5] *= 40
+  w[40] = w[5] * (1 + 3e-8 * np.random.default_rng(0).standard_normal(w.shape[1]))
+  m.head.weight[...] = jnp.asarray(w)
+  prompt = np.array([5, 40] * 3 + [5], np.int32)
+  verified, verify = [], decode.verify
+  monkeypatch.setattr(decode, "verify", lambda *a: verified.append(verify(*a)) or verified[-1])
+  spec = decode.speculate(m, decode.start(m, prompt, capacity=STATES), prompt.tolist(), 40, ngram=2)
+  assert len(verified) == spec.bands > 0 and min(v.accepted for v in verified) >= 1
+  assert spec.accepted > 0 and any(v.accepted < 5 for v in verified)  # partial acceptances happened
+  logits = np.asarray(prefill.prefill(m, np.concatenate([prompt, spec.tokens]), all_logits=True))
+  chosen = logits[len(prompt) - 1:-1][np.arange(40), spec.tokens]
+  assert np.max(logits[len(prompt) - 1:-1].max(axis=1) - chosen) < 1e-4 * np.abs(logits).max()
 
 
 def test_ngram_draft():
