@@ -57,7 +57,8 @@ def layer_features(features: Features, band: int) -> Features:
   """What a layer step sees: the band size lives outside it, and a chunk that spans the band is no chunk. Feature
   sets that differ only there (kill_prefill_band_tokens, or kill_long_context_chunk when the band is one chunk)
   then share one compiled program, as they run the same computation."""
-  chunk = features.long_context_chunk if features.long_context_chunk < band else 0
+  chunk = features.long_context_chunk
+  chunk = chunk if chunk and chunk < band and band % chunk == 0 else 0  # a decode band (≤ 8 tokens) may not divide
   return dataclasses.replace(features, prefill_band_tokens=0, long_context_chunk=chunk,
                              prefill_weights_stationary=False, prefill_moe_over_bands=False)
 

@@ -301,6 +301,17 @@ def test_speculation_never_rejects_its_pending_token(tiny, monkeypatch):
   assert np.max(logits[len(prompt) - 1:-1].max(axis=1) - chosen) < 1e-4 * np.abs(logits).max()
 
 
+def test_a_verification_band_that_chunks_do_not_divide(tiny, sequential):
+  """Chunks of 2 (long_context_chunk) do not divide a band of 3 drafted tokens: it runs as one chunk (a decode band
+  is a few tokens), where it raised "not a multiple of long_context_chunk" mid-generation."""
+  states, tokens = sequential
+  chunked = dataclasses.replace(states[PROMPT].features, long_context_chunk=2, prefill_band_tokens=4)
+  state = dataclasses.replace(states[PROMPT], features=chunked)
+  logits, after = decode.extend(tiny, state, tokens[PROMPT:PROMPT + 3])
+  want, _ = decode.extend(tiny, states[PROMPT], tokens[PROMPT:PROMPT + 3])
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-5)
+
+
 def test_ngram_draft():
   assert decode.ngram_draft([5, 6, 7, 1, 2, 5, 6, 7], 3, n=3) == [1, 2, 5]
   assert decode.ngram_draft([5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7], 2, n=3) == [2, 5]  # the latest occurrence
