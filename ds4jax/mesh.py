@@ -106,6 +106,11 @@ def check(spec: str, cfg, n_devices: int | None = None) -> tuple[tuple[str, int]
   if need > have:
     raise MeshError(f"mesh spec {spec!r} needs {need} devices; jax sees {have} (on the CPU, "
                     f"XLA_FLAGS=--xla_force_host_platform_device_count={need} gives more)")
+  if jax.process_count() > 1 and need != have:
+    # build() takes the first devices jax lists: process 0's. The other processes would hold none of the mesh and
+    # fail at their first read of a result.
+    raise MeshError(f"mesh spec {spec!r} takes {need} of the {have} devices of {jax.process_count()} processes: "
+                    "over several processes a mesh spans every device")
   return axes
 
 

@@ -328,6 +328,19 @@ def test_check_against_the_model_and_the_devices():
     mesh.check("expert=4", four, n_devices=2)
   assert mesh.check("expert=4", four, n_devices=4) == (("expert", 4),)
   assert mesh.check("", four) == ()
+
+
+def test_over_several_processes_a_mesh_spans_every_device(monkeypatch):
+  """A mesh takes the first devices jax lists, process 0's: over 2 processes of 2 devices, expert=2 left process 1
+  none of it (it failed at its first read of a result, after the whole prefill)."""
+  from ds4jax import config, mesh  # pylint: disable=import-outside-toplevel
+
+  four = config.tiny_sparse(n_routed_experts=4)
+  monkeypatch.setattr(mesh.jax, "process_count", lambda: 2)
+  with pytest.raises(mesh.MeshError, match=r"^mesh spec 'expert=2' takes 2 of the 4 devices of 2 processes: over "
+                                           r"several processes a mesh spans every device$"):
+    mesh.check("expert=2", four, n_devices=4)
+  assert mesh.check("expert=4", four, n_devices=4) == (("expert", 4),)
   assert mesh.is_expert_path(("layers", 3, "ffn", "experts", "w1", "codes"))
   assert not mesh.is_expert_path(("layers", 3, "ffn", "shared_experts", "w1", "weight"))
   assert not mesh.is_expert_path(("layers", 3, "ffn", "gate", "weight"))
