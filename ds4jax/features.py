@@ -324,6 +324,17 @@ class FeatureError(ValueError):
   """An impossible or unsupported feature combination, reported at start-up."""
 
 
+# Requirements that hold on one device class only. On gfx1151 the MoE and attention kernels lowered with bf16
+# operands, what bf16_matmul feeds them; with f32 activations the MoE kernels spill (216 VGPRs in the gate/up) and
+# the streaming MLA kernel keeps its bf16 precision on ROCm (kernels_pallas/mla/config.py): not a kill of bf16.
+DEVICE_REQUIRES: dict[str, dict[str, tuple[str, ...]]] = {"gfx1151": dict.fromkeys(_MOE | _ATTENTION, ("bf16_matmul",))}
+
+
+def requires(switch: str, device_cls: str) -> tuple[str, ...]:
+  """The switches `switch` needs on `device_cls`: its own (SWITCHES) and the device's (DEVICE_REQUIRES)."""
+  return tuple(SWITCHES[switch][2]) + DEVICE_REQUIRES.get(device_cls, {}).get(switch, ())
+
+
 def one_band(tokens: int | None, band_tokens: int) -> bool:
   """Whether a prompt of `tokens` runs as one band of `band_tokens` (0 = one band); None (not known): no."""
   return tokens is not None and (not band_tokens or tokens <= band_tokens)
@@ -352,14 +363,15 @@ def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None, *, fits
   values.update({k: default for k, (_, _, default) in KNOBS.items()})
   values.update(given)
   errors = []
-  for s, (upstream, _, requires) in SWITCHES.items():
+  for s, (upstream, _, _) in SWITCHES.items():
     if not values[s]:
       continue
     if not row[s].supported:
       errors.append(f"--{s} ({upstream}) is not supported on {device_cls} (see ds4jax/features.py CAPABILITIES)")
-    missing = [r for r in requires if not values[r]]
+    missing = [r for r in requires(s, device_cls) if not values[r]]
     if missing:
-      errors.append(f"--{s} requires " + ", ".join(f"--{r}" for r in missing))
+      on = f" on {device_cls}" if set(missing) - set(SWITCHES[s][2]) else ""
+      errors.append(f"--{s} requires " + ", ".join(f"--{r}" for r in missing) + on)
   for k in KNOBS:
     if not isinstance(values[k], int) or values[k] < 0:
       errors.append(f"--{k} must be a non-negative integer, got {values[k]!r}")

@@ -14,7 +14,7 @@ from ds4jax import features as features_lib
 from ds4jax import mesh as mesh_lib
 from ds4jax import model as model_lib
 from ds4jax import moe as moe_lib
-from ds4jax.features import KNOBS, SWITCHES, Features
+from ds4jax.features import DEVICE_REQUIRES, KNOBS, SWITCHES, Features
 from ds4jax.quant import formats
 from ds4jax.quant import policy as quant_policy
 
@@ -24,6 +24,7 @@ def define_feature_flags(flag_values: flags.FlagValues | None = None) -> None:
   fv = flags.FLAGS if flag_values is None else flag_values  # an empty FlagValues is falsy
   for s, (upstream, text, requires) in SWITCHES.items():
     need = f" Requires {', '.join(requires)}." if requires else ""
+    need += "".join(f" On {d} also {', '.join(extra[s])}." for d, extra in DEVICE_REQUIRES.items() if s in extra)
     flags.DEFINE_boolean(s, None, f"{text} Upstream: {upstream}.{need} Default: the device capability table.",
                          flag_values=fv)
   for k, (upstream, text, default) in KNOBS.items():

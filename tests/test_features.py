@@ -6,6 +6,7 @@ import pytest
 
 from ds4jax import attention, config, features, model
 from ds4jax.features import CAPABILITIES, FeatureError, SWITCHES
+from experiments.qualification import matrix
 
 
 def fake_device(platform, arch, kind="fake"):
@@ -153,6 +154,17 @@ def test_reference_is_all_off():
 def test_impossible_combinations_fail_with_a_clear_message(overrides, message):
   with pytest.raises(FeatureError, match=message):
     features.resolve("cpu_interpret", overrides)
+
+
+def test_gfx1151_kernels_need_bf16_operands():
+  """On gfx1151 the MoE and attention kernels lowered with bf16 operands only (f32 activations spill; the MLA kernel
+  keeps bf16 precision on ROCm): without bf16_matmul they are refused at start-up, and the qualification's
+  kill_bf16_matmul there turns them off with it. Elsewhere f32 operands take every kernel."""
+  with pytest.raises(FeatureError, match=r"--moe_compact_queue requires --bf16_matmul on gfx1151"):
+    features.resolve("gfx1151", {"bf16_matmul": False})
+  kill = {c.name: c for c in matrix.configurations(features.resolve("gfx1151"))}["kill_bf16_matmul"]
+  assert kill.features.on() == [] and {"moe_compact_queue", "mla_stream_topk"} <= set(kill.also_off)
+  assert features.resolve("cpu_interpret", {"bf16_matmul": False, "moe_compact_queue": True}).moe_compact_queue
 
 
 def test_unsupported_switch_is_an_error_not_a_fallback():

@@ -24,12 +24,13 @@ class Configuration:
   mutation_layer: int | None = None
 
 
-def dependents(switch: str) -> list[str]:
-  """Switches that require `switch`, directly or through another switch (SWITCHES order)."""
+def dependents(switch: str, device_cls: str = "") -> list[str]:
+  """Switches that require `switch` (on `device_cls`: features.requires), directly or through another switch
+  (SWITCHES order)."""
   out: set[str] = set()
   frontier = {switch}
   while frontier:
-    frontier = {s for s, (_, _, req) in SWITCHES.items() if set(req) & frontier and s not in out}
+    frontier = {s for s in SWITCHES if set(features_lib.requires(s, device_cls)) & frontier and s not in out}
     out |= frontier
   return [s for s in SWITCHES if s in out]
 
@@ -41,7 +42,7 @@ def _checked(f: Features) -> Features:
 
 def without(base: Features, switch: str) -> Features:
   """`base` with `switch` off, and every switch that requires it: the features of kill_<switch>."""
-  return _checked(dataclasses.replace(base, **{x: False for x in [switch, *dependents(switch)]}))
+  return _checked(dataclasses.replace(base, **{x: False for x in [switch, *dependents(switch, base.device_class)]}))
 
 
 def exact_features(device_cls: str) -> Features:
@@ -64,7 +65,7 @@ def configurations(base: Features, cfg: config_lib.DeepseekV4Config | None = Non
   planted bug (in that order; the mutants need the model config `cfg` to place their bug)."""
   configs = [Configuration(name="all_on", features=base)]
   for s in base.on():
-    also = [d for d in dependents(s) if getattr(base, d)]
+    also = [d for d in dependents(s, base.device_class) if getattr(base, d)]
     configs.append(Configuration(name=f"kill_{s}", features=without(base, s), killed=(s,), also_off=tuple(also)))
   for k in KILLABLE_KNOBS:
     if getattr(base, k):
