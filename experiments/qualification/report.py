@@ -52,13 +52,20 @@ def summary_rows(results_or_records) -> list[dict[str, Any]]:
 def verdict_counts(results) -> dict[str, int]:
   """Configurations: how many records PASS, FAIL or have no verdict ("not run"). Planted bugs (mutant_*): how many
   are caught (FAIL), missed (PASS: the qualification would not see that bug) or not run."""
-  counts = dict(passed=0, failed=0, not_run=0, caught=0, missed=0, bugs_not_run=0)
+  counts = dict(passed=0, failed=0, not_run=0, caught=0, missed=0, bugs_not_run=0, crashed=0)
   for r in results.records:
     if r.mutation:
       counts[{FAIL: "caught", PASS: "missed"}.get(r.result, "bugs_not_run")] += 1
     else:
       counts[{PASS: "passed", FAIL: "failed"}.get(r.result, "not_run")] += 1
+      counts["crashed"] += crashed(r)
   return counts
+
+
+def crashed(r) -> bool:
+  """A record whose run raised an error other than running out of memory (or a cold run predicted too slow):
+  the configuration cannot run, which the qualification must not pass over."""
+  return r.status == "failed" and r.error_kind not in ("oom", "parity_oom", "predicted_too_slow")
 
 
 def summary_line(results) -> str:
@@ -66,14 +73,15 @@ def summary_line(results) -> str:
   c = verdict_counts(results)
   bugs = c["caught"] + c["missed"] + c["bugs_not_run"]
   return (f"{c['passed']} pass, {c['failed']} fail, {c['not_run']} not run"
+          + (f" ({c['crashed']} crashed)" if c["crashed"] else "")
           + (f"; planted bugs: {c['caught']} of {bugs} caught" + (f", {c['missed']} MISSED" if c["missed"] else "")
              + (f", {c['bugs_not_run']} not run" if c["bugs_not_run"] else "") if bugs else ""))
 
 
 def failed(results) -> bool:
-  """Whether a script should see a failure: a configuration FAILs or a planted bug passes."""
+  """Whether a script should see a failure: a configuration FAILs or crashes, or a planted bug passes."""
   c = verdict_counts(results)
-  return bool(c["failed"] or c["missed"])
+  return bool(c["failed"] or c["missed"] or c["crashed"])
 
 
 def error_summary(error: str | None, kind: str | None) -> str:

@@ -250,7 +250,7 @@ def test_planted_bugs_are_judged_not_timed_and_fail(tmp_path, tiny_model):
   assert bug.result == q.FAIL and bug.verdict.mutation_layer == 0
   assert recs[(32, "all_on")].result == recs[(32, "all_off")].result == q.PASS
   assert len(fake.calls) == 2 * (1 + 1 + 2)  # all_on and all_off; no run of the mutant
-  assert q.verdict_counts(doc) == dict(passed=2, failed=0, not_run=0, caught=1, missed=0, bugs_not_run=0)
+  assert q.verdict_counts(doc) == dict(passed=2, failed=0, not_run=0, caught=1, missed=0, bugs_not_run=0, crashed=0)
   assert lines[-1] == "verdicts: 2 pass, 0 fail, 0 not run; planted bugs: 1 of 1 caught" and not q.failed(doc)
   assert "judged only (planted bug)" in open(store.markdown_path(options(tmp_path).out)).read()
   with pytest.raises(q.StartupError, match="unknown \\['no_such_bug'\\]"):
@@ -490,6 +490,8 @@ def test_out_of_memory_at_full_length_still_checks_the_prefix(tmp_path, tiny_mod
   assert "; parity on the 16-token prefix: RuntimeError: RESOURCE_EXHAUSTED" in never.error
   other = recs[(32, "kill_moe_compact_queue")]
   assert other.error_kind == "ValueError" and other.parity is None
+  # Out of memory is recorded; an error that is not, the configuration cannot run: the exit status says so.
+  assert q.verdict_counts(doc)["crashed"] == 1 and q.failed(doc) and "not run (1 crashed)" in lines[-1]
   assert not [n for f, n in fake.calls if n == 16 and not f.moe_compact_queue and f.moe_fused_combine]
   table = open(store.markdown_path(options(tmp_path).out)).read()
   row = next(line for line in table.splitlines() if "| kill_moe_persistent |" in line)
@@ -999,7 +1001,7 @@ def test_no_noise_floor_when_eps_is_zero(tmp_path, tiny_model):
   doc, lines = run(options(tmp_path, configs=("all_on", "all_off"), noise_floor_eps=0.0), tiny_model, fake)
   assert fake.noisy_calls == [] and doc.noise_floor == {}
   assert {r["config"]: r["verdict"] for r in q.summary_rows(doc)} == dict(all_off=q.PASS, all_on=q.FAIL)
-  assert q.verdict_counts(doc) == dict(passed=1, failed=1, not_run=0, caught=0, missed=0, bugs_not_run=0)
+  assert q.verdict_counts(doc) == dict(passed=1, failed=1, not_run=0, caught=0, missed=0, bugs_not_run=0, crashed=0)
   assert q.failed(doc)
   assert lines[-1] == "verdicts: 1 pass, 1 fail, 0 not run"
 
