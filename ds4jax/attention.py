@@ -84,11 +84,19 @@ def model_fits(cfg: DeepseekV4Config) -> frozenset[str]:
   return frozenset({"mla_wgmma"} if fits else ())
 
 
-def check_wgmma(cfg: DeepseekV4Config, features: Features) -> None:
-  """Start-up check of `mla_wgmma` against the model (ValueError naming what does not fit; `model_fits`)."""
+def check_kernels(cfg: DeepseekV4Config, features: Features) -> None:
+  """Start-up check of the attention kernels the switches select against the model (ValueError naming what does
+  not fit), before any of them is traced: `mla_wgmma` (`model_fits`), the streaming MLA kernels' head dim, the
+  indexer kernel's top-k."""
   if features.mla_wgmma and "mla_wgmma" not in model_fits(cfg):
     raise ValueError(f"--mla_wgmma needs {stream_wgmma.HEADS} heads of dim {2 * stream_wgmma.HALF}; {cfg.name} has "
                      f"{cfg.num_heads} of dim {cfg.head_dim}")
+  d = cfg.head_dim
+  if features.mla_stream_topk and not (64 <= d <= 512 and d & (d - 1) == 0):
+    raise ValueError(f"--mla_stream_topk needs a head dim that is a power of two in [64, 512]; {cfg.name} has {d}")
+  k = cfg.index_topk
+  if features.indexer_score_kernel and Kind.CSA in cfg.attention and k & (k - 1):
+    raise ValueError(f"--indexer_score_kernel needs index_topk a power of two; {cfg.name} has {k}")
 
 
 class Attention(nnx.Module):

@@ -199,7 +199,7 @@ def start(m: model_lib.DeepseekV4, prompt, features: Features = REFERENCE, capac
   """
   t = model_lib.check_tokens(prompt, m.cfg)
   moe_lib.check_wgmma(m.cfg, m.policy, features)
-  attention_lib.check_wgmma(m.cfg, features)
+  attention_lib.check_kernels(m.cfg, features)
   capacity = capacity or m.cfg.max_position_embeddings
   bands = prompt_bands(t.shape[0], features)
   state = dataclasses.replace(empty_state(m, capacity, max([widest, *bands]), features, cache_dtype), length=offset)

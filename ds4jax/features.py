@@ -227,7 +227,7 @@ WGMMA_SWITCHES = ("moe_wgmma_gate_up", "moe_wgmma_down", "mla_wgmma")
 # sm_90's bound defaults (Capability.when). The Mosaic GPU kernels take some models only (the MLA: 64 heads of dim
 # 512; the MoE: FP2/FP3-MIX experts, D and I multiples of 256), so their defaults hold where the caller says the
 # model fits (`resolve`'s `fits`) and the defaults run every model; an explicit on for a model that does not fit fails
-# at the start-up check (attention.check_wgmma, moe.check_wgmma). The fused MIX MoE decodes its experts for every
+# at the start-up check (attention.check_kernels, moe.check_wgmma). The fused MIX MoE decodes its experts for every
 # band, where weights stationary decodes them once per prompt: it wins at one band and loses at four, so it is on
 # only where the prompt is one band (`tokens`).
 _MOE_ONE_BAND = {"moe_sparse_gate_up", "moe_wgmma_gate_up", "moe_wgmma_down"}
@@ -375,8 +375,11 @@ def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None, *, fits
   for k in KNOBS:
     if not isinstance(values[k], int) or values[k] < 0:
       errors.append(f"--{k} must be a non-negative integer, got {values[k]!r}")
-  if values["moe_tile_rows"] and values["moe_tile_rows"] & (values["moe_tile_rows"] - 1):
-    errors.append(f"--moe_tile_rows must be a power of two (Pallas-Triton tiles), got {values['moe_tile_rows']}")
+  rows = values["moe_tile_rows"]
+  if rows and (rows & (rows - 1) or rows < 16):
+    errors.append(f"--moe_tile_rows must be a power of two >= 16 (Pallas-Triton tiles), got {rows}")
+  if values["moe_programs_per_core"] < 1:
+    errors.append(f"--moe_programs_per_core must be at least 1, got {values['moe_programs_per_core']}")
   band, chunk = values["prefill_band_tokens"], values["long_context_chunk"]
   if band and chunk and chunk < band and band % chunk:
     errors.append(f"--prefill_band_tokens={band} must be a multiple of --long_context_chunk={chunk} "

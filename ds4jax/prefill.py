@@ -214,7 +214,7 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
   if any(not 0 <= p < S for p in want):
     raise ValueError(f"positions {want} must lie in [0, {S}) for a {S}-token prompt")
   moe_lib.check_wgmma(m.cfg, m.policy, features)
-  attention_lib.check_wgmma(m.cfg, features)
+  attention_lib.check_kernels(m.cfg, features)
   B = band_size(S, features)
   n_bands = -(-S // B)
   padded = np.zeros(n_bands * B, np.int32)

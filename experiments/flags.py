@@ -65,7 +65,7 @@ def check_model_features(program: str, cfg, policy_name: str, features: Features
   any weights exist; a misfit ends the program with one line naming it (exit status 1)."""
   try:
     moe_lib.check_wgmma(cfg, quant_policy.get(policy_name), features)
-    attention_lib.check_wgmma(cfg, features)
+    attention_lib.check_kernels(cfg, features)
   except ValueError as e:
     sys.exit(f"{program}: {e}")
 

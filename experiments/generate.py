@@ -80,8 +80,10 @@ def run() -> dict:
   mesh_spec = flags.FLAGS.mesh
   ds4_flags.check_mesh("generate", mesh_spec, None)
   if _CHECKPOINT.value:
-    if mesh_spec and os.path.isfile(os.path.join(_CHECKPOINT.value, "config.json")):  # before reading the weights
-      ds4_flags.check_mesh("generate", mesh_spec, config.DeepseekV4Config.from_hf_config(_CHECKPOINT.value))
+    if os.path.isfile(os.path.join(_CHECKPOINT.value, "config.json")):  # before reading the weights
+      cfg = config.DeepseekV4Config.from_hf_config(_CHECKPOINT.value)
+      ds4_flags.check_mesh("generate", mesh_spec, cfg)
+      ds4_flags.check_model_features("generate", cfg, flags.FLAGS.quant_policy, feats)
     m = mapping.load_checkpoint(_CHECKPOINT.value, dtype=dtype, policy=flags.FLAGS.quant_policy, log=None,
                                 mesh=mesh_spec)
   else:

@@ -129,8 +129,8 @@ def test_bound_defaults_follow_the_model_and_the_prompt():
   assert not features.resolve("sm_90").mla_wgmma  # the model unknown: off
   explicit = features.resolve("sm_90", {"mla_wgmma": True})
   with pytest.raises(ValueError, match="mla_wgmma needs 64 heads of dim 512"):
-    attention.check_wgmma(tiny, explicit)
-  attention.check_wgmma(v4, explicit)
+    attention.check_kernels(tiny, explicit)
+  attention.check_kernels(v4, explicit)
   assert not ({"mla_wgmma"} | moe) & set(features.resolve("cpu_interpret", fits=fits, tokens=64).on())
   assert "moe_sparse_gate_up" in features.resolve("gfx1151", tokens=122879).on()  # bound on sm_90 only
   with pytest.raises(FeatureError, match="mla_wgmma requires --mla_stream_fast_exp"):
@@ -148,12 +148,29 @@ def test_reference_is_all_off():
     (dict(mla_stream_f32_stage=True), r"--mla_stream_f32_stage requires --mla_stream_topk"),
     (dict(moe_persistent=True), r"--moe_persistent requires --moe_compact_queue"),
     (dict(moe_tile_rows=48), "power of two"),
+    (dict(moe_tile_rows=8), r"--moe_tile_rows must be a power of two >= 16 \(Pallas-Triton tiles\), got 8"),
+    (dict(moe_programs_per_core=0), "--moe_programs_per_core must be at least 1, got 0"),
     (dict(long_context_chunk=-1), "non-negative"),
     (dict(bogus=True), "unknown feature 'bogus'"),
 ])
 def test_impossible_combinations_fail_with_a_clear_message(overrides, message):
   with pytest.raises(FeatureError, match=message):
     features.resolve("cpu_interpret", overrides)
+
+
+def test_attention_kernels_that_cannot_take_the_model_are_refused_before_tracing():
+  """The streaming MLA kernels take a head dim that is a power of two in [64, 512] and the indexer kernel a
+  power-of-two top-k: a model without them (tiny: head dim 160, index_topk 3) is refused in one line at start-up,
+  where every configuration used to crash inside its first prefill."""
+  tiny = config.tiny()
+  on = lambda *s: features.resolve("cpu_interpret", {x: x in s for x in SWITCHES})
+  with pytest.raises(ValueError, match="^--mla_stream_topk needs a head dim that is a power of two in \\[64, 512\\]; "
+                                       "tiny has 160$"):
+    attention.check_kernels(tiny, on("mla_stream_topk"))
+  with pytest.raises(ValueError, match="^--indexer_score_kernel needs index_topk a power of two; tiny has 3$"):
+    attention.check_kernels(tiny, on("indexer_score_kernel"))
+  attention.check_kernels(tiny, on())
+  attention.check_kernels(config.tiny_sparse(), on("mla_stream_topk", "indexer_score_kernel"))
 
 
 def test_gfx1151_kernels_need_bf16_operands():

@@ -277,7 +277,7 @@ def test_wgmma_refuses_what_it_cannot_run():
   mla_switches = ("bf16_matmul", "mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp", "mla_wgmma")
   mla_on = features.resolve("cpu_interpret", dict.fromkeys(mla_switches, True))
   with pytest.raises(ValueError, match="mla_wgmma needs 64 heads of dim 512"):
-    attention.check_wgmma(config.tiny(), mla_on)
+    attention.check_kernels(config.tiny(), mla_on)
   with pytest.raises(features.FeatureError, match="mla_wgmma requires --mla_stream_f32_stage, --mla_stream_fast_exp"):
     features.resolve("cpu_interpret", {"bf16_matmul": True, "mla_stream_topk": True, "mla_wgmma": True})
   down = dataclasses.replace(f, moe_wgmma_gate_up=False, moe_wgmma_down=True)

@@ -96,7 +96,7 @@ def start_up(opts: Options) -> Setup:
   for c in (c for n in opts.lengths for c in selected[n]):
     try:
       moe_lib.check_wgmma(cfg, pol, c.features)
-      attention_lib.check_wgmma(cfg, c.features)
+      attention_lib.check_kernels(cfg, c.features)
     except ValueError as e:
       raise StartupError(f"configuration {c.name}: {e}") from e
   return Setup(cfg=cfg, policy=pol, device_class=dev_cls, base=base, configs=configs, selected=selected, ids=ids,

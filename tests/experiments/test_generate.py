@@ -34,3 +34,13 @@ def test_bad_input_is_one_line():
   p = generate("--prompt_ids=7,8,300", "--max_new_tokens=4")
   assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
       "generate: token id 300 at position 2 is outside the vocabulary [0, 256) (1 bad ids in all)")
+
+
+def test_a_checkpoint_the_switches_cannot_take_is_refused_before_its_weights(tmp_path):
+  """The switches are checked against the checkpoint's config.json before any tensor is read (a directory with the
+  config alone shows it): loading ~100 GB to refuse a switch afterwards is no start-up check."""
+  config = os.path.join(REPO, "experiments", "checkpoints", "tiny_stdlib", "config.json")
+  (tmp_path / "config.json").write_text(open(config).read())
+  p = generate(f"--checkpoint={tmp_path}", "--prompt_ids=7,8", "--max_new_tokens=2", "--bf16_matmul",
+               "--moe_sparse_gate_up", "--moe_wgmma_gate_up")
+  assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("generate: --moe_wgmma_gate_up ")
