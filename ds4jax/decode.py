@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from ds4jax import attention as attention_lib
+from ds4jax import features as features_lib
 from ds4jax import layer_cache
 from ds4jax import model as model_lib
 from ds4jax import moe as moe_lib
@@ -198,6 +199,7 @@ def start(m: model_lib.DeepseekV4, prompt, features: Features = REFERENCE, capac
   that model object.
   """
   t = model_lib.check_tokens(prompt, m.cfg)
+  features_lib.check(features)
   moe_lib.check_wgmma(m.cfg, m.policy, features)
   attention_lib.check_kernels(m.cfg, features)
   capacity = capacity or m.cfg.max_position_embeddings

@@ -340,6 +340,12 @@ def one_band(tokens: int | None, band_tokens: int) -> bool:
   return tokens is not None and (not band_tokens or tokens <= band_tokens)
 
 
+def check(f: Features) -> Features:
+  """`f` as `resolve` would give it, or FeatureError: a feature set built by hand (Features(...) or a replace) is
+  held to the table's rules too (its device class, requirements and knobs), so no switch is a silent no-op."""
+  return resolve(f.device_class, {k: getattr(f, k) for k in list(SWITCHES) + list(KNOBS)})
+
+
 def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None, *, fits: Collection[str] = (),
             tokens: int | None = None) -> Features:
   """Table defaults for `device_cls`, then `overrides` (None values = keep the default); then checks. A default bound

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from ds4jax import attention as attention_lib
+from ds4jax import features as features_lib
 from ds4jax import model as model_lib
 from ds4jax import moe as moe_lib
 from ds4jax.decisions import Decisions
@@ -207,6 +208,7 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
   f32 rounding: about half the elements then move by one ulp and the rest round back to themselves.
   """
   t = model_lib.check_tokens(tokens, m.cfg)
+  features_lib.check(features)
   S = t.shape[0]
   if all_logits and positions is not None:
     raise ValueError("all_logits gives every position's logits: pass positions only without it")

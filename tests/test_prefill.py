@@ -75,6 +75,19 @@ def test_all_logits_where_a_band_index_is_also_a_position(tiny, n, band):
   np.testing.assert_allclose(got, ref[:n], atol=2e-6 * max(1.0, np.abs(ref).max()))
 
 
+@pytest.mark.parametrize("changes, message", [
+    (dict(direct_indexer_topk=True), "--direct_indexer_topk requires --mla_stream_topk"),
+    (dict(device_class="bogus"), "unknown device class 'bogus'"),
+    (dict(prefill_band_tokens=-4), "--prefill_band_tokens must be a non-negative integer, got -4"),
+])
+def test_a_feature_set_built_by_hand_is_held_to_the_table(tiny, changes, message):
+  """Features(...) or a replace skips `resolve`: prefill checks it again, where a switch without what it requires
+  ran as a silent no-op and a negative band raised a KeyError."""
+  m, tokens, _ = tiny
+  with pytest.raises(features.FeatureError, match=message):
+    prefill.prefill(m, tokens, dataclasses.replace(features.REFERENCE, **changes))
+
+
 def test_all_logits_refuses_positions(tiny):
   m, tokens, _ = tiny
   with pytest.raises(ValueError, match="pass positions only without it"):

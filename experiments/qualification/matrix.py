@@ -35,14 +35,9 @@ def dependents(switch: str, device_cls: str = "") -> list[str]:
   return [s for s in SWITCHES if s in out]
 
 
-def _checked(f: Features) -> Features:
-  """Re-resolves a derived feature set, so a kill can never produce a combination the table rejects."""
-  return features_lib.resolve(f.device_class, {k: getattr(f, k) for k in list(SWITCHES) + list(KNOBS)})
-
-
 def without(base: Features, switch: str) -> Features:
   """`base` with `switch` off, and every switch that requires it: the features of kill_<switch>."""
-  return _checked(dataclasses.replace(base, **{x: False for x in [switch, *dependents(switch, base.device_class)]}))
+  return features_lib.check(dataclasses.replace(base, **{x: False for x in [switch, *dependents(switch, base.device_class)]}))
 
 
 def exact_features(device_cls: str) -> Features:
@@ -69,7 +64,7 @@ def configurations(base: Features, cfg: config_lib.DeepseekV4Config | None = Non
     configs.append(Configuration(name=f"kill_{s}", features=without(base, s), killed=(s,), also_off=tuple(also)))
   for k in KILLABLE_KNOBS:
     if getattr(base, k):
-      configs.append(Configuration(name=f"kill_{k}", features=_checked(dataclasses.replace(base, **{k: 0})),
+      configs.append(Configuration(name=f"kill_{k}", features=features_lib.check(dataclasses.replace(base, **{k: 0})),
                                    killed=(k,)))
   exact = exact_features(base.device_class)
   configs.append(Configuration(name="all_off", features=exact))
