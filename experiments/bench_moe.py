@@ -30,7 +30,8 @@ from kernels_pallas import moe as moe_kernels
 from kernels_pallas.moe import api, decode, down, down_wgmma, gate_up, gate_up_wgmma, routing
 
 _TOKENS = flags.DEFINE_list("tokens", ["512", "2048", "8192", "32768"], "Token counts.")
-_ROUTINGS = flags.DEFINE_list("routings", ["uniform", "zipf"], "Routing distributions.")
+ROUTINGS = ("uniform", "zipf")
+_ROUTINGS = flags.DEFINE_list("routings", list(ROUTINGS), "Routing distributions.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (median).")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes, interpret mode (CPU check of the script).")
@@ -118,6 +119,11 @@ def torch_grouped_mm_seconds(x_sorted, w13, group_sizes, n):
 
 def main(argv):
   del argv
+  bad = [k for k in _ROUTINGS.value if k not in ROUTINGS]
+  if bad:
+    raise app.UsageError(f"--routings: unknown {bad}; known: {list(ROUTINGS)}")
+  if not _SMOKE.value and not all(t.isdigit() and int(t) > 0 for t in _TOKENS.value):
+    raise app.UsageError(f"--tokens must be positive integers, got {_TOKENS.value}")
   dims = SMOKE if _SMOKE.value else FLASH
   D, I, E, K = dims["D"], dims["I"], dims["E"], dims["K"]
   interpret = _SMOKE.value

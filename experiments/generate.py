@@ -74,6 +74,8 @@ def main(argv):
 def run() -> dict:
   if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
     raise UsageError("give exactly one of --prompt and --prompt_ids")
+  if _JSON.value and not os.access(os.path.dirname(os.path.abspath(_JSON.value)), os.W_OK):
+    raise UsageError(f"--json={_JSON.value}: its directory is not writable")
   feats = ds4_flags.features_from_flags(flags.FLAGS)
   dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
   tok = _tokenizer() if _PROMPT.value is not None else None

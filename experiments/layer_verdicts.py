@@ -15,6 +15,7 @@ summary; the JSON is rewritten after each run. Exit status 1 when the configurat
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 
@@ -54,6 +55,13 @@ def as_record(v: verdicts.LayerVerdict) -> dict:
 def main(argv):
   del argv
   device_memory.claim()  # before JAX starts its backend
+  try:
+    run()
+  except ValueError as e:  # FeatureError, an unknown preset or quant policy, a bug with no layer of its kind, ...
+    sys.exit(f"layer_verdicts: {e}")
+
+
+def run():
   cfg = config_lib.preset(_PRESET.value)
   unknown = [n for n in _MUTATIONS.value if n not in mutations.MUTATIONS]
   if unknown:
@@ -66,6 +74,12 @@ def main(argv):
   if carry and _BANDS.value < 2:
     sys.exit(f"layer_verdicts: --mutations {carry} plant bugs in what a layer carries between bands, which one band "
              "from position 0 cannot show: run them with --bands=2")
+  if not -1 <= _MUTATION_LAYER.value < cfg.num_layers:
+    sys.exit(f"layer_verdicts: --mutation_layer must lie in [0, {cfg.num_layers}) (or -1: the first of its kind)")
+  if _OUT.value and not os.access(os.path.dirname(os.path.abspath(_OUT.value)), os.W_OK):
+    sys.exit(f"layer_verdicts: --out={_OUT.value}: its directory is not writable")
+  for name in _MUTATIONS.value:
+    mutation_layer(cfg, name)  # a bug with no layer of its kind: refused before any weights exist
   band_tokens = -(-_TOKENS.value // _BANDS.value) if _BANDS.value > 1 else 0
   flags_lib.check_mesh("layer_verdicts", flags.FLAGS.mesh, cfg)  # before drawing the weights
   conf = flags_lib.features_from_flags(flags.FLAGS, cfg=cfg, policy=flags.FLAGS.quant_policy, tokens=_TOKENS.value)

@@ -130,8 +130,11 @@ ROUTING_NEEDS = dict(hash_routed_by_score=Routing.HASH)
 def default_layer(cfg, name: str) -> int:
   """The first layer of `cfg` whose kind (attention and routing) the bug `name` lives in."""
   kinds, routing = NEEDS.get(name), ROUTING_NEEDS.get(name)
-  return next(i for i, k in enumerate(cfg.attention)
-              if (kinds is None or k in kinds) and (routing is None or cfg.routing[i] is routing))
+  for i, k in enumerate(cfg.attention):
+    if (kinds is None or k in kinds) and (routing is None or cfg.routing[i] is routing):
+      return i
+  need = [x.value for x in kinds or ()] + ([routing.value] if routing else [])
+  raise ValueError(f"the planted bug {name} needs a layer of kind {need}; {cfg.name} has none")
 
 
 def mutated_model(m, mutation: Callable, layers: set[int]):

@@ -171,6 +171,10 @@ def _read_stored(ckpt: SafetensorsCheckpoint, names: list[str], fmt: str, used: 
     return None
   codes = [_code_bytes(ckpt, n) for n in names]
   scales = [_scale_bytes(ckpt, n) for n in names]
+  for n, c, s in zip(names, codes, scales):  # one stack of experts: every expert as the first
+    if (c.shape, s.shape) != (codes[0].shape, scales[0].shape):
+      raise CheckpointError(f"{ckpt.where(n)}: shape {c.shape} with scale {s.shape}, where {names[0]} has "
+                            f"{codes[0].shape} with {scales[0].shape}")
   used.update(names + [_scale_name(n) for n in names])
   stack = (lambda xs: np.stack(xs)) if stacked else (lambda xs: xs[0])
   key = "weight" if fmt == "fp8_e4m3" else "packed"

@@ -88,7 +88,10 @@ def _config(opts: Options) -> config_lib.DeepseekV4Config:
   if opts.checkpoint is not None:
     if not os.path.isfile(os.path.join(opts.checkpoint, "config.json")):
       raise StartupError(f"--checkpoint={opts.checkpoint}: no config.json there")
-    return config_lib.DeepseekV4Config.from_hf_config(opts.checkpoint)
+    try:
+      return config_lib.DeepseekV4Config.from_hf_config(opts.checkpoint)
+    except (ValueError, KeyError, TypeError) as e:  # json's decode error is a ValueError
+      raise StartupError(f"--checkpoint={opts.checkpoint}: config.json: {type(e).__name__}: {e}") from e
   try:
     return config_lib.preset(opts.preset)
   except ValueError as e:
@@ -118,9 +121,16 @@ def prompt_ids(opts: Options, cfg: config_lib.DeepseekV4Config) -> tuple[np.ndar
       import tokenizers  # pylint: disable=import-outside-toplevel  (an optional dependency: only for --prompt_file)
     except ImportError as e:
       raise StartupError("--prompt_file needs the `tokenizers` package (pip install tokenizers)") from e
-    with open(opts.prompt_file, encoding="utf-8") as f:
-      text = f.read()
-    ids = np.asarray(tokenizers.Tokenizer.from_file(tok_path).encode(text).ids, np.int64)
+    try:
+      with open(opts.prompt_file, encoding="utf-8") as f:
+        text = f.read()
+    except UnicodeDecodeError as e:
+      raise StartupError(f"--prompt_file={opts.prompt_file} is not UTF-8 text: {e}") from e
+    try:
+      tokenizer = tokenizers.Tokenizer.from_file(tok_path)
+    except Exception as e:  # noqa: BLE001 -- the tokenizers package raises a bare Exception for a bad file
+      raise StartupError(f"tokenizer file {tok_path} cannot be read: {e}") from e
+    ids = np.asarray(tokenizer.encode(text).ids, np.int64)
     if ids.shape[0] < need:
       raise StartupError(f"--prompt_file={opts.prompt_file} gives {ids.shape[0]} tokens with {tok_path}; the "
                          f"longest requested length is {need}")

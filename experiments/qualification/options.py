@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -183,9 +184,10 @@ def validate(opts: Options) -> None:
     raise StartupError(f"--verdict_bands must be in [1, --verdict_tokens={opts.verdict_tokens}], got "
                        f"{opts.verdict_bands}")
   carry = sorted(set(opts.mutations) & mutations.CARRY)
-  if carry and opts.verdict_bands < 2:
+  if carry and (opts.verdict_bands < 2 or min(opts.lengths) < 2):
     raise StartupError(f"--mutations {carry} plant bugs in what a layer carries between bands; they need "
-                       f"--verdict_bands >= 2 (one band from position 0 carries nothing, so they could only pass)")
+                       f"--verdict_bands >= 2 and lengths of at least 2 tokens (one band from position 0 carries "
+                       "nothing, so they could only pass)")
   if not opts.kl_gate > 0:
     raise StartupError(f"--kl_gate must be > 0, got {opts.kl_gate}")
   if not (opts.noise_floor_eps == 0 or 2.0 ** -24 <= opts.noise_floor_eps < 1):
@@ -199,3 +201,8 @@ def validate(opts: Options) -> None:
     raise StartupError(f"--mesh: {e}") from e
   if not opts.out or not opts.out.endswith(".json"):
     raise StartupError(f"--out must name a .json file, got {opts.out!r}")
+  where = os.path.dirname(os.path.abspath(opts.out))
+  if not os.path.isdir(where) or not os.access(where, os.W_OK) or os.path.isdir(opts.out):
+    raise StartupError(f"--out={opts.out}: cannot write a file there (is {where} a writable directory?)")
+  if opts.seed < 0:
+    raise StartupError(f"--seed must be >= 0, got {opts.seed}")

@@ -73,7 +73,10 @@ def start_up(opts: Options) -> Setup:
   fits = model_lib.kernel_fits(cfg, pol)  # the bound defaults this model takes
   # FeatureError: an impossible combination
   base = {n: features_lib.resolve(dev_cls, opts.features, fits=fits, tokens=n) for n in opts.lengths}
-  configs = {n: configurations(base[n], cfg, opts.mutations) for n in opts.lengths}
+  try:
+    configs = {n: configurations(base[n], cfg, opts.mutations) for n in opts.lengths}
+  except ValueError as e:  # a planted bug with no layer of its kind in the model
+    raise StartupError(f"--mutations: {e}") from e
   names = list(dict.fromkeys(c.name for n in opts.lengths for c in configs[n] if not c.mutation))
   unknown = [c for c in opts.configs if c not in names]
   if unknown:

@@ -131,6 +131,24 @@ def test_scale_of_another_dtype_names_file_and_tensor(tmp_path, policy):
                                        "F8_E8M0 (UE8M0 bytes), got I8")
 
 
+def test_fp8_experts_of_different_shapes_name_the_tensor(tmp_path):
+  """Layer 1's w1 experts stored in FP8, expert 1's scale one block wider than the others': copied as they are
+  (gate_up=fp8_e4m3), the stack of experts is refused naming the tensor, where np.stack raised a bare ValueError."""
+  d = copy_of("official", tmp_path)
+
+  def to_fp8(t, dtype_names):
+    for name in [n.removesuffix(".weight") for n in t if n.startswith("layers.1.ffn.experts.") and ".w1." in n]:
+      wider = int(name.split(".")[4] == "1")  # expert 1
+      codes, scale = fp8_e4m3.quantize(t[f"{name}.weight"])
+      t[f"{name}.weight"], t[f"{name}.scale"] = codes, np.pad(scale, ((0, 0), (0, wider)))
+      dtype_names[f"{name}.scale"] = "F8_E8M0"
+
+  rewrite(d, to_fp8)
+  assert one_line_error(d, "gate_up=fp8_e4m3") == (
+      f"{d / 'model.safetensors'}: layers.1.ffn.experts.1.w1.weight: shape (8, 32) with scale (1, 2), where "
+      "layers.1.ffn.experts.0.w1.weight has (8, 32) with (1, 1)")
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_fp8_weight_intact_loads_under_either_policy(tmp_path, policy):
   """The control of the three above: the same FP8 tensor, uncorrupted, loads and keeps its values."""

@@ -1,6 +1,8 @@
 """What the entry points do before and after the library: device memory, exit status, refused inputs."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -37,3 +39,14 @@ def test_prefill_exits_non_zero_on_a_fail(monkeypatch, results, exits):
       prefill_command.main(["prefill"])
   else:
     prefill_command.main(["prefill"])  # returns: exit status 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--routings=bogus"], "--routings: unknown ['bogus']; known: ['uniform', 'zipf']"),
+    (["--tokens=abc"], "--tokens must be positive integers, got ['abc']"),
+])
+def test_bench_moe_refuses_bad_input_before_any_work(args, message):
+  """An unknown routing was run as Zipf and recorded under its own name; a bad token count raised a traceback."""
+  p = subprocess.run([sys.executable, "-m", "experiments.bench_moe", *args], capture_output=True, text=True,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+  assert p.returncode == 1 and message in p.stderr, p.stderr[-2000:]

@@ -34,6 +34,9 @@ def test_bad_input_is_one_line():
   p = generate("--prompt_ids=7,8,300", "--max_new_tokens=4")
   assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
       "generate: token id 300 at position 2 is outside the vocabulary [0, 256) (1 bad ids in all)")
+  p = generate("--prompt_ids=7,8", "--max_new_tokens=4", "--json=/proc/no/g.json")  # refused before generating
+  assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
+      "generate: --json=/proc/no/g.json: its directory is not writable")
 
 
 def test_a_checkpoint_the_switches_cannot_take_is_refused_before_its_weights(tmp_path):

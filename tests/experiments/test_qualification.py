@@ -749,7 +749,14 @@ def test_merge_results_keys_features_by_length_and_keeps_a_fail(tmp_path, tiny_m
     (dict(exact_max_tokens=20, verdict_tokens=24), q.StartupError, "--verdict_tokens=24 exceeds"),
     (dict(verdict_bands=0), q.StartupError, "--verdict_bands must be in"),
     (dict(mutations=("kv_tail_dropped",)), q.StartupError, "need --verdict_bands >= 2"),
+    (dict(mutations=("kv_tail_dropped",), verdict_bands=2, lengths=(1,)), q.StartupError,
+     "lengths of at least 2 tokens"),
+    (dict(mutations=("index_topk_minus_one",)), q.StartupError,
+     r"--mutations: the planted bug index_topk_minus_one needs a layer of kind \['compressed_sparse_attention'\]; "
+     "tiny_window has none"),
     (dict(prompt_file="/nonexistent/prompt.txt"), q.StartupError, "does not exist"),
+    (dict(out="/proc/no/r.json"), q.StartupError, "--out=/proc/no/r.json: cannot write a file there"),
+    (dict(seed=-1), q.StartupError, "--seed must be >= 0, got -1"),
 ])
 def test_startup_errors_come_before_any_work(tmp_path, tiny_model, kw, error, match):
   fake = FakeRunner()
@@ -759,6 +766,22 @@ def test_startup_errors_come_before_any_work(tmp_path, tiny_model, kw, error, ma
 
 
 # ---- inputs ----
+def test_unreadable_prompt_tokenizer_or_config_is_one_line(tmp_path, tiny_model):
+  pytest.importorskip("tokenizers")
+  (tmp_path / "prompt.txt").write_bytes(b"text \xff\xfe not utf-8")
+  (tmp_path / "tokenizer.json").write_text("{not json")
+  files = dict(prompt_file=str(tmp_path / "prompt.txt"), tokenizer=str(tmp_path / "tokenizer.json"))
+  with pytest.raises(q.StartupError, match="prompt.txt is not UTF-8 text"):
+    run(options(tmp_path, **files), tiny_model, FakeRunner())
+  (tmp_path / "prompt.txt").write_text("w1 w2")
+  with pytest.raises(q.StartupError, match="tokenizer.json cannot be read: "):
+    run(options(tmp_path, **files), tiny_model, FakeRunner())
+  (tmp_path / "ckpt").mkdir()
+  (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "deepseek_v4"}')
+  with pytest.raises(q.StartupError, match=r"config.json: KeyError: 'num_hidden_layers'"):
+    run(options(tmp_path, preset=None, checkpoint=str(tmp_path / "ckpt")), tiny_model, FakeRunner())
+
+
 def test_prompt_file_through_tokenizers(tmp_path, tiny_model):
   tokenizers = pytest.importorskip("tokenizers")
   from tokenizers import models, pre_tokenizers  # pylint: disable=import-outside-toplevel

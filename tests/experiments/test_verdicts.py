@@ -112,9 +112,10 @@ def test_every_mutation_has_a_layer_kind_in_tiny_sparse():
   assert {n: mutations.default_layer(cfg, n) for n in mutations.MUTATIONS} == dict(
       dropped_sink=0, expert_scale_step=0, window_off_by_one=0, index_topk_minus_one=1, routed_scale_dropped=0,
       compressor_bias_dropped=1, hash_routed_by_score=0, kv_tail_dropped=0, compressed_rows_dropped=1)
-  with pytest.raises(StopIteration):
+  with pytest.raises(ValueError, match=r"^the planted bug index_topk_minus_one needs a layer of kind "
+                                       r"\['compressed_sparse_attention'\]; tiny_window has none$"):
     mutations.default_layer(config.tiny_window(), "index_topk_minus_one")
-  with pytest.raises(StopIteration):  # a model without a hash-routed layer
+  with pytest.raises(ValueError, match=r"needs a layer of kind \['hash_moe'\]"):  # a model without a hash layer
     mutations.default_layer(dataclasses.replace(cfg, routing=cfg.routing[1:2] * 4), "hash_routed_by_score")
 
 
@@ -217,13 +218,19 @@ def test_layer_verdicts_command_on_a_mesh_in_bands(tmp_path):
   assert not carry["passed"] and carry["bands"] == 2 and carry["update_nmse"] > 1e3 * carry["bound"]
 
 
-def test_layer_verdicts_refuses_a_carry_bug_in_one_band():
-  """A planted carry bug would pass a run of one band from position 0: the per-layer command refuses it unless its
-  runs are banded (--bands)."""
-  p = subprocess.run([sys.executable, "-m", "experiments.layer_verdicts", "--preset=tiny_window",
-                      "--mutations=kv_tail_dropped"], capture_output=True, text=True,
-                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert p.returncode != 0 and "run them with --bands=2" in p.stderr, p.stderr[-2000:]
+@pytest.mark.parametrize("args, message", [
+    # a planted carry bug would pass a run of one band from position 0: refused unless its runs are banded
+    (["--mutations=kv_tail_dropped"], "layer_verdicts: --mutations ['kv_tail_dropped'] plant bugs in what a layer "
+                                      "carries between bands"),
+    (["--mutations=index_topk_minus_one"], "layer_verdicts: the planted bug index_topk_minus_one needs a layer of "
+                                           "kind ['compressed_sparse_attention']; tiny_window has none"),
+    (["--mutations=dropped_sink", "--mutation_layer=7"], "layer_verdicts: --mutation_layer must lie in [0, 2)"),
+    (["--moe_persistent"], "layer_verdicts: invalid feature set: --moe_persistent requires --moe_compact_queue"),
+])
+def test_layer_verdicts_refuses_bad_input_in_one_line(args, message):
+  p = subprocess.run([sys.executable, "-m", "experiments.layer_verdicts", "--preset=tiny_window", *args],
+                     capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith(message), p.stderr[-2000:]
 
 
 def test_a_reference_kl_on_file_is_used_not_measured(tiny, monkeypatch):
