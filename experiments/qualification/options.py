@@ -202,7 +202,9 @@ def validate(opts: Options) -> None:
   if not opts.out or not opts.out.endswith(".json"):
     raise StartupError(f"--out must name a .json file, got {opts.out!r}")
   where = os.path.dirname(os.path.abspath(opts.out))
+  while not os.path.exists(where):  # the results writer makes the missing directories
+    where = os.path.dirname(where)
   if not os.path.isdir(where) or not os.access(where, os.W_OK) or os.path.isdir(opts.out):
-    raise StartupError(f"--out={opts.out}: cannot write a file there (is {where} a writable directory?)")
+    raise StartupError(f"--out={opts.out}: cannot write a file there ({where} is not a writable directory)")
   if opts.seed < 0:
     raise StartupError(f"--seed must be >= 0, got {opts.seed}")

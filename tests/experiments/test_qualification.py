@@ -755,7 +755,8 @@ def test_merge_results_keys_features_by_length_and_keeps_a_fail(tmp_path, tiny_m
      r"--mutations: the planted bug index_topk_minus_one needs a layer of kind \['compressed_sparse_attention'\]; "
      "tiny_window has none"),
     (dict(prompt_file="/nonexistent/prompt.txt"), q.StartupError, "does not exist"),
-    (dict(out="/proc/no/r.json"), q.StartupError, "--out=/proc/no/r.json: cannot write a file there"),
+    (dict(out="/etc/hostname/r.json"), q.StartupError,
+     r"--out=/etc/hostname/r.json: cannot write a file there \(/etc/hostname is not a writable directory\)"),
     (dict(seed=-1), q.StartupError, "--seed must be >= 0, got -1"),
 ])
 def test_startup_errors_come_before_any_work(tmp_path, tiny_model, kw, error, match):
