@@ -37,7 +37,8 @@ def dependents(switch: str, device_cls: str = "") -> list[str]:
 
 def without(base: Features, switch: str) -> Features:
   """`base` with `switch` off, and every switch that requires it: the features of kill_<switch>."""
-  return features_lib.check(dataclasses.replace(base, **{x: False for x in [switch, *dependents(switch, base.device_class)]}))
+  off = [switch, *dependents(switch, base.device_class)]
+  return features_lib.check(dataclasses.replace(base, **dict.fromkeys(off, False)))
 
 
 def exact_features(device_cls: str) -> Features:
