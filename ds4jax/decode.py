@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -261,15 +261,20 @@ def generate(m: model_lib.DeepseekV4, prompt, n_new: int, features: Features = R
   return greedy(m, start(m, t, features, t.shape[0] + n_new, widest=1, cache_dtype=cache_dtype), n_new)
 
 
-def greedy(m: model_lib.DeepseekV4, state: State, n_new: int, progress=None) -> np.ndarray:
-  """n_new greedy tokens from a state, one decode step each (the last one chosen, not decoded)."""
+def greedy(m: model_lib.DeepseekV4, state: State, n_new: int, progress=None,
+           stop: Collection[int] = ()) -> np.ndarray:
+  """n_new greedy tokens from a state, one decode step each (the last one chosen, not decoded); fewer when a token
+  of `stop` (e.g. the EOS id) is chosen: it ends the continuation, included."""
   out = []
   for _ in range(n_new):
     out.append(_argmax(state.logits))
-    if len(out) < n_new:
+    done = len(out) == n_new or out[-1] in stop
+    if not done:
       _, state = extend(m, state, [out[-1]])
     if progress:
       progress(len(out), len(out) - 1, 0, 0)
+    if done:
+      break
   return np.asarray(out, np.int32)
 
 
@@ -317,12 +322,13 @@ class Speculation:
 
 
 def speculate(m: model_lib.DeepseekV4, state: State, context: Sequence[int], n_new: int, ngram: int = 3,
-              widths: tuple[int, int] = (2, 5), progress=None, drafter=None) -> Speculation:
+              widths: tuple[int, int] = (2, 5), progress=None, drafter=None,
+              stop: Collection[int] = ()) -> Speculation:
   """n_new greedy tokens from a state (reached by `context`) with self-speculative verification: each band is the
   pending token (greedy's choice, so always accepted) followed by an n-gram draft, q adaptive within `widths` (one
   wider after a fully accepted draft, back to the narrowest after a rejection). The tokens equal `greedy`'s; fewer
   bands run when drafts hit. The state needs room for n_new + widths[1] more positions. `drafter(context, k)`
-  replaces the n-gram lookup (at most k tokens)."""
+  replaces the n-gram lookup (at most k tokens). A token of `stop` ends the continuation, as in `greedy`."""
   lo, hi = widths
   if not 2 <= lo <= hi <= MAX_VERIFY:
     raise ValueError(f"draft widths {widths} must satisfy 2 <= min <= max <= MAX_VERIFY={MAX_VERIFY}")
@@ -332,9 +338,9 @@ def speculate(m: model_lib.DeepseekV4, state: State, context: Sequence[int], n_n
   while True:
     out.append(pending)
     index.extend([pending])
-    if len(out) >= n_new:
+    if len(out) >= n_new or out[-1] in stop:
       if progress:
-        progress(n_new, bands, drafted, accepted)
+        progress(min(len(out), n_new), bands, drafted, accepted)
       break
     draft = list(drafter(index.tokens, q - 1) if drafter else index.draft(q - 1))[:q - 1]
     v = verify(m, state, [pending] + draft)
@@ -342,6 +348,12 @@ def speculate(m: model_lib.DeepseekV4, state: State, context: Sequence[int], n_n
       raise RuntimeError(f"verification rejected the pending token {pending} at length {state.length}")
     bands, drafted, accepted = bands + 1, drafted + len(draft), accepted + v.accepted - 1
     took = draft[:v.accepted - 1]
+    ended = next((i for i, t in enumerate(took) if t in stop), None)  # an accepted draft token may end it
+    if ended is not None:
+      out += took[:ended + 1]
+      if progress:
+        progress(min(len(out), n_new), bands, drafted, accepted)
+      break
     out += took
     index.extend(took)
     state, pending = v.state, v.next_token

@@ -42,6 +42,8 @@ _DTYPE = flags.DEFINE_enum("dtype", "f32", ["f32", "bf16"], "Weight dtype.")
 _CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "f32", ["f32", "bf16"],
                                  "Dtype the decode state stores its cached rows in (docs/decode.md §1).")
 _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
+_STOP = flags.DEFINE_list("stop_ids", None, "Token ids that end the continuation (included); default the model's EOS "
+                          "id (config.json's eos_token_id); --stop_ids= generates all --max_new_tokens.")
 ds4_flags.define_feature_flags()
 ds4_flags.define_quant_policy_flag()
 ds4_flags.define_mesh_flag()
@@ -95,6 +97,11 @@ def run() -> dict:
     m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=mesh_spec)
   ids = (np.asarray(tok.encode(_PROMPT.value).ids) if tok else np.asarray([int(x) for x in _PROMPT_IDS.value]))
   n = _NEW.value
+  try:
+    stop = set(model.check_tokens([int(t) for t in _STOP.value], m.cfg).tolist()) if _STOP.value else set()
+  except ValueError as e:
+    raise UsageError(f"--stop_ids: {e}") from None
+  stop = {m.cfg.eos_token_id} if _STOP.value is None else stop
   room = m.cfg.max_position_embeddings - len(ids) - (decode.MAX_VERIFY if _SPECULATE.value else 1)
   if not 0 < n <= room:
     raise UsageError(f"--max_new_tokens={n}: the prompt of {len(ids)} tokens leaves room for 1..{room} "
@@ -120,22 +127,25 @@ def run() -> dict:
   prefill_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   if _SPECULATE.value:
-    spec = decode.speculate(m, state, ids, n, ngram=_NGRAM.value, progress=say)
+    spec = decode.speculate(m, state, ids, n, ngram=_NGRAM.value, progress=say, stop=stop)
     out, extra = spec.tokens, dict(bands=spec.bands, drafted=spec.drafted, accepted=spec.accepted,
                                     acceptance=spec.accepted / max(spec.drafted, 1))
   else:
-    out, extra = decode.greedy(m, state, n, progress=say), dict(bands=n - 1)
+    out = decode.greedy(m, state, n, progress=say, stop=stop)
+    extra = dict(bands=len(out) - 1)
   print()
   decode_s = time.perf_counter() - t0
   if _SPECULATE.value and _COMPARE.value:
-    extra["same_as_greedy"] = bool(np.array_equal(out, decode.greedy(m, state, n)))
+    extra["same_as_greedy"] = bool(np.array_equal(out, decode.greedy(m, state, n, stop=stop)))
   text = tok.decode(out.tolist()) if tok else " ".join(map(str, out.tolist()))
   print(text)
+  if len(out) < n:
+    print(f"stopped by token id {out[-1]} (--stop_ids) after {len(out)} of {n} tokens")
   result = dict(env=run_record.environment(), model=m.cfg.name, checkpoint=_CHECKPOINT.value,
-                prompt_tokens=len(ids), new_tokens=int(n),
+                prompt_tokens=len(ids), new_tokens=len(out), stop_ids=sorted(stop), stopped=len(out) < n,
                 tokens=out.tolist(), speculate=_SPECULATE.value, features=feats.to_dict(), mesh=mesh_lib.spec_of(m),
                 cache_dtype=_CACHE_DTYPE.value,
-                prefill_tok_per_s=len(ids) / prefill_s, decode_tok_per_s=n / decode_s, **extra)
+                prefill_tok_per_s=len(ids) / prefill_s, decode_tok_per_s=len(out) / decode_s, **extra)
   print(f"prefill {result['prefill_tok_per_s']:.1f} tok/s (first call, compile included); decode "
         f"{result['decode_tok_per_s']:.1f} tok/s (compiles included)"
         + (f"; {spec.accepted}/{spec.drafted} drafted tokens accepted in {spec.bands} bands" if _SPECULATE.value

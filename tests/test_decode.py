@@ -280,6 +280,23 @@ def test_speculation_gives_greedys_tokens(tiny, sequential):
   assert np.array_equal(ngram.tokens, tokens[PROMPT:PROMPT + n])
 
 
+def test_a_stop_token_ends_greedy_and_speculative_decoding(tiny, sequential):
+  """A stop token (the EOS id) ends the continuation at its first occurrence, included, whether greedy chose it,
+  speculation's pending token is it (index 5 with a drafter that knows the continuation: bands of 2, 3, 4) or an
+  accepted draft token is (index 4)."""
+  states, tokens = sequential
+  want = tokens[PROMPT:PROMPT + 10].tolist()
+  oracle = lambda context, k: [int(t) for t in tokens[len(context):len(context) + k]]
+  for at in (4, 5):
+    end = want.index(want[at]) + 1
+    assert end > 2, want
+    assert decode.greedy(tiny, states[PROMPT], 10, stop={want[at]}).tolist() == want[:end]
+    for drafter in (oracle, None):
+      spec = decode.speculate(tiny, states[PROMPT], tokens[:PROMPT], 10, drafter=drafter, stop={want[at]})
+      assert spec.tokens.tolist() == want[:end], (at, drafter)
+  assert decode.greedy(tiny, states[PROMPT], 10, stop={-5}).tolist() == want  # never chosen: all 10
+
+
 def test_speculation_never_rejects_its_pending_token(tiny, monkeypatch):
   """After a partly accepted draft the next token is the replayed state's choice. Chosen from the wide band's
   logits instead, a near-tie that the two bands round apart had the next band reject its own first token, and the

@@ -34,9 +34,13 @@ I32 = jnp.int32
 
 
 def clamped_swiglu(gate, up, limit: float):
-  """silu(min(gate, L)) * clip(up, −L, L) in f32; silu written as g / (1 + exp(−g)) (what Triton lowers)."""
-  g = jnp.minimum(gate, limit)
-  return (g / (1.0 + jnp.exp(-g))) * jnp.clip(up, -limit, limit)
+  """silu(min(gate, L)) * clip(up, −L, L) in f32; silu written as g / (1 + exp(−g)) (what Triton lowers).
+
+  The clamps are selects, not min/max: compiled, Triton's minimum returns L for a NaN gate, which hid a NaN weight's
+  token (the reference's XLA minimum keeps the NaN). A NaN fails both comparisons and passes through."""
+  g = jnp.where(gate > limit, limit, gate)
+  u = jnp.where(up > limit, limit, jnp.where(up < -limit, -limit, up))
+  return (g / (1.0 + jnp.exp(-g))) * u
 
 
 def dot_precision(dtype):

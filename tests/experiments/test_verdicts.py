@@ -72,11 +72,19 @@ def test_every_fast_path_passes(tiny):
   kernel's parity on every layer kind, on f32 operands, is tests/test_model_features.py's)."""
   m, ids = tiny
   cfg = features.resolve(DEVICE, {s: s in SUPPORTED for s in features.SWITCHES})
-  lines = []
-  out = verdicts.layer_verdicts(m, ids, cfg, log=lines.append, only={1})
+  lines, kernels = [], []
+
+  def run_layer(i, block, X, tokens, f, pinned):  # the kernels each judged run traces to: the fast path ran
+    run = lambda x: verdicts.default_run_layer(i, block, x, tokens, f, pinned)
+    kernels.append([name for name, _ in features.pallas_calls(lambda x: run(x)[0], X)])
+    return run(X)
+
+  out = verdicts.layer_verdicts(m, ids, cfg, run_layer=run_layer, log=lines.append, only={1})
   print("\n".join(lines))
   assert [v.layer for v in out] == [1] and all(v.passed for v in out), lines
   assert all(v.reference_bf16_nmse > 1e-9 and v.bound <= verdicts.ABS_CAP for v in out)
+  layer = ["mla_stream_fast_exp", "moe_gate_up_persistent", "moe_down_persistent", "moe_combine"]
+  assert kernels == [layer, ["indexer_scores", "indexer_radix_select", *layer]]  # pinned ids, then its own picks
 
 
 def test_teacher_forced_kl_is_relative_to_the_bf16_reference_and_fails_a_planted_bug(tiny):

@@ -96,6 +96,19 @@ def test_gate_up_wgmma_several_items_per_expert(rng):
     assert int(aligned_items(r, t.block_m).count[0]) == items
 
 
+def test_gate_up_wgmma_keeps_a_nan_weight(rng):
+  # A NaN in expert 2's W1 makes every h row of expert 2 NaN and leaves the others finite. Compiled, a min clamp of
+  # the gate returned L for a NaN and hid it; the clamp is a select (gate_up.clamped_swiglu).
+  x, w1, w3, ids = problem(rng, 40, 2, inter=64)
+  r = routing.route(ids, E, 32)
+  h = gate_up_wgmma(x, w1.at[2, :, 0].set(jnp.nan), w3, r, swiglu_limit=LIMIT, tiling=Tiling(wg_rows=64, block_n=64),
+                    num_sms=4, interpret=interpret())
+  assert_no_races(h)
+  h, lo, hi, n = np.asarray(h, np.float32), int(r.group_offsets[2]), int(r.group_offsets[3]), int(r.num_rows[0])
+  assert hi > lo and np.isnan(h[lo:hi]).all()
+  assert np.isfinite(np.delete(h[:n], np.s_[lo:hi], axis=0)).all()
+
+
 @pytest.mark.parametrize("block_m", [16, 128])
 def test_aligned_items_cover_each_row_once(rng, block_m):
   x, _, _, ids = problem(rng, 70, 3, mask_every=5, empty=(2,))
