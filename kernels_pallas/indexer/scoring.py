@@ -89,7 +89,8 @@ def _kernel(q_start_ref, q_ref, w_ref, k_ref, o_ref, *, T: int, R: int, n_heads:
       c0 = h * c if c_pad != c else pl.multiple_of(h * c, c)
       qt = plt.load(q_ref.at[pl.ds(q0, block_q), pl.ds(c0, c_pad)], mask=qm, other=0)
       wt = plt.load(w_ref.at[pl.ds(q0, block_q), pl.ds(h, 1)], mask=qmask[:, None], other=0)
-      return acc + wt * jnp.maximum(dot_nt(qt, kt), 0.0)
+      qk = dot_nt(qt, kt)
+      return acc + wt * jnp.where(qk < 0, 0.0, qk)  # relu as a select: compiled, a max turns NaN into 0
 
     acc = jax.lax.fori_loop(0, n_heads, head, jnp.zeros((block_q, block_r), F32))
     limit = jax.lax.div(qs + rows + 1, ratio)  # per query: rows < limit are visible

@@ -44,6 +44,19 @@ def test_scores_match_reference_f32(T, Hi, c, R, q_start, bq, br):
   np.testing.assert_array_equal(np.isfinite(np.asarray(got)), np.asarray(vis))
 
 
+def test_a_nan_key_makes_its_scores_nan():
+  """A NaN in key row 5 makes every score of row 5 NaN, as in the reference, and no other. Compiled, a relu written
+  as max(q·k, 0) turned the NaN into 0: a corrupt key would have been scored (and maybe picked) silently."""
+  T, Hi, c, R = 40, 3, 32, 50
+  q, w, keys = make_inputs(3, T, Hi, c, R)
+  keys = keys.at[5, 7].set(jnp.nan)
+  got = np.asarray(scores(q, w, keys, q_start=400, config=cfg(16, 32), interpret=INTERPRET))
+  want = np.asarray(scores_reference(q, w, keys, q_start=400))
+  assert np.isnan(want[:, 5]).all() and np.isnan(got[:, 5]).all()
+  others = np.delete(np.arange(R), 5)
+  assert_scores_close(got[:, others], want[:, others])
+
+
 def test_scores_ratio_and_bf16_queries():
   """ratio 2 and bf16 inputs with f32 dots: exact products of the bf16 values (reference upcasts the same)."""
   T, Hi, c, R = 33, 3, 32, 30
