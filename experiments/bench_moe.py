@@ -41,15 +41,19 @@ _ONLY = flags.DEFINE_list("only", [], "Run only the contenders whose names start
 ABLATIONS = {"moe_adaptive_tile off": dict(adaptive_tile=False), "moe_compact_queue off": dict(compact_queue=False),
              "moe_persistent on": dict(persistent=True), "moe_fused_combine off": dict(fused_combine=False)}
 # The sm_90 Mosaic GPU gate/up (gate_up_wgmma.py) at a few tilings, on separate W1/W3 stacks or on one interleaved
-# stack ("_i": one wgmma per step for both; the interleaved copy is made before timing, as torch's w13 is). It runs
-# where a Hopper GPU is (not in --smoke).
+# stack ("_i": one wgmma per step for both; the interleaved copy is made before timing, as torch's w13 is), and
+# "_t": that stack stored step by step (tile_by_step: each step's weight box one contiguous 16 KB, where a strided box
+# reads 128 pieces of 128 bytes; made before timing too). It runs where a Hopper GPU is (not in --smoke).
 _T = gate_up_wgmma.Tiling
-WGMMA_TILINGS = {
-    "w128_n64_s4": (_T(wg_rows=128, block_n=64), False),
-    "w128_n64_s4_i": (_T(wg_rows=128, block_n=64), True),
-    "w128_n64_s4_i_c2": (_T(wg_rows=128, block_n=64, cluster=2), True),
-    "w64_n128_s4_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty=False, cluster=2), False),
+WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
+    "w128_n64_s4": (_T(wg_rows=128, block_n=64), False, False),
+    "w128_n64_s4_i": (_T(wg_rows=128, block_n=64), True, False),
+    "w128_n64_s4_i_t": (_T(wg_rows=128, block_n=64), True, True),
+    "w128_n64_s4_i_c2": (_T(wg_rows=128, block_n=64, cluster=2), True, False),
+    "w128_n64_s4_i_t_c2": (_T(wg_rows=128, block_n=64, cluster=2), True, True),
+    "w64_n128_s4_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty=False, cluster=2), False, False),
 }
+
 # Also measured and dropped (fab9549): w64_n128 interleaved, one m64n256 wgmma per warpgroup as torch's 128x256
 # tile (8192 tokens: 4.6-5.3 ms against 3.6-3.9 for w128_n64).
 # The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, one projection each, the decoded tile as
@@ -78,6 +82,16 @@ WGMMA_DOWN_TILINGS = {
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
+
+
+def wgmma_weights(tiling: str, w1, w3) -> tuple:
+  """(w1, w3) in the layout of the WGMMA_TILINGS entry `tiling` (copies made before timing, as weights stationary)."""
+  t, interleaved, step_tiled = WGMMA_TILINGS[tiling]
+  ws = (jax.jit(gate_up_wgmma.interleave, static_argnums=2)(w1, w3, t.block_n), None) if interleaved else (w1, w3)
+  if step_tiled:
+    ws = tuple(w if w is None else jax.jit(gate_up_wgmma.tile_by_step, static_argnums=(1, 2))(
+        w, t.block_n * (1 + interleaved), t.block_k) for w in ws)
+  return ws
 
 
 def route_ids(key, S, E, K, kind):
@@ -179,12 +193,11 @@ def main(argv):
       measure("ours_rocmfp2_mix decode kernel + bf16 gate_up", lambda x, a, b, r: gu(x, dq(a), dq(b), r), x, q1, q3, r)
       if not _SMOKE.value and jax.default_backend() == "gpu":
         h_triton = jax.jit(gu)(x, w1, w3, r)
-        for tname, (t, interleaved) in WGMMA_TILINGS.items():
+        for tname, (t, _, _) in WGMMA_TILINGS.items():
           name = f"ours_wgmma_bf16_gate_up {tname}"
           if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
             continue
-          ws = (jax.jit(gate_up_wgmma.interleave, static_argnums=2)(w1, w3, t.block_n), None) if interleaved \
-              else (w1, w3)
+          ws = wgmma_weights(tname, w1, w3)
           gw = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
           try:  # parity against our Triton gate/up on the valid rows (both bf16 h, f32 accumulation)
             rows = int(r.num_rows[0])

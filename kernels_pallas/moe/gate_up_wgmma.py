@@ -361,10 +361,12 @@ def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: 
 
 
 def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
-            max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool, planes_out: bool):
+            max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool, planes_out: bool,
+            step_tiled: bool = False):
   """x_g is x_sorted [rows, D] (bf16 weights) or its planes [4, rows, D/4] (FP2-MIX). refs: the weight arrays
   (w1, w3 | w13 | codes, meta, levels, zero_flagged of W1 then of W3), then h. With `planes_out` the code and meta
-  arrays come as [E, I/4, 4, ·] and h as planes [4, rows, I/4]: N tile j holds the rows 4i + q of plane q."""
+  arrays come as [E, I/4, 4, ·] and h as planes [4, rows, I/4]: N tile j holds the rows 4i + q of plane q. With
+  `step_tiled` the dense weights come as tile_by_step's [E, N tiles, steps · rows, block_k]."""
   *w_gs, h_g = refs
   if mix:
     stacks = [w_gs[:4], w_gs[4:]]
@@ -388,7 +390,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                                 delay_release=delay)
     w_specs = [code_spec, meta_spec] * 2
   else:
-    w_specs = [plgpu.BlockSpec((w_rows, bk), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM,
+    at_k = (lambda k: (k, 0)) if step_tiled else (lambda k: (0, k))
+    w_specs = [plgpu.BlockSpec((w_rows, bk), at_k, transforms=tiles, memory_space=plgpu.SMEM,
                                delay_release=delay)] * n_w
 
   def pipeline(body, compute_context):
@@ -408,6 +411,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
     cols = pl.ds(first_col // t.block_n * w_rows, w_rows)  # an interleaved stack's tile has both projections
     x = x_g.at[:, pl.ds(x_start, t.block_m)] if mix else x_g.at[pl.ds(x_start, t.block_m)]
     at = (lambda a: a.at[e, cols, q]) if planes_out else (lambda a: a.at[e, cols])
+    if step_tiled:  # the N tile's steps, one after the other
+      at = lambda a: a.at[e, first_col // t.block_n]
     ws = [at(a) for c, m, _, _ in stacks for a in (c, m)] if mix else [at(w) for w in w_gs]
     return [x] + ws
 
@@ -581,10 +586,22 @@ def interleave(w1, w3, block_n: int) -> jax.Array:
                    axis=2).reshape(E, 2 * I, D)
 
 
+def tile_by_step(w, rows: int, block_k: int) -> jax.Array:
+  """Dense weights [E, N, D] (or interleave's [E, 2I, D]) → [E, N/rows, (D/block_k)·rows, block_k]: the (rows, block_k)
+  box of N tile j and K step k is one contiguous run at [e, j, k·rows : (k+1)·rows]. A strided box reads `rows`
+  separate 2·block_k-byte pieces of HBM, 2·D bytes apart. Made once per weights (a copy)."""
+  E, N, D = w.shape
+  if N % rows or D % block_k:
+    raise ValueError(f"weights {tuple(w.shape)} do not split into ({rows}, {block_k}) boxes")
+  return w.reshape(E, N // rows, rows, D // block_k, block_k).transpose(0, 1, 3, 2, 4).reshape(
+      E, N // rows, D // block_k * rows, block_k)
+
+
 def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling = Tiling(), num_sms: int = 132,
                   rows_sorted: bool = False, planes_rows: int | None = None, interpret=None) -> jax.Array:
   """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up. w1/w3: dense [E, I, D]; or
-  w3=None and w1 = interleave(w1, w3, tiling.block_n); or two FP2-MIX `MixStack`s (decoded in the kernel, the
+  w3=None and w1 = interleave(w1, w3, tiling.block_n); either also as tile_by_step(·, its box rows, block_k) (each
+  step's box contiguous); or two FP2-MIX `MixStack`s (decoded in the kernel, the
   canonical decode's bits). x [S, D], or with `rows_sorted` already sorted_rows(x, r, tiling.block_m) (dense
   weights; to time the kernel without the gather). With `planes_rows` (FP2-MIX, I a multiple of 4 · block_n) h
   comes as the down's planes, [4, planes_rows, I/4] with plane q column i = h column 4i + q (down_wgmma.row_planes
@@ -622,10 +639,19 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if t.profile_regions not in ("steps", "units"):
     raise ValueError(f"profile_regions must be 'steps' or 'units', got {t.profile_regions!r}")
   D = x.shape[1]
-  E, I, Dw = w1.shape
+  step_tiled = not mix and w1.ndim == 4  # tile_by_step's layout
+  w_rows = t.block_n * (2 if w3 is None else 1)
+  if step_tiled:
+    want = (w1.shape[0], w1.shape[1], D // t.block_k * w_rows, t.block_k)
+    if D % t.block_k or tuple(w1.shape) != want or (w3 is not None and tuple(w3.shape) != want):
+      raise ValueError(f"step-tiled w1 {tuple(w1.shape)} / w3 {None if w3 is None else tuple(w3.shape)} must be "
+                       f"tile_by_step(w, {w_rows}, {t.block_k}) of [E, N, {D}]: {want}")
+    E, I, Dw = w1.shape[0], w1.shape[1] * w_rows, D
+  else:
+    E, I, Dw = w1.shape
   if w3 is None:
     I //= 2
-  if Dw != D or (w3 is not None and tuple(w3.shape) != tuple(w1.shape)):
+  if Dw != D or (w3 is not None and tuple(w3.shape) != tuple(w1.shape)):  # (a step-tiled shape passed above)
     raise ValueError(f"w1 {tuple(w1.shape)} / w3 {None if w3 is None else tuple(w3.shape)} must be [E, I, D] "
                      f"(or w1 an interleaved [E, 2I, D] and w3 None) with D = {D}")
   if D % t.block_k or I % (t.block_n * t.cluster):
@@ -642,7 +668,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   kernel = plgpu.kernel(
       functools.partial(_kernel, t=t, limit=float(swiglu_limit), max_items=items.expert.shape[0],
                         n_tiles=I // t.block_n, d=D, mix=mix, lhs_in_smem=interpret not in (None, False),
-                        planes_out=planes_out),
+                        planes_out=planes_out, step_tiled=step_tiled),
       out_type=jax.ShapeDtypeStruct(out_shape, x.dtype), grid=(num_sms // t.cluster,), grid_names=("sm",),
       cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,

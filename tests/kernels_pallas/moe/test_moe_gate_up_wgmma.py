@@ -28,7 +28,7 @@ from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
 from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
                                               gate_up_wgmma, gather_planes, interleave, mix_stack, padded_rows,
-                                              prmt_selectors, sorted_planes, sorted_rows)
+                                              prmt_selectors, sorted_planes, sorted_rows, tile_by_step)
 
 ON_GPU = jax.default_backend() == "gpu"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
@@ -60,9 +60,11 @@ def problem(rng, S, K, *, mask_every=0, empty=(), inter=I, d=D):
   return x, w1, w3, jnp.asarray(ids)
 
 
-def check(x, w1, w3, ids, t: Tiling, num_sms: int, interleaved=False):
+def check(x, w1, w3, ids, t: Tiling, num_sms: int, interleaved=False, step_tiled=False):
   r = routing.route(ids, E, 32)  # the kernel builds its own work list; the routing's row tile does not matter
   ws = (interleave(w1, w3, t.block_n), None) if interleaved else (w1, w3)
+  if step_tiled:
+    ws = tuple(w if w is None else tile_by_step(w, t.block_n * (1 + interleaved), t.block_k) for w in ws)
   h = gate_up_wgmma(x, *ws, r, swiglu_limit=LIMIT, tiling=t, num_sms=num_sms, interpret=interpret())
   assert_no_races(h)
   ref = gate_up.gate_up_reference(x, w1, w3, r, swiglu_limit=LIMIT)
@@ -94,6 +96,19 @@ def test_gate_up_wgmma_several_items_per_expert(rng):
                    (Tiling(wg_rows=128, block_n=64, stages=2), E)):
     r = check(x, w1, w3, ids, t, num_sms=6)
     assert int(aligned_items(r, t.block_m).count[0]) == items
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gate_up_wgmma_reads_step_tiled_weights(rng, interleaved):
+  # tile_by_step's layout: each step's W box one contiguous run. The same h as the reference; a wrong layout refused.
+  x, w1, w3, ids = problem(rng, 80, 3, mask_every=7)
+  t = Tiling(wg_rows=64, block_n=64, block_k=64, stages=2)
+  check(x, w1, w3, ids, t, num_sms=4, interleaved=interleaved, step_tiled=True)
+  tiled = tile_by_step(w1, 64, 64)
+  assert tiled.shape == (E, I // 64, D // 64 * 64, 64) and (tiled[3, 2, 64 + 5] == w1[3, 2 * 64 + 5, 64:128]).all()
+  with pytest.raises(ValueError, match="step-tiled w1"):
+    gate_up_wgmma(x, tile_by_step(w1, 32, 64), tile_by_step(w3, 32, 64), routing.route(ids, E, 32),
+                  swiglu_limit=LIMIT, tiling=t, interpret=interpret())
 
 
 def test_gate_up_wgmma_keeps_a_nan_weight(rng):
@@ -150,7 +165,8 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
 
 @pytest.mark.parametrize("wg_rows,block_n,cluster,weights", [(128, 64, 1, "dense"), (64, 128, 2, "dense"),
                                                              (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
-                                                             (128, 64, 1, "mix planes")])
+                                                             (128, 64, 1, "mix planes"),
+                                                             (128, 64, 1, "interleaved step-tiled")])
 def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
@@ -162,6 +178,8 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
     ws = (stack, stack)
   elif weights == "interleaved":
     ws = (jax.ShapeDtypeStruct((E_, 2 * I_, D_), jnp.bfloat16), None)
+  elif weights == "interleaved step-tiled":
+    ws = (jax.ShapeDtypeStruct((E_, I_ // block_n, D_ // 64 * 2 * block_n, 64), jnp.bfloat16), None)
   else:
     ws = (jax.ShapeDtypeStruct((E_, I_, D_), jnp.bfloat16),) * 2
   r = jax.eval_shape(lambda i: routing.route(i, E_, 128), jax.ShapeDtypeStruct((S, K), jnp.int32))
