@@ -73,6 +73,16 @@ def main(argv):
     sys.exit(f"generate: {e}")
 
 
+def _stop_ids(cfg) -> set[int]:
+  """--stop_ids checked against the vocabulary (before any weights are read); by default the EOS id."""
+  if _STOP.value is None:
+    return {cfg.eos_token_id}
+  try:
+    return set(model.check_tokens([int(t) for t in _STOP.value], cfg).tolist()) if _STOP.value else set()
+  except ValueError as e:
+    raise UsageError(f"--stop_ids: {e}") from None
+
+
 def run() -> dict:
   if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
     raise UsageError("give exactly one of --prompt and --prompt_ids")
@@ -88,20 +98,18 @@ def run() -> dict:
       cfg = config.DeepseekV4Config.from_hf_config(_CHECKPOINT.value)
       ds4_flags.check_mesh("generate", mesh_spec, cfg)
       ds4_flags.check_model_features("generate", cfg, flags.FLAGS.quant_policy, feats)
+      _stop_ids(cfg)
     m = mapping.load_checkpoint(_CHECKPOINT.value, dtype=dtype, policy=flags.FLAGS.quant_policy, log=None,
                                 mesh=mesh_spec)
   else:
     cfg = config.preset(_PRESET.value)
     ds4_flags.check_mesh("generate", mesh_spec, cfg)  # before drawing the weights
     ds4_flags.check_model_features("generate", cfg, flags.FLAGS.quant_policy, feats)
+    _stop_ids(cfg)
     m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=mesh_spec)
   ids = (np.asarray(tok.encode(_PROMPT.value).ids) if tok else np.asarray([int(x) for x in _PROMPT_IDS.value]))
   n = _NEW.value
-  try:
-    stop = set(model.check_tokens([int(t) for t in _STOP.value], m.cfg).tolist()) if _STOP.value else set()
-  except ValueError as e:
-    raise UsageError(f"--stop_ids: {e}") from None
-  stop = {m.cfg.eos_token_id} if _STOP.value is None else stop
+  stop = _stop_ids(m.cfg)
   room = m.cfg.max_position_embeddings - len(ids) - (decode.MAX_VERIFY if _SPECULATE.value else 1)
   if not 0 < n <= room:
     raise UsageError(f"--max_new_tokens={n}: the prompt of {len(ids)} tokens leaves room for 1..{room} "

@@ -61,3 +61,5 @@ def test_a_checkpoint_the_switches_cannot_take_is_refused_before_its_weights(tmp
   p = generate(f"--checkpoint={tmp_path}", "--prompt_ids=7,8", "--max_new_tokens=2", "--bf16_matmul",
                "--moe_sparse_gate_up", "--moe_wgmma_gate_up")
   assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("generate: --moe_wgmma_gate_up ")
+  p = generate(f"--checkpoint={tmp_path}", "--prompt_ids=7,8", "--max_new_tokens=2", "--stop_ids=x")
+  assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("generate: --stop_ids: invalid literal")
