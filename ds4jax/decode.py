@@ -342,7 +342,7 @@ def speculate(m: model_lib.DeepseekV4, state: State, context: Sequence[int], n_n
       if progress:
         progress(min(len(out), n_new), bands, drafted, accepted)
       break
-    draft = list(drafter(index.tokens, q - 1) if drafter else index.draft(q - 1))[:q - 1]
+    draft = [int(t) for t in (drafter(index.tokens, q - 1) if drafter else index.draft(q - 1))][:q - 1]
     v = verify(m, state, [pending] + draft)
     if not v.accepted:  # pending is argmax(state.logits), as verify chooses it: a rejection is a bug, not a tie
       raise RuntimeError(f"verification rejected the pending token {pending} at length {state.length}")

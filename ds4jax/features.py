@@ -413,6 +413,14 @@ def traced_eqns(fn, *args) -> list:
   return found
 
 
+def float_min_max(fn, *args) -> list[str]:
+  """The min / max / clamp on floating values that `fn(*args)` traces to. Compiled in a Pallas kernel (Triton,
+  Mosaic GPU) they return the other operand for a NaN, where XLA and the interpreter keep the NaN: a kernel written
+  with them hides a NaN on the GPU alone, so its clamps are selects, and tests see these on the CPU."""
+  return [e.primitive.name for e in traced_eqns(fn, *args) if e.primitive.name in ("max", "min", "clamp")
+          and any(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in e.outvars)]
+
+
 def pallas_calls(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
   """(name, grid) of every Pallas kernel that `fn(*args)` would run, in order: how tests see which path ran. A
   Mosaic GPU kernel (`plgpu.kernel`) traces to an mpmd_map over its mesh, whose grid is its programs."""

@@ -147,10 +147,12 @@ def run() -> dict:
     extra["same_as_greedy"] = bool(np.array_equal(out, decode.greedy(m, state, n, stop=stop)))
   text = tok.decode(out.tolist()) if tok else " ".join(map(str, out.tolist()))
   print(text)
-  if len(out) < n:
-    print(f"stopped by token id {out[-1]} (--stop_ids) after {len(out)} of {n} tokens")
+  stopped = int(out[-1]) in stop
+  if stopped:
+    print(f"stopped by token id {out[-1]} ({'--stop_ids' if _STOP.value else 'the EOS id'}) after {len(out)} of {n} "
+          "tokens")
   result = dict(env=run_record.environment(), model=m.cfg.name, checkpoint=_CHECKPOINT.value,
-                prompt_tokens=len(ids), new_tokens=len(out), stop_ids=sorted(stop), stopped=len(out) < n,
+                prompt_tokens=len(ids), new_tokens=len(out), stop_ids=sorted(stop), stopped=stopped,
                 tokens=out.tolist(), speculate=_SPECULATE.value, features=feats.to_dict(), mesh=mesh_lib.spec_of(m),
                 cache_dtype=_CACHE_DTYPE.value,
                 prefill_tok_per_s=len(ids) / prefill_s, decode_tok_per_s=len(out) / decode_s, **extra)

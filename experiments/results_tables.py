@@ -226,8 +226,9 @@ def _qualification(path: str, doc: dict) -> tuple[dict, dict[str, pd.DataFrame]]
   rows.sort(key=lambda r: (r["length"], _matrix_order(r["config"]), r["config"]))
   heads, layer_rows, seen = [], [], set()
   # lengths sharing a verdict prefix share the verdict: one row each; then the verdicts saved before any timing
-  # (a planted bug's, or a configuration whose timing was cut)
-  for v in [r["verdict"] | dict(config=r["config"]) for r in recs if r.get("verdict")] + doc.get("verdicts", []):
+  # (a planted bug's, or a configuration whose timing was cut), newest first, as the qualification takes them
+  saved = list(reversed(doc.get("verdicts", [])))
+  for v in [r["verdict"] | dict(config=r["config"]) for r in recs if r.get("verdict")] + saved:
     if (v["config"], v["tokens"]) not in seen:
       seen.add((v["config"], v["tokens"]))
       head, layers = _verdict_rows(v)

@@ -292,6 +292,8 @@ def test_a_stop_token_ends_greedy_and_speculative_decoding(tiny, sequential):
   for at in (4, 5):
     spec = decode.speculate(tiny, states[PROMPT], tokens[:PROMPT], 8, drafter=oracle, stop={want[at]})
     assert spec.tokens.tolist() == want[:at + 1], at
+  jax_ints = lambda context, k: [jnp.int32(t) for t in oracle(context, k)]  # a drafter's tokens need not hash
+  assert decode.speculate(tiny, states[PROMPT], tokens[:PROMPT], 8, drafter=jax_ints, stop={-5}).tokens.tolist() == want
   assert decode.greedy(tiny, states[PROMPT], 8, stop={-5}).tolist() == want  # never chosen: all 8
 
 

@@ -173,6 +173,17 @@ def test_prefill_traces_are_read():
   assert long.tok_s.notna().all() and long.device_ms.isna().all()
 
 
+def test_the_newest_saved_verdict_is_shown(tmp_path):
+  """A configuration judged twice with no timing record (one call cut, another on other code): the table shows the
+  newest verdict, as the qualification takes it, not the first one saved."""
+  doc = raw("qual_v4flash_h200_verdict_bands_a4dbb65.json")
+  older = dict(doc["verdicts"][0], result="FAIL", band_tokens=0)
+  doc["verdicts"].insert(0, older)
+  (tmp_path / "q.json").write_text(json.dumps(doc))
+  v = rt.load(tmp_path / "q.json", expect="qualification").frames["verdicts"].set_index("config")
+  assert len(v) == 3 and (v.loc["all_on", "result"], v.loc["all_on", "band_tokens"]) == ("PASS", 2048)
+
+
 def test_a_failed_trace_run_keeps_its_error(tmp_path):
   doc = dict(date="2026-12-01", device_kind="NVIDIA H200", git_commit="abc", variants={"flags": ["bf16_matmul"]},
              what="prefill device time by kernel (experiments/trace_prefill.py)", preset="v4_flash",

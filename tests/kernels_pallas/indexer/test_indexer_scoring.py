@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.mla.reference import visible_rows
-from ds4jax.features import pallas_calls
+from ds4jax.features import float_min_max, pallas_calls
 from kernels_pallas.indexer import Config, lowering_cases, scores, scores_reference
 from indexer_inputs import INTERPRET, make_inputs
 
@@ -49,8 +49,10 @@ def test_a_nan_key_makes_its_scores_nan():
   as max(q·k, 0) turned the NaN into 0: a corrupt key would have been scored (and maybe picked) silently."""
   T, Hi, c, R = 40, 3, 32, 50
   q, w, keys = make_inputs(3, T, Hi, c, R)
+  run = lambda q, w, keys: scores(q, w, keys, q_start=400, config=cfg(16, 32), interpret=INTERPRET)
+  assert not float_min_max(run, q, w, keys)  # they keep a NaN in the interpreter, not compiled
+  got = np.asarray(run(q, w, keys.at[5, 7].set(jnp.nan)))
   keys = keys.at[5, 7].set(jnp.nan)
-  got = np.asarray(scores(q, w, keys, q_start=400, config=cfg(16, 32), interpret=INTERPRET))
   want = np.asarray(scores_reference(q, w, keys, q_start=400))
   assert np.isnan(want[:, 5]).all() and np.isnan(got[:, 5]).all()
   others = np.delete(np.arange(R), 5)
