@@ -98,11 +98,11 @@ def test_gate_up_wgmma_several_items_per_expert(rng):
     assert int(aligned_items(r, t.block_m).count[0]) == items
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_gate_up_wgmma_reads_step_tiled_weights(rng, interleaved):
+@pytest.mark.parametrize("interleaved,cluster,order", [(False, 1, "n"), (True, 2, "item")])
+def test_gate_up_wgmma_reads_step_tiled_weights(rng, interleaved, cluster, order):
   # tile_by_step's layout: each step's W box one contiguous run. The same h as the reference; a wrong layout refused.
   x, w1, w3, ids = problem(rng, 80, 3, mask_every=7)
-  t = Tiling(wg_rows=64, block_n=64, block_k=64, stages=2)
+  t = Tiling(wg_rows=64, block_n=64, block_k=64, stages=2, cluster=cluster, tile_order=order)
   check(x, w1, w3, ids, t, num_sms=4, interleaved=interleaved, step_tiled=True)
   tiled = tile_by_step(w1, 64, 64)
   assert tiled.shape == (E, I // 64, D // 64 * 64, 64) and (tiled[3, 2, 64 + 5] == w1[3, 2 * 64 + 5, 64:128]).all()
