@@ -52,6 +52,10 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
     "w128_n64_s4_i_c2": (_T(wg_rows=128, block_n=64, cluster=2), True, False),
     "w128_n64_s4_i_t_c2": (_T(wg_rows=128, block_n=64, cluster=2), True, True),
     "w64_n128_s4_noskip_c2": (_T(wg_rows=64, block_n=128, skip_empty=False, cluster=2), False, False),
+    # "_x": separate rings for x (x_stages slots) and the weights (stages slots), wgmmas in flight one step (session 40
+    # probe, presorted rows: w64_n128 10.7 ms at 32768 tokens uniform, against 11.8 for w128_n64_s4_i)
+    "w128_n64_i_t_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), True, True),
+    "w64_n128_i_t_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), True, True),
 }
 
 # Also measured and dropped (fab9549): w64_n128 interleaved, one m64n256 wgmma per warpgroup as torch's 128x256

@@ -19,6 +19,8 @@ skips a block that holds no row of the expert (at 8192 tokens an expert has ~192
 Each SM loops over (item, N tile) units. With `tile_order` "n" the SMs running together cover all N tiles of a few
 items: each x tile is read from HBM once, and an expert's items run together, so its weight tiles are too.
 The store of a variable number of rows is a few power-of-two TMA copies.
+With `Tiling.x_stages` (bf16 weights) the loop is `_ring_kernel`'s instead of emit_pipeline_warp_specialized's: x
+and the weights get rings of their own, and the weight copies (from HBM, the slower stream) run ahead of x's (L2).
 
 FP2-MIX weights (`MixStack`: the storage's code and meta bytes as they are; gate/up's format in lucebox_mix): warpgroup
 0 computes W1's tile and warpgroup 1 W3's, each for the whole row tile. The TMA warpgroup copies each K step's code
@@ -95,7 +97,9 @@ class Tiling:
   mma_in_flight 1 there leaves a step's wgmmas running into the next step (whose decode may then overlap them),
   which makes ptxas serialize every wgmma (C7511); 0 waits at the end of each step. profile_regions: what the
   regions Mosaic GPU's profiler records are (experiments/profile_moe.py; nothing without the profiler): "steps"
-  (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit)."""
+  (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit).
+  x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
+  x_stages slots and the weights `stages` slots, the weight copies running stages − x_stages steps ahead."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -107,6 +111,7 @@ class Tiling:
   mma_rows: int = 64
   producer_registers: int = 40
   profile_regions: str = "steps"
+  x_stages: int = 0
 
   @property
   def block_m(self) -> int:
@@ -578,6 +583,134 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
+                 n_tiles: int, d: int, step_tiled: bool, interpret: bool):
+  """The bf16 gate/up over two rings of shared-memory slots, one for x tiles and one for weight tiles, where _kernel
+  has one ring of (x, W) slots. The weights stream from HBM and x from L2, and the weight stream was the slower
+  (BENCHMARKS.md, session 40), so the copy warpgroup issues step g's weight copies with step g − lag's x copies,
+  lag = stages − x_stages: more weight bytes in flight for the same shared memory. One persistent loop over all
+  of this SM's (item, N tile) units: the next unit's copies go out under this unit's last steps and epilogue.
+  With mma_in_flight a step's wgmmas run on until the next step's are issued; its slots are released one step
+  late. A unit's non-empty 64-row blocks are a prefix of its blocks (an item's rows start at most 7 rows into its
+  tile), so each count runs its own loop with a static wait and no branch around a wgmma: with such a branch
+  ptxas serializes every wgmma (C7511)."""
+  *w_gs, h_g = refs
+  n_w, fused = len(w_gs), len(w_gs) == 1
+  w_rows, bk, sx, sw = (2 if fused else 1) * t.block_n, t.block_k, t.x_stages, t.stages
+  steps, lag = d // bk, t.stages - t.x_stages
+  swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
+  tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
+  blocks = range(t.wg_rows // WGMMA_M)
+  scratch = dict(x_s=plgpu.SMEM((sx, t.block_m, bk), x_g.dtype, transforms=tiles),
+                 w_s=[plgpu.SMEM((sw, w_rows, bk), x_g.dtype, transforms=tiles) for _ in w_gs],
+                 out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype),
+                 x_full=plgpu.Barrier(num_arrivals=1, num_barriers=sx),
+                 x_free=plgpu.Barrier(num_arrivals=2, num_barriers=sx),
+                 w_full=plgpu.Barrier(num_arrivals=n_w, num_barriers=sw),
+                 w_free=plgpu.Barrier(num_arrivals=2, num_barriers=sw))
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
+  def _scope(x_s, w_s, out_smem, x_full, x_free, w_full, w_free):
+    wg, sm, num_sms = lax.axis_index("wg"), lax.axis_index("sm"), lax.axis_size("sm")
+    local_units = jnp.maximum(num_items[0] * n_tiles - sm + num_sms - 1, 0) // num_sms  # as plgpu.nd_loop deals
+    local_steps = local_units * steps
+
+    def unit_of(g):  # (item, N tile, K step) of this SM's step g
+      u = sm + num_sms * (g // steps)
+      return u // n_tiles, u % n_tiles, g % steps
+
+    @pl.when(wg == 2)
+    def _():
+      if not interpret:
+        plgpu.set_max_registers(t.producer_registers, action="decrease")
+
+      @pl.loop(0, local_steps + lag)
+      def _(g):
+        @pl.when(g < local_steps)
+        def _():
+          i, j, k = unit_of(g)
+          e, s = item_expert[i], g % sw
+          plgpu.barrier_wait(w_free.at[s])
+          for w_g, ring in zip(w_gs, w_s):
+            src = (w_g.at[e, j, pl.ds(k * w_rows, w_rows)] if step_tiled
+                   else w_g.at[e, pl.ds(j * w_rows, w_rows), pl.ds(k * bk, bk)])
+            plgpu.copy_gmem_to_smem(src, ring.at[s], w_full.at[s])
+
+        @pl.when(g >= lag)
+        def _():
+          i, _, k = unit_of(g - lag)
+          s = (g - lag) % sx
+          plgpu.barrier_wait(x_free.at[s])
+          x_start = pl.multiple_of(item_x_start[i], ROW_ALIGN)
+          plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s])
+
+      for s in range(sw):  # the consumers' last releases
+        plgpu.barrier_wait(w_free.at[s])
+      for s in range(sx):
+        plgpu.barrier_wait(x_free.at[s])
+
+    @pl.when(wg < 2)
+    def _():
+      if not interpret:
+        plgpu.set_max_registers(232, action="increase")
+      for s in range(sw):
+        plgpu.barrier_arrive(w_free.at[s])
+      for s in range(sx):
+        plgpu.barrier_arrive(x_free.at[s])
+
+      def release(g):
+        plgpu.barrier_arrive(w_free.at[g % sw])
+        plgpu.barrier_arrive(x_free.at[g % sx])
+
+      @pl.loop(0, local_units)
+      def _(u):
+        i, j, _ = unit_of(u * steps)
+        x_start, lo, end = pl.multiple_of(item_x_start[i], ROW_ALIGN), item_lo[i], item_end[i]
+        wg_first = x_start + wg * t.wg_rows
+
+        def rows_in(first_row, n):  # (first stored row, count) of rows [first_row, first_row + n)
+          first = jnp.maximum(first_row, lo)
+          return first, jnp.clip(jnp.minimum(first_row + n, end) - first, 0, n)
+
+        nonempty = sum((rows_in(wg_first + b * WGMMA_M, WGMMA_M)[1] > 0).astype(I32) for b in blocks)
+
+        @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((WGMMA_M, w_rows), F32) for _ in w_gs] for _ in blocks])
+        def _acc(accs):
+          for nb in range(len(blocks) + 1) if t.skip_empty else (len(blocks),):
+            @pl.when((nonempty == nb) if t.skip_empty else True)
+            def _(nb=nb):
+              @pl.loop(0, steps)
+              def _(k):
+                g = u * steps + k
+                plgpu.barrier_wait(w_full.at[g % sw])
+                plgpu.barrier_wait(x_full.at[g % sx])
+                for b in range(nb):
+                  row0 = pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M)
+                  for acc, ring in zip(accs[b], w_s):
+                    plgpu.wgmma(acc, x_s.at[g % sx, pl.ds(row0, WGMMA_M)], ring.at[g % sw].T)
+                if t.mma_in_flight:  # step g − 1's wgmmas are done: its slots are free
+                  plgpu.wgmma_wait(nb * n_w)
+                  pl.when(k > 0)(lambda: release(g - 1))
+                else:
+                  plgpu.wgmma_wait(0)
+                  release(g)
+
+              if t.mma_in_flight:
+                plgpu.wgmma_wait(0)
+                release(u * steps + steps - 1)
+
+          first, rows = rows_in(wg_first, t.wg_rows)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
+          for b in blocks:
+            a = [acc[...] for acc in accs[b]]
+            gate, up = (a[0][:, :t.block_n], a[0][:, t.block_n:]) if fused else a
+            out_smem[wg, pl.ds(b * WGMMA_M, WGMMA_M)] = clamped_swiglu(gate, up, limit).astype(h_g.dtype)
+          plgpu.commit_smem()
+          _store_rows(out_smem, wg, first - wg_first, h_g, first, rows, pl.ds(j * t.block_n, t.block_n), t.wg_rows)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def interleave(w1, w3, block_n: int) -> jax.Array:
   """w13 [E, 2I, D]: rows [2j·bn, (2j+1)·bn) are W1's N tile j and the next bn rows W3's, so one TMA copy and one
   wgmma cover both projections of a tile."""
@@ -629,7 +762,11 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if mix and (t.block_n != WGMMA_M or t.block_m % t.mma_rows or t.mma_rows % WGMMA_M or t.mma_rows > 256):
     raise ValueError(f"FP2-MIX weights need block_n={WGMMA_M} and mma_rows a multiple of {WGMMA_M} up to 256 "
                      f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
-  if not mix and t.mma_in_flight and t.skip_empty and t.wg_rows > WGMMA_M:
+  if t.x_stages and (mix or t.cluster != 1 or t.tile_order != "n" or not 0 < t.x_stages <= t.stages):
+    raise ValueError(f"x_stages={t.x_stages} (separate x and weight rings) takes bf16 weights, cluster 1, tile_order "
+                     f"'n' and 0 < x_stages <= stages={t.stages}; got mix={mix}, cluster={t.cluster}, "
+                     f"tile_order={t.tile_order!r}")
+  if not mix and t.mma_in_flight and t.skip_empty and t.wg_rows > WGMMA_M and not t.x_stages:
     # a step's wait leaves its own wgmma groups in flight by a static count; a skipped block issues none, so the
     # wait would also leave the previous step's, whose slot is then released under them
     raise ValueError(f"mma_in_flight=1 with skip_empty needs wg_rows={WGMMA_M} (one block a warpgroup), got "
@@ -665,10 +802,12 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
     interpret = plgpu.InterpretGPUParams()
   items = aligned_items(r, t.block_m)
   out_shape = (PLANES, planes_rows, I // PLANES) if planes_out else (r.num_routes, I)
+  body = functools.partial(_kernel, max_items=items.expert.shape[0], mix=mix,
+                           lhs_in_smem=interpret not in (None, False), planes_out=planes_out)
+  if t.x_stages:
+    body = functools.partial(_ring_kernel, interpret=interpret not in (None, False))
   kernel = plgpu.kernel(
-      functools.partial(_kernel, t=t, limit=float(swiglu_limit), max_items=items.expert.shape[0],
-                        n_tiles=I // t.block_n, d=D, mix=mix, lhs_in_smem=interpret not in (None, False),
-                        planes_out=planes_out, step_tiled=step_tiled),
+      functools.partial(body, t=t, limit=float(swiglu_limit), n_tiles=I // t.block_n, d=D, step_tiled=step_tiled),
       out_type=jax.ShapeDtypeStruct(out_shape, x.dtype), grid=(num_sms // t.cluster,), grid_names=("sm",),
       cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,

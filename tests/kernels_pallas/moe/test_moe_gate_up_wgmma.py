@@ -5,7 +5,8 @@ sm_90 at V4-Flash shapes, offline.
 The routes cover what the work list can hold: experts with more rows than one row tile (several items each), tiles
 that start inside the previous expert's rows, 64-row blocks that hold no row of the expert (no wgmma is issued for
 them), empty experts, masked routes (−1), and fewer SMs than units (each SM loops); both unit orders, separate and
-interleaved W1/W3, clusters of one and two SMs; FP2-MIX W1/W3 decoded in the kernel, one per warpgroup.
+interleaved W1/W3, clusters of one and two SMs, separate x and weight rings; FP2-MIX W1/W3 decoded in the kernel,
+one per warpgroup.
 The interpreter's race detector is on: a missing wait between the warpgroups shows up as a race or a barrier
 error. bf16 operands, bf16 h: the tolerance is bf16's rounding of h
 (NMSE ≤ 2e-5, measured ~3e-6).
@@ -111,6 +112,27 @@ def test_gate_up_wgmma_reads_step_tiled_weights(rng, interleaved, cluster, order
                   swiglu_limit=LIMIT, tiling=t, interpret=interpret())
 
 
+@pytest.mark.parametrize("x_stages,stages,in_flight,interleaved,step_tiled", [(2, 3, 1, True, True),
+                                                                               (1, 2, 0, False, False)])
+def test_gate_up_wgmma_with_separate_x_and_weight_rings(rng, x_stages, stages, in_flight, interleaved, step_tiled):
+  # _ring_kernel. Skewed routes (expert 0 ~340 rows, the others ~50-190), so with 128-row warpgroups a warpgroup
+  # has 0, 1 or 2 non-empty 64-row blocks in an item (each count runs its own loop), and expert 0 two items. Fewer
+  # SMs than units: each SM's rings run on across units.
+  x, w1, w3, _ = problem(rng, 400, 3, inter=64)
+  p = np.array([12, 4, 3, 2, 1, 1, 1, 1]) / 25
+  ids = np.stack([rng.choice(E, 3, replace=False, p=p) for _ in range(400)]).astype(np.int32)
+  ids.reshape(-1)[8::9] = -1
+  t = Tiling(wg_rows=128, block_n=64, stages=stages, x_stages=x_stages, mma_in_flight=in_flight)
+  r = check(x, w1, w3, jnp.asarray(ids), t, num_sms=3, interleaved=interleaved, step_tiled=step_tiled)
+  items = aligned_items(r, t.block_m)
+  n = int(items.count[0])
+  rows = np.minimum(np.asarray(items.end - items.x_start)[:n, None], t.block_m) - [0, t.wg_rows]
+  assert set(np.clip(-(-rows // 64), 0, 2).ravel()) == {0, 1, 2} and n > E
+  for bad in (dict(cluster=2), dict(x_stages=stages + 1), dict(tile_order="item")):
+    with pytest.raises(ValueError, match="separate x and weight rings"):
+      gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=dataclasses.replace(t, **bad), interpret=interpret())
+
+
 def test_gate_up_wgmma_keeps_a_nan_weight(rng):
   # A NaN in expert 2's W1 makes every h row of expert 2 NaN and leaves the others finite. Compiled, a min clamp of
   # the gate returned L for a NaN and hid it; the clamp is a select (gate_up.clamped_swiglu).
@@ -168,7 +190,9 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
 @pytest.mark.parametrize("wg_rows,block_n,cluster,weights", [(128, 64, 1, "dense"), (64, 128, 2, "dense"),
                                                              (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
                                                              (128, 64, 1, "mix planes"),
-                                                             (128, 64, 1, "interleaved step-tiled")])
+                                                             (128, 64, 1, "interleaved step-tiled"),
+                                                             (128, 64, 1, "interleaved step-tiled rings"),
+                                                             (64, 128, 1, "interleaved step-tiled rings")])
 def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
@@ -180,7 +204,7 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
     ws = (stack, stack)
   elif weights == "interleaved":
     ws = (jax.ShapeDtypeStruct((E_, 2 * I_, D_), jnp.bfloat16), None)
-  elif weights == "interleaved step-tiled":
+  elif weights.startswith("interleaved step-tiled"):
     ws = (jax.ShapeDtypeStruct((E_, I_ // block_n, D_ // 64 * 2 * block_n, 64), jnp.bfloat16), None)
   else:
     ws = (jax.ShapeDtypeStruct((E_, I_, D_), jnp.bfloat16),) * 2
@@ -194,6 +218,8 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
 
   mix = weights.startswith("mix")
   t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=3 if mix else 4, mma_rows=256 if mix else 64)
+  if weights.endswith("rings"):  # the measured best rings (BENCHMARKS.md, session 40): 224 and 208 KiB
+    t = dataclasses.replace(t, x_stages=4 if wg_rows == 128 else 3, mma_in_flight=1)
   text = lower(t)
   assert "mosaic_gpu" in text and "xla.gpu.triton" in text  # the kernel and the row gather in front of it
   with pytest.raises(ValueError, match="exceeds available shared memory"):
