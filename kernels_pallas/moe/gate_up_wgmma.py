@@ -676,37 +676,41 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
 
         @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((WGMMA_M, w_rows), F32) for _ in w_gs] for _ in blocks])
         def _acc(accs):
-          for nb in range(len(blocks) + 1) if t.skip_empty else (len(blocks),):
-            @pl.when((nonempty == nb) if t.skip_empty else True)
-            def _(nb=nb):
-              @pl.loop(0, steps)
-              def _(k):
-                g = u * steps + k
-                plgpu.barrier_wait(w_full.at[g % sw])
-                plgpu.barrier_wait(x_full.at[g % sx])
-                for b in range(nb):
-                  row0 = pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M)
-                  for acc, ring in zip(accs[b], w_s):
-                    plgpu.wgmma(acc, x_s.at[g % sx, pl.ds(row0, WGMMA_M)], ring.at[g % sw].T)
-                if t.mma_in_flight:  # step g − 1's wgmmas are done: its slots are free
-                  plgpu.wgmma_wait(nb * n_w)
-                  pl.when(k > 0)(lambda: release(g - 1))
-                else:
+          with profile_region("unit", t, "units"):
+            for nb in range(len(blocks) + 1) if t.skip_empty else (len(blocks),):
+              @pl.when((nonempty == nb) if t.skip_empty else True)
+              def _(nb=nb):
+                @pl.loop(0, steps)
+                def _(k):
+                  g = u * steps + k
+                  plgpu.barrier_wait(w_full.at[g % sw])
+                  plgpu.barrier_wait(x_full.at[g % sx])
+                  with profile_region("mma", t):
+                    for b in range(nb):
+                      row0 = pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M)
+                      for acc, ring in zip(accs[b], w_s):
+                        plgpu.wgmma(acc, x_s.at[g % sx, pl.ds(row0, WGMMA_M)], ring.at[g % sw].T)
+                  with profile_region("wait", t):  # in flight: step g − 1's wgmmas are done, its slots free
+                    plgpu.wgmma_wait(nb * n_w * t.mma_in_flight)
+                  if t.mma_in_flight:
+                    pl.when(k > 0)(lambda: release(g - 1))
+                  else:
+                    release(g)
+
+                if t.mma_in_flight:
                   plgpu.wgmma_wait(0)
-                  release(g)
+                  release(u * steps + steps - 1)
 
-              if t.mma_in_flight:
-                plgpu.wgmma_wait(0)
-                release(u * steps + steps - 1)
-
-          first, rows = rows_in(wg_first, t.wg_rows)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
-          for b in blocks:
-            a = [acc[...] for acc in accs[b]]
-            gate, up = (a[0][:, :t.block_n], a[0][:, t.block_n:]) if fused else a
-            out_smem[wg, pl.ds(b * WGMMA_M, WGMMA_M)] = clamped_swiglu(gate, up, limit).astype(h_g.dtype)
-          plgpu.commit_smem()
-          _store_rows(out_smem, wg, first - wg_first, h_g, first, rows, pl.ds(j * t.block_n, t.block_n), t.wg_rows)
+            with profile_region("epilogue", t):
+              first, rows = rows_in(wg_first, t.wg_rows)
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
+              for b in blocks:
+                a = [acc[...] for acc in accs[b]]
+                gate, up = (a[0][:, :t.block_n], a[0][:, t.block_n:]) if fused else a
+                out_smem[wg, pl.ds(b * WGMMA_M, WGMMA_M)] = clamped_swiglu(gate, up, limit).astype(h_g.dtype)
+              plgpu.commit_smem()
+              _store_rows(out_smem, wg, first - wg_first, h_g, first, rows, pl.ds(j * t.block_n, t.block_n),
+                          t.wg_rows)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
