@@ -75,6 +75,48 @@ def shared_compilation_cache(tmp_path_factory):
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
 
 
+def memory_maps() -> int | None:
+  """This process's memory mappings (Linux; None elsewhere)."""
+  try:
+    with open(f"/proc/{os.getpid()}/maps", encoding="utf-8") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return None
+
+
+def map_budget() -> int:
+  """Half of the kernel's per-process limit on mappings (vm.max_map_count, 65530 by default)."""
+  try:
+    with open("/proc/sys/vm/max_map_count", encoding="utf-8") as f:
+      return int(f.read()) // 2
+  except (OSError, ValueError):
+    return 32765
+
+
+def release_compiled_programs(budget: int) -> bool:
+  """Drops jax's caches of compiled programs where this process holds more than `budget` mappings; whether it did."""
+  n = memory_maps()
+  if n is None or n <= budget:
+    return False
+  import gc  # pylint: disable=import-outside-toplevel
+
+  import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS above)
+
+  jax.clear_caches()
+  gc.collect()
+  return True
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bounded_memory_maps():
+  """After each test file, `release_compiled_programs` over half of the kernel's limit. Each compiled XLA CPU program
+  keeps ~6 mappings alive; over the whole suite in one process (plain `pytest`) they reached the limit and XLA's next
+  compile crashed (a segfault in the teacher-forced KL test, ~35% in; reproduced alone by taking ~62000 mappings
+  first). Each of CI's two workers stays under it, for now."""
+  yield
+  release_compiled_programs(map_budget())
+
+
 # The files that take longest on the 2-core CI machine (seconds, roughly, 2026-12-04), heaviest first. `scripts/dev
 # test` hands files to the two workers in collection order (--dist loadfile --no-loadscope-reorder): started first,
 # they cannot be what one worker is still running alone while the other idles at the end.
