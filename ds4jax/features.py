@@ -48,11 +48,13 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "moe_sparse_gate_up": ("DFLASH_DS4_MIX_MMQ_PREFILL", "Fused quantized MoE gate/up + clamped SwiGLU kernel.", ()),
     # Not an upstream switch: on sm_90 Triton makes every MMA wait on a tile decoded in registers, so the fused gate/up
     # is also written in Mosaic GPU (kernels_pallas/moe/gate_up_wgmma.py). Without moe_wgmma_down, W2 is decoded
-    # beforehand (once per prompt under prefill_weights_stationary) and the Triton down reads bf16.
+    # beforehand (once per prompt under prefill_weights_stationary) and the Triton down reads bf16. Without
+    # moe_sparse_gate_up it reads W1/W3 decoded beforehand, as the Triton gate/up would.
     "moe_wgmma_gate_up": ("ds4jax: Mosaic GPU sparse gate/up",
                           "sm_90: the sparse gate/up runs as a Pallas Mosaic GPU kernel (a TMA warpgroup feeding async "
-                          "wgmmas; FP2-MIX or bf16 W1/W3) instead of the Pallas-Triton one; the down projection reads "
-                          "W2 decoded beforehand unless moe_wgmma_down.", ("moe_sparse_gate_up", "bf16_matmul")),
+                          "wgmmas) instead of the Pallas-Triton one, on FP2-MIX W1/W3 under moe_sparse_gate_up, else "
+                          "on W1/W3 decoded to bf16 beforehand; the down projection reads W2 decoded beforehand unless "
+                          "moe_wgmma_down.", ("bf16_matmul",)),
     # Its down counterpart (kernels_pallas/moe/down_wgmma.py): the same kernel structure on FP3-MIX W2.
     "moe_wgmma_down": ("ds4jax: Mosaic GPU sparse down",
                        "sm_90: the down projection runs as a Pallas Mosaic GPU kernel that decodes FP3-MIX W2 in "

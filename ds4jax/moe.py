@@ -217,8 +217,8 @@ def decodes_experts(features: Features) -> bool:
 def check_wgmma(cfg: DeepseekV4Config, policy: QuantPolicy, features: Features) -> None:
   """Start-up check of the Mosaic GPU switches against the model (ValueError naming what does not fit;
   kernels_pallas/moe/api.py checks the same at the call). `moe_wgmma_gate_up` takes rocmfp2_mix or bf16 gate/up
-  experts, D a multiple of 256 (rocmfp2_mix) or 64 (bf16) and I of 64; `moe_wgmma_down` rocmfp3_mix down experts,
-  I a multiple of 256 and D of 128."""
+  experts (any format without `moe_sparse_gate_up`: decoded to bf16 beforehand), D a multiple of 256 (rocmfp2_mix)
+  or 64 (bf16) and I of 64; `moe_wgmma_down` rocmfp3_mix down experts, I a multiple of 256 and D of 128."""
   if features.moe_wgmma_down:
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
     if policy.down != "rocmfp3_mix":
@@ -229,23 +229,25 @@ def check_wgmma(cfg: DeepseekV4Config, policy: QuantPolicy, features: Features) 
                        f"{cfg.name} has {I} and {D}")
   if not features.moe_wgmma_gate_up:
     return
-  fmt, D, I = policy.gate_up, cfg.hidden_size, cfg.moe_intermediate_size
+  fmt = policy.gate_up if features.moe_sparse_gate_up else "bf16"  # else decoded beforehand (decoded_beforehand)
+  D, I = cfg.hidden_size, cfg.moe_intermediate_size
   if fmt not in ("rocmfp2_mix", "bf16"):
     raise ValueError(f"--moe_wgmma_gate_up decodes rocmfp2_mix (or reads bf16) gate/up experts; quant policy "
                      f"{policy.name} stores them as {fmt}")
   d_multiple = 256 if fmt == "rocmfp2_mix" else 64  # a TMA row of meta bytes covers 256 weights
   if D % d_multiple or I % 64:
-    raise ValueError(f"--moe_wgmma_gate_up on {fmt} experts needs hidden_size a multiple of {d_multiple} and "
+    what = fmt if features.moe_sparse_gate_up else f"{policy.gate_up} decoded to bf16"
+    raise ValueError(f"--moe_wgmma_gate_up on {what} experts needs hidden_size a multiple of {d_multiple} and "
                      f"moe_intermediate_size of 64; {cfg.name} has {D} and {I}")
 
 
 def model_fits(cfg: DeepseekV4Config, policy: QuantPolicy) -> frozenset[str]:
   """The MoE switches whose sm_90 defaults (features.Capability.when, MODEL) `cfg` under `policy` takes: the Mosaic
-  GPU gate/up on FP2-MIX experts (and moe_sparse_gate_up, which it requires), and beside it the down on FP3-MIX
+  GPU gate/up on FP2-MIX experts (with moe_sparse_gate_up, which decodes them in it), and beside it the down on FP3-MIX
   ones: the formats whose whole prefill was measured (lucebox_mix). bf16 experts run them only when asked."""
   def takes(switch: str) -> bool:
     try:
-      check_wgmma(cfg, policy, Features(**{switch: True}))
+      check_wgmma(cfg, policy, Features(**{switch: True, "moe_sparse_gate_up": True}))  # the fused defaults
     except ValueError:
       return False
     return True

@@ -214,7 +214,8 @@ def test_wgmma_gate_up_and_down_in_the_model(seed):
   """Under moe_wgmma_gate_up and moe_wgmma_down the gate/up and the down are the Mosaic GPU kernels on the FP2-MIX
   and FP3-MIX storage: the logits match dequantize-then-matmul's (the same canonical decode, bf16 operands, the
   Triton kernels), which the kernels' names show did not run; the gate/up hands h to the down as planes; two bands
-  with weights stationary decode nothing (W2 alone without moe_wgmma_down)."""
+  with weights stationary decode nothing (W2 alone without moe_wgmma_down). Without moe_sparse_gate_up the Mosaic
+  gate/up reads W1/W3 decoded beforehand (all three stacks decoded), beside the Triton down."""
   two = config.tiny_window(hidden_size=256, moe_intermediate_size=256)
   one = config.tiny_window(hidden_size=256, moe_intermediate_size=256, attention=two.attention[:1],
                            routing=two.routing[:1])  # one layer: the Mosaic interpreter is the cost
@@ -222,19 +223,23 @@ def test_wgmma_gate_up_and_down_in_the_model(seed):
   on = lambda *s: features.resolve(DEVICE, {k: k in s for k in SWITCHES} | {"prefill_band_tokens": 0})
   wgmma = on("bf16_matmul", "moe_sparse_gate_up", "moe_compact_queue", "moe_wgmma_gate_up", "moe_wgmma_down")
   triton = on("bf16_matmul", "moe_compact_queue")  # the stacks decoded first (the same bits), the Triton kernels
+  decoded = on("bf16_matmul", "moe_compact_queue", "moe_wgmma_gate_up")  # W1/W3 decoded first, the Mosaic gate/up
   names = lambda f: {n for n, _ in features.pallas_calls(lambda t: m(t, features=f), jnp.asarray(TOKENS))}
   assert {"moe_gate_up_wgmma", "moe_down_wgmma"} <= names(wgmma) and not {"moe_gate_up", "moe_down"} & names(wgmma)
   assert not {"moe_gate_up_wgmma", "moe_down_wgmma"} & names(triton)
+  assert {"moe_gate_up_wgmma", "moe_down"} <= names(decoded) and not {"moe_gate_up", "moe_down_wgmma"} & names(decoded)
   # with both, the gate/up writes h as the down's 4 planes [4, rows, I/4] (no transpose between them)
   outs = lambda f: [v.aval.shape for e in features.traced_eqns(lambda t: m(t, features=f), jnp.asarray(TOKENS))
                     if e.params.get("name") == "moe_gate_up_wgmma" for v in e.outvars]
   assert [len(s) for s in outs(wgmma)] == [3] and outs(wgmma)[0][::2] == (4, 64)
   assert [len(s) for s in outs(dataclasses.replace(wgmma, moe_wgmma_down=False))] == [2]
   logits = lambda f: np.asarray(prefill.prefill(m, TOKENS, f, all_logits=True))
-  err = nmse(logits(wgmma), logits(triton))
-  print(f"{DEVICE} moe_wgmma_gate_up + moe_wgmma_down against dequantize-then-matmul: NMSE {err:.2e}")
-  assert err < WGMMA_NMSE
-  for f, want in ((wgmma, ["QuantizedWeight"] * 3),
+  ref = logits(triton)
+  err, err_decoded = nmse(logits(wgmma), ref), nmse(logits(decoded), ref)
+  print(f"{DEVICE} moe_wgmma_gate_up + moe_wgmma_down against dequantize-then-matmul: NMSE {err:.2e}; "
+        f"moe_wgmma_gate_up on decoded W1/W3: {err_decoded:.2e}")
+  assert err < WGMMA_NMSE and err_decoded < WGMMA_NMSE
+  for f, want in ((wgmma, ["QuantizedWeight"] * 3), (decoded, ["Param"] * 3),
                   (dataclasses.replace(wgmma, moe_wgmma_down=False), ["QuantizedWeight", "Param", "QuantizedWeight"])):
     stationary = dataclasses.replace(f, prefill_weights_stationary=True, prefill_band_tokens=TOKENS.size // 2)
     copy = nnx.merge(*prefill.step_parts(m.layers[0], stationary, n_bands=2, abstract=True))
@@ -270,8 +275,11 @@ def test_wgmma_refuses_what_it_cannot_run():
   with pytest.raises(ValueError, match="stores them as fp4_e2m1"):
     moe.check_wgmma(config.tiny_window(hidden_size=256, moe_intermediate_size=64),
                             quant_policy.get("official"), f)
-  with pytest.raises(features.FeatureError, match="requires --moe_sparse_gate_up"):
-    features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_wgmma_gate_up": True})
+  decoded = features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_wgmma_gate_up": True})  # W1/W3 decoded first
+  moe.check_wgmma(config.tiny_window(moe_intermediate_size=64), quant_policy.get("official"), decoded)  # any format
+  with pytest.raises(ValueError, match="on rocmfp2_mix decoded to bf16 experts needs hidden_size a multiple of 64"):
+    moe.check_wgmma(config.tiny_window(hidden_size=96, moe_intermediate_size=64), quant_policy.get("lucebox_mix"),
+                    decoded)
   with pytest.raises(features.FeatureError, match="not supported on gfx1151"):
     features.resolve("gfx1151", {"moe_wgmma_gate_up": True})
   mla_switches = ("bf16_matmul", "mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp", "mla_wgmma")

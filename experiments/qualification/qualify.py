@@ -484,7 +484,7 @@ def _run(opts: Options, setup: Setup, m, env: dict, log: Callable[[str], None], 
           f"continue.")
       break
     v_tokens = min(n, opts.verdict_tokens)
-    # One verdict per feature set (and planted bug): kill_moe_sparse_gate_up at one band can be all_on at several.
+    # One verdict per feature set (and planted bug): a kill at one band can be another length's all_on.
     same_prefix: dict[tuple[Features, str | None], Configuration] = {}
     for k, c in todo:
       if min(k, opts.verdict_tokens) == v_tokens:
