@@ -374,13 +374,15 @@ def job_digest(job: tuple[TritonKernel, str]) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def compile_many(jobs: Sequence[tuple[TritonKernel, str]], processes: int = 1, cache: str | None = None) -> list[dict]:
+def compile_many(jobs: Sequence[tuple[TritonKernel, str]], processes: int = 1, cache: str | None = None,
+                 prune: bool = False) -> list[dict]:
   """`compile_kernel` over (kernel, target) pairs, in `processes` spawned worker processes (triton compiles are
   single-threaded; each takes ~0.1–20 s and ~300 MB). Identical (module, target, warps, stages) jobs are compiled
   once. Workers are spawned, so a calling script needs the usual `if __name__ == "__main__":` guard.
 
   `cache`: a JSON file of earlier results by `job_digest` (a compile is a pure function of what the digest covers);
-  jobs found there are not compiled again, and new results (errors excepted) are added to it."""
+  jobs found there are not compiled again, and new results (errors excepted) are added to it; with `prune` the file
+  keeps only these jobs' results (the entries of kernels that changed since are dropped)."""
   _triton()
   stored = {}
   if cache and os.path.exists(cache):
@@ -396,8 +398,10 @@ def compile_many(jobs: Sequence[tuple[TritonKernel, str]], processes: int = 1, c
   else:
     results = [_compile_job(j) for _, j in todo]
   done = stored | {d: r for (d, _), r in zip(todo, results)}
-  if cache and todo:
+  used = {job_digest(j) for j in jobs}
+  if cache and (todo or (prune and set(stored) - used)):
     keep = stored | {d: r for (d, _), r in zip(todo, results) if "error" not in r}
+    keep = {d: r for d, r in keep.items() if d in used} if prune else keep
     with open(cache, "w") as f:
       json.dump(dict(sorted(keep.items())), f, indent=0)
   return [dict(done[job_digest(j)], name=j[0].name, cached=job_digest(j) in stored) for j in jobs]

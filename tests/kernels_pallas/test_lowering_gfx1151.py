@@ -126,7 +126,7 @@ def _compile_all():
   case_kernels = {c.label: lowering.lower_case(c) for c in PACKAGE_CASES}
   jobs += [(k, ARCH) for kernels in case_kernels.values() for k in kernels]
   cache = None if os.environ.get("DS4JAX_LOWERING_FRESH") == "1" else COMPILES
-  stats = iter(lowering.compile_many(jobs, processes=os.cpu_count() or 1, cache=cache))
+  stats = iter(lowering.compile_many(jobs, processes=os.cpu_count() or 1, cache=cache, prune=True))  # all shipped
   moe = {key[:3]: (key[3], next(stats)) for key in keys}
   cases = {label: [(k, next(stats)) for k in kernels] for label, kernels in case_kernels.items()}
   assert len(moe) == n_moe and next(stats, None) is None
@@ -327,6 +327,12 @@ def test_compile_cache_is_keyed_by_everything_a_compile_depends_on(tmp_path):
   (miss,) = lowering.compile_many([(kernel._replace(ttir="not a module"), ARCH)], cache=str(cache))
   assert not miss["cached"] and "error" in miss  # compiled (and failed: errors are not kept)
   assert len(json.loads(cache.read_text())) == 1
+  stale = lowering.job_digest((kernel._replace(num_warps=8), ARCH))  # an entry no job asks for any more
+  cache.write_text(json.dumps({lowering.job_digest((kernel, ARCH)): {"lds_bytes": 123}, stale: {"lds_bytes": 1}}))
+  lowering.compile_many([(kernel, ARCH)], cache=str(cache))
+  assert len(json.loads(cache.read_text())) == 2  # kept without prune
+  (hit,) = lowering.compile_many([(kernel, ARCH)], cache=str(cache), prune=True)
+  assert hit["cached"] and list(json.loads(cache.read_text())) == [lowering.job_digest((kernel, ARCH))]
 
 
 # ---- FMA contraction of the in-kernel decode (docs/lowering.md §6) --------------------------------------------------
