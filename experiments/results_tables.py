@@ -149,10 +149,10 @@ RECORD_COLUMNS = ("length", "config", "mutation", "killed", "also_off", "switche
                   "worst_layer_reference_bf16", "route_flips", "index_flips", "bad_flips", "tf_kl", "tf_kl_bound",
                   "tf_kl_reference_bf16", "tf_kl_bands", "upstream_gate", "final_kl", "final_nmse", "final_top1_agree",
                   "final_prefix_tokens", "features", "git_commit", "weights_fingerprint", "finished")
-LAYER_COLUMNS = ("config", "mutation", "verdict_tokens", "result", "layer", "attention", "routing", "bands",
+LAYER_COLUMNS = ("config", "features", "mutation", "verdict_tokens", "result", "layer", "attention", "routing", "bands",
                  "update_nmse", "bound", "reference_bf16_nmse", "nmse_over_bound", "nmse_over_reference",
                  "route_flips", "index_flips", "n_bad_flips", "passed")
-VERDICT_COLUMNS = ("config", "mutation", "mutation_layer", "result", "tokens", "band_tokens", "reasons", "worst_layer",
+VERDICT_COLUMNS = ("config", "features", "mutation", "mutation_layer", "result", "tokens", "band_tokens", "reasons", "worst_layer",
                    "worst_layer_nmse", "worst_layer_bound", "route_flips", "index_flips", "bad_flips", "tf_kl",
                    "tf_max_kl", "tf_kl_bound", "tf_kl_reference_bf16", "tf_kl_bands", "upstream_gate", "wall_s")
 
@@ -192,10 +192,21 @@ def _record_row(r: Mapping[str, Any], judged: bool = True) -> dict[str, Any]:
       weights_fingerprint=r.get("weights_fingerprint"), finished=r.get("finished"))
 
 
+def _features(v: Mapping[str, Any]) -> str | None:
+  """A verdict's switches that are on (and its knobs that are set, as name=value), "+"-joined; None where it does
+  not list them."""
+  f = v.get("features")
+  if f is None:
+    return None
+  items = f.items() if isinstance(f, Mapping) else ((k, True) for k in f)
+  return "+".join(k if x is True else f"{k}={x}" for k, x in sorted(items) if x not in (False, None, 0, ""))
+
+
 def _verdict_rows(v: Mapping[str, Any]) -> tuple[dict, list[dict]]:
   """A verdict as one summary row and one row per judged layer."""
   tf, worst, layers = v.get("teacher_forced") or {}, v.get("worst_layer") or {}, v.get("layers") or ()
-  head = dict(config=v.get("config"), mutation=v.get("mutation"), mutation_layer=v.get("mutation_layer"),
+  feats = _features(v)
+  head = dict(config=v.get("config"), features=feats, mutation=v.get("mutation"), mutation_layer=v.get("mutation_layer"),
               result=v["result"], tokens=v["tokens"], band_tokens=v.get("band_tokens", 0),
               reasons="; ".join(v.get("reasons") or ()),
               worst_layer=worst.get("layer"), worst_layer_nmse=worst.get("update_nmse"),
@@ -208,7 +219,7 @@ def _verdict_rows(v: Mapping[str, Any]) -> tuple[dict, list[dict]]:
   rows = []
   for x in layers:
     ref = x.get("reference_bf16_nmse")
-    rows.append(dict(config=v.get("config"), mutation=v.get("mutation"), verdict_tokens=v["tokens"],
+    rows.append(dict(config=v.get("config"), features=feats, mutation=v.get("mutation"), verdict_tokens=v["tokens"],
                      result=v["result"], layer=x["layer"], attention=x["attention"], routing=x["routing"],
                      bands=x.get("bands", 1), update_nmse=x["update_nmse"], bound=x["bound"], reference_bf16_nmse=ref,
                      nmse_over_bound=x["update_nmse"] / x["bound"] if x["bound"] else None,
@@ -225,12 +236,14 @@ def _qualification(path: str, doc: dict) -> tuple[dict, dict[str, pd.DataFrame]]
   rows = [_record_row(r, judged=doc["schema"] != QUALIFICATION_V1) for r in recs]
   rows.sort(key=lambda r: (r["length"], _matrix_order(r["config"]), r["config"]))
   heads, layer_rows, seen = [], [], set()
-  # lengths sharing a verdict prefix share the verdict: one row each; then the verdicts saved before any timing
-  # (a planted bug's, or a configuration whose timing was cut), newest first, as the qualification takes them
+  # lengths sharing a verdict prefix share the verdict: one row per (name, switches); then the verdicts saved before
+  # any timing (a planted bug's, or a configuration whose timing was cut), newest first, as the qualification takes
+  # them. all_on can name different switches at different lengths (sm_90's one-band defaults): a row each.
   saved = list(reversed(doc.get("verdicts", [])))
   for v in [r["verdict"] | dict(config=r["config"]) for r in recs if r.get("verdict")] + saved:
-    if (v["config"], v["tokens"]) not in seen:
-      seen.add((v["config"], v["tokens"]))
+    key = (v["config"], _features(v), v["tokens"], v.get("mutation"))
+    if key not in seen:
+      seen.add(key)
       head, layers = _verdict_rows(v)
       heads.append(head)
       layer_rows += layers

@@ -184,6 +184,18 @@ def test_the_newest_saved_verdict_is_shown(tmp_path):
   assert len(v) == 3 and (v.loc["all_on", "result"], v.loc["all_on", "band_tokens"]) == ("PASS", 2048)
 
 
+def test_all_on_judged_with_other_switches_at_another_length_is_its_own_row(tables):
+  """wave2d judged all_on twice on the one 4096-token prefix: with sm_90's one-band MoE switches (its 8192 record)
+  and without them (32768, 122879). The verdict table keeps both, told apart by their switches."""
+  v = tables["qual_v4flash_h200_wave2d.json"].frames["verdicts"]
+  on = v[v.config == "all_on"]
+  assert len(on) == 2 and on.features.nunique() == 2
+  fused = on[on.features.str.contains("moe_wgmma_gate_up")]
+  assert len(fused) == 1 and "moe_sparse_gate_up" in fused.features.iloc[0].split("+")
+  layers = tables["qual_v4flash_h200_wave2d.json"].frames["layers"]
+  assert (layers[layers.config == "all_on"].groupby("features").layer.count() == 43).all()
+
+
 def test_a_failed_trace_run_keeps_its_error(tmp_path):
   doc = dict(date="2026-12-01", device_kind="NVIDIA H200", git_commit="abc", variants={"flags": ["bf16_matmul"]},
              what="prefill device time by kernel (experiments/trace_prefill.py)", preset="v4_flash",
