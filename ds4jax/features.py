@@ -259,8 +259,8 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # decode-then-matmul on the H200 (rocmfp2_mix MoE with the half-block loader: 15.3 vs 11.9 ms at 8192 tokens,
     # 48.4 vs 27.0 at 32768, tune_moe), because the in-tile MIX decode is ALU-bound there while HBM is not the
     # bottleneck it is on gfx1151; so moe_sparse_gate_up is on only with the Mosaic GPU kernels (bound with them).
-    # The qualification at one band: all_on (fused MoE) 10976 vs kill_moe_sparse_gate_up 9450 tok/s at 8192
-    # (a59cb5b, BENCHMARKS.md).
+    # The qualification at one band: all_on (fused MoE) 10976 vs 9450 tok/s at 8192 without the three fused-MoE
+    # switches (kill_moe_sparse_gate_up at a59cb5b, when it also turned off moe_wgmma_gate_up; BENCHMARKS.md).
     # bf16_matmul is on by default: f32 operands make the MoE kernels run IEEE f32 dots (no tensor cores) and the
     # projections HIGHEST-precision f32 GEMMs; V4-Flash all_on at 8192 tokens ran at 90 tok/s that way.
     # prefill_weights_stationary: all_on V4-Flash (lucebox_mix) 7558 vs 5757 tok/s at 32768 tokens and 6142 vs

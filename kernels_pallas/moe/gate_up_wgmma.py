@@ -99,7 +99,8 @@ class Tiling:
   regions Mosaic GPU's profiler records are (experiments/profile_moe.py; nothing without the profiler): "steps"
   (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit).
   x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
-  x_stages slots and the weights `stages` slots, the weight copies running stages − x_stages steps ahead."""
+  x_stages slots (at least 2 with mma_in_flight) and the weights `stages` slots, the weight copies running
+  stages − x_stages steps ahead."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -766,10 +767,12 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if mix and (t.block_n != WGMMA_M or t.block_m % t.mma_rows or t.mma_rows % WGMMA_M or t.mma_rows > 256):
     raise ValueError(f"FP2-MIX weights need block_n={WGMMA_M} and mma_rows a multiple of {WGMMA_M} up to 256 "
                      f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
-  if t.x_stages and (mix or t.cluster != 1 or t.tile_order != "n" or not 0 < t.x_stages <= t.stages):
+  # in flight, step g's x copy waits for step g − 1's release, which comes after step g's x: one x slot deadlocks
+  lowest = 2 if t.mma_in_flight else 1
+  if t.x_stages and (mix or t.cluster != 1 or t.tile_order != "n" or not lowest <= t.x_stages <= t.stages):
     raise ValueError(f"x_stages={t.x_stages} (separate x and weight rings) takes bf16 weights, cluster 1, tile_order "
-                     f"'n' and 0 < x_stages <= stages={t.stages}; got mix={mix}, cluster={t.cluster}, "
-                     f"tile_order={t.tile_order!r}")
+                     f"'n' and {lowest} <= x_stages <= stages={t.stages} (2 with mma_in_flight); got mix={mix}, "
+                     f"cluster={t.cluster}, tile_order={t.tile_order!r}")
   if not mix and t.mma_in_flight and t.skip_empty and t.wg_rows > WGMMA_M and not t.x_stages:
     # a step's wait leaves its own wgmma groups in flight by a static count; a skipped block issues none, so the
     # wait would also leave the previous step's, whose slot is then released under them

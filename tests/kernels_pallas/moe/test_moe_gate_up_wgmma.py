@@ -116,9 +116,10 @@ def test_gate_up_wgmma_reads_step_tiled_weights(rng, interleaved, cluster, order
                                                                                (1, 2, 0, False, False)])
 def test_gate_up_wgmma_with_separate_x_and_weight_rings(rng, x_stages, stages, in_flight, interleaved, step_tiled):
   # _ring_kernel. Skewed routes (expert 0 ~340 rows, the others ~50-190), so with 128-row warpgroups a warpgroup
-  # has 0, 1 or 2 non-empty 64-row blocks in an item (each count runs its own loop), and expert 0 two items. Fewer
-  # SMs than units: each SM's rings run on across units.
-  x, w1, w3, _ = problem(rng, 400, 3, inter=64)
+  # has 0, 1 or 2 non-empty 64-row blocks in an item (each count runs its own loop), and expert 0 two items. Two N
+  # tiles; fewer SMs than units: each SM's rings run on across units. (The interpreter runs wgmmas synchronously:
+  # the in-flight waits and late releases are checked compiled only.)
+  x, w1, w3, _ = problem(rng, 400, 3, inter=128)
   p = np.array([12, 4, 3, 2, 1, 1, 1, 1]) / 25
   ids = np.stack([rng.choice(E, 3, replace=False, p=p) for _ in range(400)]).astype(np.int32)
   ids.reshape(-1)[8::9] = -1
@@ -128,7 +129,7 @@ def test_gate_up_wgmma_with_separate_x_and_weight_rings(rng, x_stages, stages, i
   n = int(items.count[0])
   rows = np.minimum(np.asarray(items.end - items.x_start)[:n, None], t.block_m) - [0, t.wg_rows]
   assert set(np.clip(-(-rows // 64), 0, 2).ravel()) == {0, 1, 2} and n > E
-  for bad in (dict(cluster=2), dict(x_stages=stages + 1), dict(tile_order="item")):
+  for bad in (dict(cluster=2), dict(x_stages=stages + 1), dict(tile_order="item"), dict(x_stages=1, mma_in_flight=1)):
     with pytest.raises(ValueError, match="separate x and weight rings"):
       gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=dataclasses.replace(t, **bad), interpret=interpret())
 
