@@ -57,6 +57,9 @@ TRAINED_SPEC = "expert+query=2"  # the two-GPU layout: experts and attention que
 TRAINED_KEY = f"trained_checkpoint_every_cpu_switch/{TRAINED_SPEC}"
 RTOL, ATOL = 1e-5, 5e-5  # summation order: the devices' partial sums, the shared expert added after them; and the
 # attention kernels against the exact path (measured 1.8e-5 in logits up to 11; a missing psum is off by ~1)
+# The trained checkpoint with every switch, two devices against one: 4.3e-5 to 7.1e-5 over seeds 0-3 in logits up to
+# 17, past ATOL on seed 0 (its near-zero logits), so its own bound; still ~2000x under a missing psum.
+TRAINED_ATOL = 5e-4
 
 
 def quantized_experts(m):
@@ -156,7 +159,7 @@ def main():
   ref, got = (np.asarray(prefill.prefill(trained(spec), trained_ids, every_switch, all_logits=True))
               for spec in ("", TRAINED_SPEC))
   out["logits"][TRAINED_KEY] = [float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref))),
-                                float(np.max(np.abs(got - ref) - (ATOL + RTOL * np.abs(ref))))]
+                                float(np.max(np.abs(got - ref) - (TRAINED_ATOL + RTOL * np.abs(ref))))]
 
   # init_random on the mesh: each device draws its own experts (official: FP4 experts, FP8 dense), the bits of the
   # one-device init placed afterwards.
