@@ -26,6 +26,10 @@ if "xla_disable_hlo_passes" not in os.environ.get("XLA_FLAGS", ""):
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from tests import async_wgmma  # noqa: E402
+
+async_wgmma.install()  # the Mosaic GPU kernels' wgmmas run as late as on the GPU (tests/async_wgmma.py)
+
 SEED_ENV = "DS4JAX_TEST_SEED"
 
 

@@ -1,10 +1,18 @@
 """The suite's own harness (tests/conftest.py): compiled programs are released before a process runs out of memory
-mappings."""
+mappings; Mosaic GPU kernels' wgmmas run in the interpreter as late as the GPU may run them (tests/async_wgmma.py)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tests import conftest
+from tests import async_wgmma, conftest
 
 
 def test_release_compiled_programs_frees_their_mappings():
@@ -17,3 +25,76 @@ def test_release_compiled_programs_frees_their_mappings():
   assert conftest.release_compiled_programs(0)
   assert conftest.memory_maps() < before - 100
   assert 1000 < conftest.map_budget() < 10**9
+
+
+# A two-slot ring, as the Mosaic GPU kernels have them: warpgroup 1 copies x's and w's K tiles in, warpgroup 0 sums
+# x @ w^T over them with one wgmma a step and releases each slot for the next copy. `release`: "after its wait" (each
+# step waits for its wgmma); "in flight" (a step's wgmma runs on until the next step's wait, which frees the
+# previous slot); the planted bugs "before its wait" and "in flight, its own slot" (the next copy may refill the
+# slot under the wgmma).
+ROWS, STEP, STEPS = 64, 64, 4
+RELEASES = {"after its wait": False, "in flight": False, "before its wait": True, "in flight, its own slot": True}
+
+
+def ring_matmul(x, w, *, release: str):
+  swizzle = plgpu.find_swizzle(STEP * 2 * 8)
+  tiles = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+  def body(x_g, w_g, out_g):
+    @functools.partial(pl.run_scoped, x_s=plgpu.SMEM((2, ROWS, STEP), jnp.bfloat16, transforms=tiles),
+                       w_s=plgpu.SMEM((2, ROWS, STEP), jnp.bfloat16, transforms=tiles),
+                       out_s=plgpu.SMEM((ROWS, ROWS), jnp.float32), full=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+                       free=plgpu.Barrier(num_arrivals=1, num_barriers=2), collective_axes="wg")
+    def _(x_s, w_s, out_s, full, free):
+      wg = lax.axis_index("wg")
+
+      @pl.when(wg == 1)
+      def _():
+        for k in range(STEPS):
+          if k >= 2:
+            plgpu.barrier_wait(free.at[k % 2])
+          plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(k * STEP, STEP)], x_s.at[k % 2], full.at[k % 2])
+          plgpu.copy_gmem_to_smem(w_g.at[:, pl.ds(k * STEP, STEP)], w_s.at[k % 2], full.at[k % 2])
+        for s in range(2):  # the last two releases
+          plgpu.barrier_wait(free.at[s])
+
+      @pl.when(wg == 0)
+      def _():
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((ROWS, ROWS), jnp.float32))
+        def _(acc):
+          in_flight = release.startswith("in flight")
+          for k in range(STEPS):
+            plgpu.barrier_wait(full.at[k % 2])
+            plgpu.wgmma(acc, x_s.at[k % 2], w_s.at[k % 2].T)
+            if release == "before its wait":
+              plgpu.barrier_arrive(free.at[k % 2])
+            plgpu.wgmma_wait(int(in_flight))
+            if release in ("after its wait", "in flight, its own slot"):
+              plgpu.barrier_arrive(free.at[k % 2])
+            elif release == "in flight" and k > 0:
+              plgpu.barrier_arrive(free.at[(k - 1) % 2])
+          if release == "in flight":
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(free.at[(STEPS - 1) % 2])
+          out_s[...] = acc[...]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_s, out_g)
+        plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((ROWS, ROWS), jnp.float32), num_threads=2, thread_name="wg",
+                      interpret=plgpu.InterpretGPUParams(detect_races=True),
+                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(x, w)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_wgmmas_run_late_and_a_slot_released_before_their_wait_is_a_race(rng, release):
+  """tests/async_wgmma.py, installed by conftest for every test: a ring released in order sums right with no race
+  and no wgmma left queued, a wgmma kept in flight for a step too; a slot released between its wgmma's issue and
+  the wait that retires it (bugs the stock interpreter passes: it runs a wgmma at issue) is a race on every run."""
+  x, w = (jnp.asarray(rng.standard_normal((ROWS, STEP * STEPS)), jnp.bfloat16) for _ in range(2))
+  out = jax.block_until_ready(ring_matmul(x, w, release=release))
+  assert async_wgmma.queued() == 0
+  assert interpret_pallas_call.get_races().races_found == RELEASES[release]
+  if not RELEASES[release]:
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4)

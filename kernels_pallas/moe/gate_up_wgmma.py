@@ -42,9 +42,12 @@ turn (8.4 ms); each warpgroup making the SwiGLU of half of the rows (5.5 ms); a 
 decodes both tiles into shared-memory planes while the other two only issue wgmmas (2a804c4: 5.9 ms). Profiled
 (experiments/profile_moe.py), a step is ~1450 cycles against ~1024 of tensor-core work: each warpgroup's slot wait
 (~290), decode (~490), issue (~190) and wait (~320) run one after the other.
-With wgmmas left in flight across steps (`mma_in_flight=1`, the first version), ptxas serializes every wgmma of
-the kernel ("insufficient register resources for the wgmma pipeline", C7511) at every tiling, even with no decode;
-waiting at the end of each step (the default) compiles without it (docs/lowering.md; BENCHMARKS.md has the figures).
+Each step waits for its own wgmmas. Leaving them in flight into the next step (`mma_in_flight`, the first version)
+made ptxas serialize every wgmma ("insufficient register resources for the wgmma pipeline", C7511) at every tiling,
+even with no decode (docs/lowering.md; BENCHMARKS.md has the figures), and it raced: emit_pipeline_warp_specialized's
+`delay_release` never releases a pipeline's last slot, so the next unit's first copies refilled it under the last
+step's wgmmas (found by the tests' interpreter with late wgmmas, tests/async_wgmma.py). Only `_ring_kernel`, which
+releases a unit's last slots after its final wait, keeps wgmmas in flight.
 
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
 on bf16 weights its h is bit-identical to gate_up.py's on the H200 (FP2-MIX: the same decoded bits, summed over K
@@ -87,20 +90,18 @@ WGMMA_M = 64  # rows of one warpgroup MMA: a warpgroup's rows are issued (or ski
 @dataclasses.dataclass(frozen=True)
 class Tiling:
   """wg_rows: rows per compute warpgroup (a unit's row tile is twice that); block_n: output columns of W1 and of W3
-  per unit; block_k: the reduction step; stages: shared-memory slots; mma_in_flight 1 frees a slot one step late,
-  so a step's wgmmas run while the next step's are issued; tile_order: which index of (item, N tile) the SMs
+  per unit; block_k: the reduction step; stages: shared-memory slots; tile_order: which index of (item, N tile) the SMs
   running together share ("n": the item, "item": the N tile); skip_empty: a warpgroup issues no wgmma for a
   64-row block of its rows that holds none of the expert's; cluster 2: two SMs take neighbouring N tiles of one
   item and each x tile is read from L2 once for both (a TMA multicast);
   mma_rows (FP2-MIX): rows of x per wgmma. With FP2-MIX weights block_n must be 64 (one warpgroup's wgmma rows)
-  and block_k 64 (a meta tile then serves 4 steps);
-  mma_in_flight 1 there leaves a step's wgmmas running into the next step (whose decode may then overlap them),
-  which makes ptxas serialize every wgmma (C7511); 0 waits at the end of each step. profile_regions: what the
+  and block_k 64 (a meta tile then serves 4 steps). profile_regions: what the
   regions Mosaic GPU's profiler records are (experiments/profile_moe.py; nothing without the profiler): "steps"
   (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit).
   x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
   x_stages slots (at least 2 with mma_in_flight) and the weights `stages` slots, the weight copies running
-  stages − x_stages steps ahead."""
+  stages − x_stages steps ahead; there mma_in_flight 1 frees a step's slots one step late, so its wgmmas run while
+  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring)."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -385,20 +386,17 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   cluster = ("cluster",) if t.cluster > 1 else ()
-  delay = t.mma_in_flight  # in flight: step k's wgmmas read x until step k + 1 waits
   x_block = (PLANES, t.block_m, bk) if mix else (t.block_m, bk)
   x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles,
-                           memory_space=plgpu.SMEM, delay_release=delay, collective_axes=cluster)
+                           memory_space=plgpu.SMEM, collective_axes=cluster)
   if mix:  # code and meta bytes: read into registers by the decode, no swizzle needed
     per_box = META_BOX // (t.block_k // rocmfp_layout.HALF)  # K steps covered by one meta tile
-    code_spec = plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM, delay_release=delay)
-    meta_spec = plgpu.BlockSpec((t.block_n, META_BOX), lambda k: (0, k // per_box), memory_space=plgpu.SMEM,
-                                delay_release=delay)
+    code_spec = plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM)
+    meta_spec = plgpu.BlockSpec((t.block_n, META_BOX), lambda k: (0, k // per_box), memory_space=plgpu.SMEM)
     w_specs = [code_spec, meta_spec] * 2
   else:
     at_k = (lambda k: (k, 0)) if step_tiled else (lambda k: (0, k))
-    w_specs = [plgpu.BlockSpec((w_rows, bk), at_k, transforms=tiles, memory_space=plgpu.SMEM,
-                               delay_release=delay)] * n_w
+    w_specs = [plgpu.BlockSpec((w_rows, bk), at_k, transforms=tiles, memory_space=plgpu.SMEM)] * n_w
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -522,8 +520,6 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
               else:
                 with profile_region("decode", t):
                   planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
-              if t.mma_in_flight:  # step k − 1's wgmmas are done: its x slot and plane registers are free
-                plgpu.wgmma_wait(0)
               for b in blocks:
                 def issue(b=b):
                   rows = pl.ds(b * t.mma_rows, t.mma_rows)
@@ -535,9 +531,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                   pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
                 else:
                   issue()
-              if not t.mma_in_flight:
-                with profile_region("wait", t):
-                  plgpu.wgmma_wait(0)
+              with profile_region("wait", t):
+                plgpu.wgmma_wait(0)
           return accs
 
         def compute_context(run):
@@ -571,7 +566,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
             else:
               issue()
           with profile_region("wait", t):
-            plgpu.wgmma_wait(n_w * len(blocks) * t.mma_in_flight)
+            plgpu.wgmma_wait(0)
           return accs
 
         body, context = (lhs_mma, lhs_context) if mix else (mma, compute_context)
@@ -773,11 +768,9 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
     raise ValueError(f"x_stages={t.x_stages} (separate x and weight rings) takes bf16 weights, cluster 1, tile_order "
                      f"'n' and {lowest} <= x_stages <= stages={t.stages} (2 with mma_in_flight); got mix={mix}, "
                      f"cluster={t.cluster}, tile_order={t.tile_order!r}")
-  if not mix and t.mma_in_flight and t.skip_empty and t.wg_rows > WGMMA_M and not t.x_stages:
-    # a step's wait leaves its own wgmma groups in flight by a static count; a skipped block issues none, so the
-    # wait would also leave the previous step's, whose slot is then released under them
-    raise ValueError(f"mma_in_flight=1 with skip_empty needs wg_rows={WGMMA_M} (one block a warpgroup), got "
-                     f"wg_rows={t.wg_rows}")
+  if t.mma_in_flight and not t.x_stages:
+    raise ValueError("mma_in_flight=1 takes the separate x and weight rings (x_stages > 0): in the pipeline a unit's "
+                     "last slot is refilled under its last wgmmas (gate_up_wgmma's docstring)")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   if t.profile_regions not in ("steps", "units"):

@@ -77,14 +77,13 @@ def check(x, w1, w3, ids, t: Tiling, num_sms: int, interleaved=False, step_tiled
   return r
 
 
-@pytest.mark.parametrize("stages,in_flight,order,interleaved,cluster", [(2, 0, "n", False, 1),
-                                                                        (3, 1, "item", True, 2)])
-def test_gate_up_wgmma_matches_reference(rng, stages, in_flight, order, interleaved, cluster):
+@pytest.mark.parametrize("stages,order,interleaved,cluster", [(2, "n", False, 1), (3, "item", True, 2)])
+def test_gate_up_wgmma_matches_reference(rng, stages, order, interleaved, cluster):
   # 80 tokens × top-3 over 7 experts (expert 5 empty, every 7th route masked): ~30 rows per expert, under one
   # warpgroup's 64, so the second warpgroup of every item stores nothing.
   x, w1, w3, ids = problem(rng, 80, 3, mask_every=7, empty=(5,))
-  r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=128, block_k=64, stages=stages, mma_in_flight=in_flight,
-                                   tile_order=order, cluster=cluster), num_sms=4, interleaved=interleaved)
+  r = check(x, w1, w3, ids, Tiling(wg_rows=64, block_n=128, block_k=64, stages=stages, tile_order=order,
+                                   cluster=cluster), num_sms=4, interleaved=interleaved)
   assert int(r.group_sizes[5]) == 0 and int(r.num_rows[0]) < 80 * 3
 
 
@@ -117,8 +116,8 @@ def test_gate_up_wgmma_reads_step_tiled_weights(rng, interleaved, cluster, order
 def test_gate_up_wgmma_with_separate_x_and_weight_rings(rng, x_stages, stages, in_flight, interleaved, step_tiled):
   # _ring_kernel. Skewed routes (expert 0 ~340 rows, the others ~50-190), so with 128-row warpgroups a warpgroup
   # has 0, 1 or 2 non-empty 64-row blocks in an item (each count runs its own loop), and expert 0 two items. Two N
-  # tiles; fewer SMs than units: each SM's rings run on across units. (The interpreter runs wgmmas synchronously:
-  # the in-flight waits and late releases are checked compiled only.)
+  # tiles; fewer SMs than units: each SM's rings run on across units. The wgmmas in flight and the late releases
+  # are checked by the race detector with the wgmmas run as late as the GPU may (tests/async_wgmma.py).
   x, w1, w3, _ = problem(rng, 400, 3, inter=128)
   p = np.array([12, 4, 3, 2, 1, 1, 1, 1]) / 25
   ids = np.stack([rng.choice(E, 3, replace=False, p=p) for _ in range(400)]).astype(np.int32)
@@ -173,8 +172,8 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(tile_order="m"))
   with pytest.raises(ValueError, match="profile_regions"):  # the profiler's region sets (experiments/profile_moe.py)
     gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(profile_regions="step"))
-  with pytest.raises(ValueError, match="mma_in_flight=1 with skip_empty needs wg_rows=64"):  # a race, not slowness
-    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(wg_rows=128, mma_in_flight=1))
+  with pytest.raises(ValueError, match="mma_in_flight=1 takes the separate x and weight rings"):  # it raced
+    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=Tiling(wg_rows=64, mma_in_flight=1))
   with pytest.raises(ValueError, match="bf16/f16"):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
   with pytest.raises(ValueError, match="or be MixStacks"):
@@ -309,7 +308,7 @@ def test_gather_planes_tiles_any_hidden_size_the_kernels_take(rng, d, planes):
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
-@pytest.mark.parametrize("decode", ["64-row wgmmas", "128-row wgmmas in flight"])
+@pytest.mark.parametrize("decode", ["64-row wgmmas", "128-row wgmmas"])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   # ~80 rows per expert, a 128-row tile: its second 64-row block is partial. W1/W3 in FP2-MIX (expert 0
   # uniform), decoded in the kernel, one projection per warpgroup on all 128 rows, two N tiles. D = 512: two meta
@@ -321,8 +320,7 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
   q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D_)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
-  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64,
-             mma_in_flight=int("in flight" in decode))
+  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64)
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races(h)
