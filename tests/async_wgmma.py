@@ -8,15 +8,16 @@ released one wait too early passes there.
 `install()` runs each wgmma at the latest moment the hardware may: issuing one only queues it; a wait that leaves n
 groups in flight (`plgpu.wgmma_wait(n)`, or an accumulator read with `wait_n`) runs all but the newest n of its
 warpgroup's, reading their operands then. Each `plgpu.wgmma` is one group, as Pallas lowers it (a commit after every
-wgmma). With `detect_races`, each operand read, at the issue and at the retiring wait, is held against each TMA copy
-into shared memory in happens-before order (vector clocks, the interpreter's): an operand copied in after its wgmma
-was issued, or a slot released before the wait and refilled, is then a race on every run, whatever order the CPU
-threads ran in, and `get_races().races_found` says so. Without `detect_races`, the refilled bytes reach the sums
+wgmma). With `detect_races`, each operand read, at the issue and at the retiring wait, is held against the recent
+TMA copies into its slot in happens-before order (vector clocks, the interpreter's): an operand copied in after its
+wgmma was issued, or a slot released before the wait and refilled, is then a race on every run, whatever order the
+CPU threads ran in, and `get_races().races_found` says so. Without `detect_races`, the refilled bytes reach the sums
 when the copy ran first. Operands that a warpgroup writes itself (generic stores) are not checked here.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 
@@ -29,7 +30,11 @@ from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
 _RETIRE = "async_wgmma_retire"  # the param that marks a wait rewritten as a commit_smem eqn (_with_waits_as_retires)
 _lock = threading.Lock()  # the interpreter runs each warpgroup, and each TMA copy, on a CPU thread of its own
 _queued: dict = {}  # warpgroup → the keyword arguments of its issued wgmmas not yet run, oldest first
-_accesses: dict = {"memory": None, "by_buffer": {}}  # this kernel's: buffer → [(is copy, range, clock, where)]
+# This kernel's recent accesses: (buffer, slot) → {True: the last copies, False: the last reads}, as (range, clock,
+# where). A racing pair is close in its slot's history (a refill follows the early release, and the late read comes
+# before the slot's next round), so a short window of each kind finds it at a cost that does not grow with the run.
+_accesses: dict = {"memory": None, "by_slot": {}}
+_WINDOW = {True: 4, False: 32}
 _original: dict = {}
 
 
@@ -39,20 +44,25 @@ def queued() -> int:
     return sum(map(len, _queued.values()))
 
 
-def _access(key, rnge, clock, is_copy: bool, where: str) -> None:
-  """Holds one TMA copy into shared memory, or one wgmma operand read, against the other kind's on the same bytes:
-  each pair must be ordered one way or the other."""
+def _where(source_info, what: str) -> str:
+  return f"{source_info_util.summarize(source_info)} ({what})" if source_info else what
+
+
+def _access(key, rnge, clock, is_copy: bool, where) -> None:
+  """Holds one TMA copy into shared memory, or one wgmma operand read, against the recent ones of the other kind on
+  the same bytes: each pair must be ordered one way or the other. `where`: (source_info, what), for the report."""
   memory = gpu_callbacks._get_shared_memory()  # pylint: disable=protected-access
+  slot = rnge[0] if rnge and isinstance(rnge[0], int) else None  # a ring's slot: its first index
   with _lock:
     if _accesses["memory"] is not memory:  # a new kernel (each gets its shared memory)
-      _accesses.update(memory=memory, by_buffer={})
-    seen = _accesses["by_buffer"].setdefault(key, [])
-    races = [(r, w) for copy, r, c, w in seen if copy != is_copy and _ranges_overlap(r, rnge) and not c.ordered(clock)]
-    seen.append((is_copy, rnge, clock, where))
+      _accesses.update(memory=memory, by_slot={})
+    seen = _accesses["by_slot"].setdefault((key, slot), {k: collections.deque(maxlen=n) for k, n in _WINDOW.items()})
+    races = [(r, w) for r, c, w in seen[not is_copy] if _ranges_overlap(r, rnge) and not c.ordered(clock)]
+    seen[is_copy].append((rnge, clock, where))
   for other_range, other_where in races[:1]:
     copy, read = ((rnge, where), (other_range, other_where)) if is_copy else ((other_range, other_where), (rnge, where))
-    print(f"RACE DETECTED (async wgmma)\n  TMA copy into {key}[{copy[0]}], {copy[1]}\n  wgmma read of "
-          f"{key}[{read[0]}], {read[1]}\n  in no happens-before order")
+    print(f"RACE DETECTED (async wgmma)\n  TMA copy into {key}[{copy[0]}], {_where(*copy[1])}\n  wgmma read of "
+          f"{key}[{read[0]}], {_where(*read[1])}\n  in no happens-before order")
     gpu_callbacks.get_races().races_found = True
 
 
@@ -61,7 +71,7 @@ def _operand_reads(kwargs, when: str) -> None:
   if not memory.detect_races:
     return
   clock = memory.incr_clock(kwargs["thread"]).generic_clock
-  where = f"{source_info_util.summarize(kwargs['source_info'])} ({when})" if kwargs.get("source_info") else when
+  where = (kwargs.get("source_info"), f"wgmma {when}")
   for operand in "ab":
     key = gpu_callbacks.HostAllocationKey.from_array(kwargs[f"{operand}_allocation_key_as_array"])
     transforms = jax.tree.map(int, gpu_callbacks._remove_noop_transforms(  # pylint: disable=protected-access
@@ -72,8 +82,8 @@ def _operand_reads(kwargs, when: str) -> None:
 def _copy_landed(self, tma_thread_id, memory):
   _original["post_read"](self, tma_thread_id, memory)
   if memory.detect_races:
-    where = source_info_util.summarize(self.source_info) if self.source_info else "TMA copy"
-    _access(self.dst_allocation_key, self.dst_access.range, self.clock.generic_clock.copy(), True, where)
+    _access(self.dst_allocation_key, self.dst_access.range, self.clock.generic_clock.copy(), True,
+            (self.source_info, "TMA copy"))
 
 
 def _issue(**kwargs):

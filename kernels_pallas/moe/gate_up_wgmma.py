@@ -428,7 +428,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                        plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
     if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
-      scratch["dec"] = plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles)
+      scratch["dec"] = plgpu.SMEM((2, PLANES, t.block_n, bk), BF16, transforms=tiles)  # a warpgroup's planes
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
                      collective_axes="wg", **scratch)
@@ -512,11 +512,10 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 meta = meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)]
                 meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1)  # one per code byte
                 planes = decode_planes(codes_s[...], meta, levels, flagged)
-                buf = idx[0] % 2
-                for q, plane in enumerate(planes):
-                  dec[buf, v, q] = plane
+                for q, plane in enumerate(planes):  # the previous step's wgmmas have read them (its wait)
+                  dec[v, q] = plane
                 plgpu.commit_smem()
-                planes = [dec.at[buf, v, q] for q in range(PLANES)]
+                planes = [dec.at[v, q] for q in range(PLANES)]
               else:
                 with profile_region("decode", t):
                   planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
