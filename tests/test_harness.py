@@ -28,15 +28,16 @@ def test_release_compiled_programs_frees_their_mappings():
 
 
 # A two-slot ring, as the Mosaic GPU kernels have them: warpgroup 1 copies x's and w's K tiles in, warpgroup 0 sums
-# x @ w^T over them with one wgmma a step and releases each slot for the next copy. `release`: "after its wait" (each
-# step waits for its wgmma); "in flight" (a step's wgmma runs on until the next step's wait, which frees the
-# previous slot); the planted bugs "before its wait" and "in flight, its own slot" (the next copy may refill the
-# slot under the wgmma).
+# x @ w^T over them with one wgmma a step and releases each slot for the next copy. `release` → (wgmmas a step's
+# wait leaves in flight, whose slot it then frees: this step's or the previous one's, and whether that is a bug):
+# each step waiting for its wgmma; a step's wgmma running on until the next step's wait; and the planted bugs where
+# the next copy may refill a slot under its wgmma, landing before or while that wgmma is retired.
 ROWS, STEP, STEPS = 64, 64, 4
-RELEASES = {"after its wait": False, "in flight": False, "before its wait": True, "in flight, its own slot": True}
+RELEASES = {"after its wait": (0, 0, False), "in flight": (1, 1, False), "before its wait": (None, 0, True),
+            "in flight, its own slot": (1, 0, True), "two in flight, the previous slot": (2, 1, True)}
 
 
-def ring_matmul(x, w, *, release: str):
+def ring_matmul(x, w, *, release: str, read_acc: bool = True):
   swizzle = plgpu.find_swizzle(STEP * 2 * 8)
   tiles = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
@@ -62,21 +63,20 @@ def ring_matmul(x, w, *, release: str):
       def _():
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((ROWS, ROWS), jnp.float32))
         def _(acc):
-          in_flight = release.startswith("in flight")
+          in_flight, back, _ = RELEASES[release]
           for k in range(STEPS):
             plgpu.barrier_wait(full.at[k % 2])
             plgpu.wgmma(acc, x_s.at[k % 2], w_s.at[k % 2].T)
-            if release == "before its wait":
+            if in_flight is None:  # released, then waited for
               plgpu.barrier_arrive(free.at[k % 2])
-            plgpu.wgmma_wait(int(in_flight))
-            if release in ("after its wait", "in flight, its own slot"):
-              plgpu.barrier_arrive(free.at[k % 2])
-            elif release == "in flight" and k > 0:
-              plgpu.barrier_arrive(free.at[(k - 1) % 2])
-          if release == "in flight":
+            plgpu.wgmma_wait(in_flight or 0)
+            if in_flight is not None and k >= back:
+              plgpu.barrier_arrive(free.at[(k - back) % 2])
+          if read_acc:
             plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[(STEPS - 1) % 2])
-          out_s[...] = acc[...]
+          for k in range(STEPS - back, STEPS):
+            plgpu.barrier_arrive(free.at[k % 2])
+          out_s[...] = acc[...] if read_acc else jnp.zeros((ROWS, ROWS), jnp.float32)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_g)
         plgpu.wait_smem_to_gmem(0)
@@ -90,11 +90,21 @@ def ring_matmul(x, w, *, release: str):
 def test_wgmmas_run_late_and_a_slot_released_before_their_wait_is_a_race(rng, release):
   """tests/async_wgmma.py, installed by conftest for every test: a ring released in order sums right with no race
   and no wgmma left queued, a wgmma kept in flight for a step too; a slot released between its wgmma's issue and
-  the wait that retires it (bugs the stock interpreter passes: it runs a wgmma at issue) is a race on every run."""
+  the wait that retires it (bugs the stock interpreter passes: it runs a wgmma at issue) is a race on every run,
+  whether the refill lands before that wait or inside it."""
   x, w = (jnp.asarray(rng.standard_normal((ROWS, STEP * STEPS)), jnp.bfloat16) for _ in range(2))
   out = jax.block_until_ready(ring_matmul(x, w, release=release))
   assert async_wgmma.queued() == 0
-  assert interpret_pallas_call.get_races().races_found == RELEASES[release]
-  if not RELEASES[release]:
+  bug = RELEASES[release][2]
+  assert interpret_pallas_call.get_races().races_found == bug
+  if not bug:
     want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_warpgroup_ending_with_a_wgmma_not_waited_for_fails_its_kernel(rng):
+  x, w = (jnp.asarray(rng.standard_normal((ROWS, STEP * STEPS)), jnp.bfloat16) for _ in range(2))
+  with pytest.raises(Exception, match="not waited for"):
+    jax.block_until_ready(ring_matmul(x, w, release="in flight", read_acc=False))
+  jax.block_until_ready(ring_matmul(x, w, release="in flight"))  # the next kernel starts clean
+  assert not interpret_pallas_call.get_races().races_found and async_wgmma.queued() == 0

@@ -42,12 +42,13 @@ turn (8.4 ms); each warpgroup making the SwiGLU of half of the rows (5.5 ms); a 
 decodes both tiles into shared-memory planes while the other two only issue wgmmas (2a804c4: 5.9 ms). Profiled
 (experiments/profile_moe.py), a step is ~1450 cycles against ~1024 of tensor-core work: each warpgroup's slot wait
 (~290), decode (~490), issue (~190) and wait (~320) run one after the other.
-Each step waits for its own wgmmas. Leaving them in flight into the next step (`mma_in_flight`, the first version)
-made ptxas serialize every wgmma ("insufficient register resources for the wgmma pipeline", C7511) at every tiling,
-even with no decode (docs/lowering.md; BENCHMARKS.md has the figures), and it raced: emit_pipeline_warp_specialized's
-`delay_release` never releases a pipeline's last slot, so the next unit's first copies refilled it under the last
-step's wgmmas (found by the tests' interpreter with late wgmmas, tests/async_wgmma.py). Only `_ring_kernel`, which
-releases a unit's last slots after its final wait, keeps wgmmas in flight.
+Each step of this pipeline waits for its own wgmmas. Leaving them in flight into the next step (`mma_in_flight`,
+the first version) made ptxas serialize every wgmma of the pipeline ("insufficient register resources for the wgmma
+pipeline", C7511) at every tiling, even with no decode (docs/lowering.md; BENCHMARKS.md has the figures), and it
+raced: emit_pipeline_warp_specialized's `delay_release` never releases the slot of a pipeline's last step, so the
+next unit's prologue copies refilled it under that step's wgmmas (found by the tests' interpreter with late wgmmas,
+tests/async_wgmma.py). Only `_ring_kernel`, which releases a unit's last slots after its final wait, keeps wgmmas in
+flight.
 
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
 on bf16 weights its h is bit-identical to gate_up.py's on the H200 (FP2-MIX: the same decoded bits, summed over K
