@@ -333,9 +333,10 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
 
 def test_gate_up_wgmma_writes_h_in_the_down_planes_order(rng):
   # With planes_rows, h comes as down_wgmma's planes [4, rows, I/4] (plane q column i = h column 4i + q): each unit
-  # reads the W1/W3 rows of one plane's columns. FP2-MIX, I = 512: two N tiles per plane, on 3 SMs.
+  # reads the W1/W3 rows of one plane's columns. FP2-MIX, I = 512: two N tiles per plane, on 3 SMs. Four experts
+  # routed (the others empty): four items of eight units, each decoded in the interpreter.
   D_, I_ = 256, 512
-  x, w1, w3, ids = problem(rng, 40, 4, inter=I_, d=D_)
+  x, w1, w3, ids = problem(rng, 40, 4, inter=I_, d=D_, empty=(1, 3, 5, 7))
   st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
   q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, I_, D_)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
