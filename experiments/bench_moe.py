@@ -72,13 +72,11 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
-    # 384-row tiles: each decoded step serves three 128-row wgmmas (fewer items, so fewer decodes, where experts
-    # have more than 256 rows: Zipf's busy experts, 32768 tokens)
-    "lhs_w192_s3_r128": _T(wg_rows=192, block_n=64, stages=3, mma_rows=128),
-    "lhs_w192_s2_r128": _T(wg_rows=192, block_n=64, stages=2, mma_rows=128),
 }
 # Also measured and dropped (2a804c4): a third warpgroup issuing the copies and decoding both tiles into shared-memory
-# planes, the other two only issuing wgmmas (8192 tokens: 5.85 against 5.17 ms).
+# planes, the other two only issuing wgmmas (8192 tokens: 5.85 against 5.17 ms); (6a99a1b) 384-row tiles, three
+# 128-row wgmmas per decoded step, gate/up and down: ptxas spills at its 168 registers a thread (H100, 8192 tokens:
+# 8.8 against 5.9 ms).
 # The Mosaic GPU down on rocmfp3_mix W2 (down_wgmma.py), the same structure with one stack, each warpgroup its own
 # N tile; against what the model runs under moe_wgmma_gate_up (W2 decoded by the decode kernel, then the Triton down).
 WGMMA_DOWN_TILINGS = {
@@ -88,8 +86,6 @@ WGMMA_DOWN_TILINGS = {
     "w128_s4_r128": _T(wg_rows=128, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r128": _T(wg_rows=64, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r64": _T(wg_rows=64, block_n=64, stages=4, mma_rows=64),
-    "w192_s2_r128": _T(wg_rows=192, block_n=64, stages=2, mma_rows=128),  # 384-row tiles, as the gate/up's
-    "w192_s3_r128": _T(wg_rows=192, block_n=64, stages=3, mma_rows=128),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

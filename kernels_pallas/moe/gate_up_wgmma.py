@@ -423,9 +423,9 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
   noop = lambda *_, **__: None
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
-  if mix:  # one accumulator block at a time: its h rows, and W3's accumulators, handed to warpgroup 0 for the SwiGLU
-    scratch = dict(out_smem=plgpu.SMEM((1, t.mma_rows, t.block_n), h_g.dtype),
-                   up=plgpu.SMEM((t.block_n, t.mma_rows), F32, transforms=(
+  if mix:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per block, handed to warpgroup 0 for the SwiGLU
+    scratch = dict(out_smem=plgpu.SMEM((1, t.block_m, t.block_n), h_g.dtype),
+                   up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows), F32, transforms=(
                        plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
     if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
@@ -465,8 +465,9 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         first, rows = rows_in(wg_first, t.wg_rows)
         blocks = range(t.wg_rows // WGMMA_M)
         if mix:  # both warpgroups cover the whole row tile, one projection each
+          first, rows = rows_in(x_start, t.block_m)
           blocks = range(t.block_m // t.mma_rows)
-          # this expert's book levels and mode flag, as scalars
+        if mix:  # this expert's book levels and mode flag, as scalars
           sides = [([[lv[e, s, k] for k in range(4)] for s in range(2)], zf[e]) for _, _, lv, zf in stacks]
 
         def lhs_context(run):
@@ -477,32 +478,28 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
               # In 64-row chunks, through a swizzled buffer: fewer live registers than a whole [64, 256] f32 copy
               chunks = range(0, t.mma_rows, WGMMA_M)
 
-              # Block by block through one up buffer and one h buffer, so that the shared memory for them does not
-              # grow with the row tile (3 blocks of 128 rows beside 3 x slots would not fit otherwise)
               @pl.when(wg == 1)
               def _():
+                plgpu.barrier_wait(up_free)  # warpgroup 0 has read the previous unit's
                 for b in blocks:
-                  plgpu.barrier_wait(up_free)  # warpgroup 0 has read the previous block's
                   a = accs[b][0][...]
                   for c in chunks:
-                    up[:, pl.ds(c, WGMMA_M)] = a[:, c:c + WGMMA_M]
-                  plgpu.commit_smem()
-                  plgpu.barrier_arrive(up_ready)
+                    up[b, :, pl.ds(c, WGMMA_M)] = a[:, c:c + WGMMA_M]
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(up_ready)
 
               @pl.when(wg == 0)
               def _():
+                plgpu.barrier_wait(up_ready)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
                 for b in blocks:
-                  block_first, block_rows = rows_in(x_start + b * t.mma_rows, t.mma_rows)
-                  plgpu.barrier_wait(up_ready)
-                  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's store has left out_smem
                   gate = accs[b][0][...]
                   for c in chunks:
-                    h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[:, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
-                    out_smem.at[0, pl.ds(c, WGMMA_M)].T[...] = h
-                  plgpu.barrier_arrive(up_free)
-                  plgpu.commit_smem()
-                  _store_rows(out_smem, 0, block_first - (x_start + b * t.mma_rows), h_out, block_first, block_rows,
-                              cols, t.mma_rows)
+                    h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
+                    out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
+                plgpu.barrier_arrive(up_free)
+                plgpu.commit_smem()
+                _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.block_m)
 
         def lhs_mma(idx, x_s, *args):
           *w_ss, accs = args

@@ -308,26 +308,19 @@ def test_gather_planes_tiles_any_hidden_size_the_kernels_take(rng, d, planes):
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
-@pytest.mark.parametrize("decode", ["64-row wgmmas", "128-row wgmmas", "three 128-row blocks"])
+@pytest.mark.parametrize("decode", ["64-row wgmmas", "128-row wgmmas"])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
   # ~80 rows per expert, a 128-row tile: its second 64-row block is partial. W1/W3 in FP2-MIX (expert 0
   # uniform), decoded in the kernel, one projection per warpgroup on all 128 rows, two N tiles. D = 512: two meta
   # tiles (256 weights each), each serving 4 K steps. Compared with the reference on the
   # canonically decoded weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding
-  # of h. Three blocks: a 384-row tile, its accumulator blocks handed over and stored one by one; expert 3 routed
-  # from every token has 272 rows (its third block partial), the others ~39 (their second and third blocks empty);
-  # one meta tile (D = 256) keeps the interpreter's time down.
-  D_ = 256 if decode.startswith("three") else 512
-  if decode.startswith("three"):
-    x, w1, w3, ids = problem(rng, 272, 2, inter=128, d=D_, empty=(3,))
-    ids = ids.at[:, 0].set(3)
-    t = Tiling(wg_rows=192, block_n=64, stages=2, mma_rows=128)
-  else:
-    x, w1, w3, ids = problem(rng, 160, 4, inter=128, d=D_)
-    t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64)
+  # of h.
+  D_ = 512
+  x, w1, w3, ids = problem(rng, 160, 4, inter=128, d=D_)
   st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
   q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D_)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
+  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64)
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races(h)
