@@ -75,8 +75,8 @@ WGMMA_MIX_TILINGS = {
 }
 # Also measured and dropped (2a804c4): a third warpgroup issuing the copies and decoding both tiles into shared-memory
 # planes, the other two only issuing wgmmas (8192 tokens: 5.85 against 5.17 ms); (6a99a1b) 384-row tiles, three
-# 128-row wgmmas per decoded step, gate/up and down: ptxas spills at its 168 registers a thread (H100, 8192 tokens:
-# 8.8 against 5.9 ms).
+# 128-row wgmmas per decoded step, gate/up and down: 192 accumulator registers a thread, and ptxas spills 150-250
+# bytes (H100, 8192 tokens: 8.8 against 5.9 ms).
 # The Mosaic GPU down on rocmfp3_mix W2 (down_wgmma.py), the same structure with one stack, each warpgroup its own
 # N tile; against what the model runs under moe_wgmma_gate_up (W2 decoded by the decode kernel, then the Triton down).
 WGMMA_DOWN_TILINGS = {
