@@ -528,7 +528,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                       plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
 
                 # An item has rows in a tile of one block; a branch around a wgmma makes ptxas serialize every
-                # wgmma of the kernel (C7512, docs/lowering.md), so that block is issued unconditionally
+                # wgmma of the kernel (C7512, docs/lowering.md §1), so that block is issued unconditionally
                 if t.skip_empty and len(blocks) > 1:
                   pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
                 else:

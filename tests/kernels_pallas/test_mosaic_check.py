@@ -29,7 +29,7 @@ RING = gate_up.Tiling(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1)  # b
 
 def modules(fn, *args) -> list[bytes]:
   with use_abstract_mesh(H200):  # the row gather in front of the gate/up is a Pallas-Triton kernel
-    return mosaic_modules(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    return mosaic_modules(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
 
 
 def gate_up_kernel(weights, tiling) -> bytes:
@@ -75,12 +75,13 @@ def test_shipped_kernels_wait_for_their_wgmmas_in_the_branch_that_issues_them(ke
 
 
 def test_a_branch_around_an_issue_is_found():
-  """Four 64-row blocks a warpgroup: skip_empty branches around each block's wgmmas (the shape 18c3514 had for a
-  single block too, which ptxas reported as C7512); without skip_empty, none. The bf16 pipeline (several blocks a
-  warpgroup) has such branches: BENCHMARKS.md, session 42."""
-  blocks = gate_up.Tiling(wg_rows=128, block_n=64, stages=3, mma_rows=64)
-  branched = wgmma_report(gate_up_kernel(MIX, blocks))
+  """Four 64-row blocks a warpgroup: skip_empty branches around each block's wgmmas (what 18c3514's MIX kernels had
+  around their one block, which ptxas reported as C7512: docs/lowering.md §1); without skip_empty, none. The bf16
+  pipeline (several 64-row blocks a warpgroup) has such branches."""
+  four_blocks = gate_up.Tiling(wg_rows=128, block_n=64, stages=3, mma_rows=64)
+  branched = wgmma_report(gate_up_kernel(MIX, four_blocks))
   assert len(branched.issue_only_branches) == branched.issues == 2 * 4 * 4  # 2 warpgroups x 4 blocks x 4 planes
-  assert wgmma_report(gate_up_kernel(MIX, dataclasses.replace(blocks, skip_empty=False))).issue_only_branches == []
+  unbranched = wgmma_report(gate_up_kernel(MIX, dataclasses.replace(four_blocks, skip_empty=False)))
+  assert unbranched.issues == 2 * 4 * 4 and unbranched.issue_only_branches == []
   bf16 = wgmma_report(gate_up_kernel(BF16, gate_up.BF16_TILING))
   assert bf16.issues and len(bf16.issue_only_branches) == bf16.issues
