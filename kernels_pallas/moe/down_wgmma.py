@@ -48,7 +48,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
                                               aligned_items, as_planes, expert_levels, half_block_values,
-                                              half_block_values_ir, padded_rows, prmt_selectors_ir, profile_region)
+                                              half_block_values_ir, issue_blocks, padded_rows, prmt_selectors_ir,
+                                              profile_region)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -280,21 +281,15 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
               else:
                 with profile_region("decode", t):
                   planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels, flagged)
-              for b in blocks:
-                def issue(b=b):
-                  rows = pl.ds(b * t.mma_rows, t.mma_rows)
-                  with profile_region("mma", t):
-                    for q in range(PLANES):
-                      plgpu.wgmma(accs[b], planes[q], x_s.at[q, rows].T)
+              def issue(b):
+                rows = pl.ds(b * t.mma_rows, t.mma_rows)
+                with profile_region("mma", t):
+                  for q in range(PLANES):
+                    plgpu.wgmma(accs[b], planes[q], x_s.at[q, rows].T)
 
-                # An item has rows in a tile of one block; a branch around a wgmma makes ptxas serialize every
-                # wgmma of the kernel (C7512, docs/lowering.md §1), so that block is issued unconditionally
-                if t.skip_empty and len(blocks) > 1:
-                  pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
-                else:
-                  issue()
-              with profile_region("wait", t):
-                plgpu.wgmma_wait(0)
+              # an item has rows in the first block of its tile
+              issue_blocks(issue, lambda b: rows_in(x_start + b * t.mma_rows, t.mma_rows)[1], len(blocks), t,
+                           always_full=len(blocks) == 1)
           return accs
 
         with profile_region("unit", t, "units"):

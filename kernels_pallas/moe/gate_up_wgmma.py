@@ -354,6 +354,25 @@ def profile_region(name: str, t: Tiling, kind: str = "steps"):
   return jax.named_scope(name) if t.profile_regions == kind else contextlib.nullcontext()
 
 
+def issue_blocks(issue, rows_in_block, n_blocks: int, t: Tiling, always_full: bool = False) -> None:
+  """Issues issue(b), block b's wgmmas, for the blocks that hold rows, then waits for them. The blocks with rows are
+  a prefix (an item's rows start fewer than ROW_ALIGN rows into its tile), so with skip_empty each count of them is
+  one branch that issues and waits: a branch that issues a wgmma without its wait makes ptxas serialize every wgmma
+  of the kernel (C7512, docs/lowering.md §1). `always_full`: every block holds rows (no branch at all)."""
+  def issue_and_wait(count):
+    for b in range(count):
+      issue(b)
+    with profile_region("wait", t):
+      plgpu.wgmma_wait(0)
+
+  if not t.skip_empty or always_full:
+    issue_and_wait(n_blocks)
+    return
+  nonempty = sum((rows_in_block(b) > 0).astype(I32) for b in range(n_blocks))
+  for count in range(1, n_blocks + 1):  # none: nothing was issued, nothing to wait for
+    pl.when(nonempty == count)(functools.partial(issue_and_wait, count))
+
+
 def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: int):
   """Copies rows [src_row, src_row + count) of out_smem[slot] to h rows [first_row, first_row + count), columns
   `cols`: TMA copies need static shapes, so `count` is written as a sum of powers of two, largest first."""
@@ -520,21 +539,15 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
               else:
                 with profile_region("decode", t):
                   planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
-              for b in blocks:
-                def issue(b=b):
-                  rows = pl.ds(b * t.mma_rows, t.mma_rows)
-                  with profile_region("mma", t):
-                    for q in range(PLANES):
-                      plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
+              def issue(b):
+                rows = pl.ds(b * t.mma_rows, t.mma_rows)
+                with profile_region("mma", t):
+                  for q in range(PLANES):
+                    plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
 
-                # An item has rows in a tile of one block; a branch around a wgmma makes ptxas serialize every
-                # wgmma of the kernel (C7512, docs/lowering.md §1), so that block is issued unconditionally
-                if t.skip_empty and len(blocks) > 1:
-                  pl.when(rows_in(x_start + b * t.mma_rows, t.mma_rows)[1] > 0)(issue)
-                else:
-                  issue()
-              with profile_region("wait", t):
-                plgpu.wgmma_wait(0)
+              # an item has rows in the first block of its tile
+              issue_blocks(issue, lambda b: rows_in(x_start + b * t.mma_rows, t.mma_rows)[1], len(blocks), t,
+                           always_full=len(blocks) == 1)
           return accs
 
         def compute_context(run):
@@ -556,19 +569,14 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
         def mma(idx, x_s, *args):
           *w_ss, accs = args
-          for b in blocks:
-            def issue(b=b):
-              row0 = pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M)
-              with profile_region("mma", t):
-                for acc, w_s in zip(accs[b], w_ss):
-                  plgpu.wgmma(acc, x_s.at[pl.ds(row0, WGMMA_M)], w_s.T)
 
-            if t.skip_empty:
-              pl.when(rows_in(wg_first + b * WGMMA_M, WGMMA_M)[1] > 0)(issue)
-            else:
-              issue()
-          with profile_region("wait", t):
-            plgpu.wgmma_wait(0)
+          def issue(b):
+            row0 = pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M)
+            with profile_region("mma", t):
+              for acc, w_s in zip(accs[b], w_ss):
+                plgpu.wgmma(acc, x_s.at[pl.ds(row0, WGMMA_M)], w_s.T)
+
+          issue_blocks(issue, lambda b: rows_in(wg_first + b * WGMMA_M, WGMMA_M)[1], len(blocks), t)
           return accs
 
         body, context = (lhs_mma, lhs_context) if mix else (mma, compute_context)

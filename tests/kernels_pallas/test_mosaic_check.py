@@ -1,13 +1,16 @@
 """kernels_pallas/mosaic_check.py on the Mosaic GPU kernels, lowered offline for sm_90 (no GPU): the shipped MoE and
-MLA kernels issue no wgmma inside a branch that does not also wait for it (ptxas would serialize every wgmma of the
-kernel, C7512), and a tiling with such a branch is found."""
+MLA kernels, and their tilings with several row blocks a warpgroup, issue no wgmma inside a branch that does not also
+wait for it (ptxas would serialize every wgmma of the kernel, C7512), and such a branch is found."""
 
-import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from kernels_pallas.mla.stream_wgmma import sparse_mla_wgmma
@@ -74,14 +77,58 @@ def test_shipped_kernels_wait_for_their_wgmmas_in_the_branch_that_issues_them(ke
   assert report.issue_only_branches == []
 
 
+# Tilings no default picks, with several row blocks a warpgroup: skip_empty issues each count of non-empty blocks in
+# its own branch, with its wait
+SEVERAL_BLOCKS = {
+    "gate_up FP2-MIX, four 64-row blocks": lambda: gate_up_kernel(MIX, gate_up.Tiling(wg_rows=128, block_n=64, stages=3,
+                                                                                     mma_rows=64)),
+    "gate_up bf16 pipeline (BF16_TILING)": lambda: gate_up_kernel(BF16, gate_up.BF16_TILING),
+    "down FP3-MIX, two 128-row blocks": lambda: down_kernel(gate_up.Tiling(wg_rows=128, block_n=64, stages=2,
+                                                                          mma_rows=128)),
+}
+
+
+@pytest.mark.parametrize("kernel", list(SEVERAL_BLOCKS))
+def test_several_blocks_wait_in_each_branch_that_issues(kernel):
+  report = wgmma_report(SEVERAL_BLOCKS[kernel]())
+  assert report.issues >= 8 and report.waits >= 2  # a branch per count of non-empty blocks
+  assert report.issue_only_branches == []
+
+
+def one_wgmma_kernel(wait_in_branch: bool) -> bytes:
+  """One 64x64x64 wgmma (4 instructions) behind a branch, waited for inside the branch or after it (the latter is
+  what 18c3514's MIX kernels did around their one block, which ptxas reported as C7512: docs/lowering.md §1)."""
+  tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def body(a_g, b_g, out_g):
+    @functools.partial(pl.run_scoped, a_s=plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tiles),
+                       b_s=plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tiles), ready=plgpu.Barrier(num_arrivals=2),
+                       acc=plgpu.ACC((64, 64), jnp.float32), out_s=plgpu.SMEM((64, 64), jnp.float32))
+    def _(a_s, b_s, ready, acc, out_s):
+      plgpu.copy_gmem_to_smem(a_g, a_s, ready)
+      plgpu.copy_gmem_to_smem(b_g, b_s, ready)
+      plgpu.barrier_wait(ready)
+
+      @pl.when(lax.axis_index("x") == 0)
+      def _():
+        plgpu.wgmma(acc, a_s, b_s.T)
+        if wait_in_branch:
+          plgpu.wgmma_wait(0)
+
+      if not wait_in_branch:
+        plgpu.wgmma_wait(0)
+      out_s[...] = acc[...]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_s, out_g)
+      plgpu.wait_smem_to_gmem(0)
+
+  kernel = plgpu.kernel(body, out_type=SDS((64, 64), jnp.float32), grid=(2,), grid_names=("x",))
+  (m,) = modules(kernel, SDS((64, 64), jnp.bfloat16), SDS((64, 64), jnp.bfloat16))
+  return m
+
+
 def test_a_branch_around_an_issue_is_found():
-  """Four 64-row blocks a warpgroup: skip_empty branches around each block's wgmmas (what 18c3514's MIX kernels had
-  around their one block, which ptxas reported as C7512: docs/lowering.md §1); without skip_empty, none. The bf16
-  pipeline (several 64-row blocks a warpgroup) has such branches."""
-  four_blocks = gate_up.Tiling(wg_rows=128, block_n=64, stages=3, mma_rows=64)
-  branched = wgmma_report(gate_up_kernel(MIX, four_blocks))
-  assert len(branched.issue_only_branches) == branched.issues == 2 * 4 * 4  # 2 warpgroups x 4 blocks x 4 planes
-  unbranched = wgmma_report(gate_up_kernel(MIX, dataclasses.replace(four_blocks, skip_empty=False)))
-  assert unbranched.issues == 2 * 4 * 4 and unbranched.issue_only_branches == []
-  bf16 = wgmma_report(gate_up_kernel(BF16, gate_up.BF16_TILING))
-  assert bf16.issues and len(bf16.issue_only_branches) == bf16.issues
+  branched = wgmma_report(one_wgmma_kernel(wait_in_branch=False))
+  assert branched.issues == 4 and branched.issue_only_branches == [0, 1, 2, 3]
+  waited = wgmma_report(one_wgmma_kernel(wait_in_branch=True))
+  assert waited.issues == 4 and waited.issue_only_branches == []

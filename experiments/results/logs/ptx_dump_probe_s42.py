@@ -1,6 +1,6 @@
 """Session 42 probe: the PTX and ptxas's log of the MoE Mosaic GPU kernels at V4-Flash's hidden size (16 experts, 512
 tokens): argv names any of mix (gate/up MIX_TILING), mixc2 (the same with cluster 2), down (down_wgmma.TILING), ring
-(the bf16 ring w64_n128_i_t_x3). Run on the GPU with MOSAIC_GPU_DUMP_TO=dir MOSAIC_GPU_DUMP_PTX=1
+(the bf16 ring w64_n128_i_t_x3), bf16 (the bf16 pipeline, BF16_TILING on separate W1/W3; session 43). Run on the GPU with MOSAIC_GPU_DUMP_TO=dir MOSAIC_GPU_DUMP_PTX=1
 MOSAIC_GPU_DUMP_PTXAS=1; output: ptxas_moe_kernels_c7512_s42.log. At 6a99a1b a variant of it compiled the 384-row
 tilings (Tiling(wg_rows=192, block_n=64, stages=2 or 3, mma_rows=128)): ptxas_mix384_h100_6a99a1b.log."""
 import sys
@@ -28,3 +28,6 @@ for name in sys.argv[1:]:
     t = G.Tiling(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1)
     w13 = G.tile_by_step(G.interleave(w, w, t.block_n), 2 * t.block_n, t.block_k)
     G.gate_up_wgmma(x, w13, None, r, swiglu_limit=10.0, tiling=t).block_until_ready()
+  elif name == "bf16":
+    w = (jax.random.normal(key, (E, I, D)) * D**-0.5).astype(jnp.bfloat16)
+    G.gate_up_wgmma(x, w, w, r, swiglu_limit=10.0, tiling=G.BF16_TILING).block_until_ready()
