@@ -35,7 +35,8 @@ _ROUTINGS = flags.DEFINE_list("routings", list(ROUTINGS), "Routing distributions
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (median).")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes, interpret mode (CPU check of the script).")
-_ONLY = flags.DEFINE_list("only", [], "Run only the contenders whose names start with one of these (all if empty).")
+_ONLY = flags.DEFINE_list("only", [], "Run only the contenders whose names start with one of these (all if empty); "
+                          "one ending in '$' names a contender exactly.")
 
 # Each entry kills (or turns on, for the experimental persistent queue) one MoE switch of the default config.
 ABLATIONS = {"moe_adaptive_tile off": dict(adaptive_tile=False), "moe_compact_queue off": dict(compact_queue=False),
@@ -89,6 +90,11 @@ WGMMA_DOWN_TILINGS = {
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
+
+
+def wanted(name: str) -> bool:
+  """Whether --only picks the contender `name`."""
+  return not _ONLY.value or any(name == o[:-1] if o.endswith("$") else name.startswith(o) for o in _ONLY.value)
 
 
 def wgmma_weights(tiling: str, w1, w3) -> tuple:
@@ -179,7 +185,7 @@ def main(argv):
       r = jax.jit(lambda i, bm=cfg.row_tile(S * K, E): routing.route(i, E, bm))(ids)
 
       def measure(name, f, *args, flops=gate_up_flops, **extra):
-        if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
+        if not wanted(name):
           return
         try:
           sec = timeit(jax.jit(f), *args, n=n)
@@ -202,7 +208,7 @@ def main(argv):
         h_triton = jax.jit(gu)(x, w1, w3, r)
         for tname, (t, _, _) in WGMMA_TILINGS.items():
           name = f"ours_wgmma_bf16_gate_up {tname}"
-          if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
+          if not wanted(name):
             continue
           ws = wgmma_weights(tname, w1, w3)
           gw = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
@@ -228,7 +234,7 @@ def main(argv):
         h_mix = jax.jit(gu)(x, q1, q3, r)
         for tname, t in WGMMA_MIX_TILINGS.items():
           name = f"ours_wgmma_rocmfp2_mix_gate_up {tname}"
-          if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
+          if not wanted(name):
             continue
           gm = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
           try:  # against our Triton fused MIX gate/up (same decoded bf16 weights, another K order)
@@ -253,7 +259,7 @@ def main(argv):
         measure("wgmma row_planes", lambda h: down_wgmma.row_planes(h, 256), h)
         for tname, t in WGMMA_DOWN_TILINGS.items():
           name = f"ours_wgmma_rocmfp3_mix_down {tname}"
-          if _ONLY.value and not any(name.startswith(o) for o in _ONLY.value):
+          if not wanted(name):
             continue
           dw = lambda h, w, r, t=t: down_wgmma.down_wgmma(h, w, r, tiling=t)
           try:
@@ -286,7 +292,7 @@ def main(argv):
       sizes = jnp.bincount(jnp.where(ids >= 0, ids, E).reshape(-1), length=E + 1)[:E].astype(jnp.int32)
       w13 = jnp.concatenate([w1, w3], axis=1).transpose(0, 2, 1)  # [E, D, 2I]
       measure("jax_ragged_dot_gate_up", lambda a, b, g: jax.lax.ragged_dot(a, b, g), x_sorted, w13, sizes)
-      if not _SMOKE.value and (not _ONLY.value or any("torch_grouped_mm_gate_up".startswith(o) for o in _ONLY.value)):
+      if not _SMOKE.value and wanted("torch_grouped_mm_gate_up"):
         sec = torch_grouped_mm_seconds(x_sorted, w13, sizes, n)
         save(base | dict(contender="torch_grouped_mm_gate_up",
                          **(dict(seconds=sec, tflops=gate_up_flops / sec / 1e12) if sec else dict(error="no torch"))))

@@ -176,6 +176,8 @@ def test_a_bug_only_in_chunked_attention_fails_in_the_verdict_bands(tiny, monkey
   assert not out.passed and out.layers[0].update_nmse > 1e3 * verdicts.F32_BOUND
   assert out.teacher_forced.mean_kl > out.teacher_forced.bound
 
+
+def test_a_configuration_whose_run_fails_leaves_the_others_judged(tiny):
   """One configuration's layer run failing (out of memory, say), or its KL prefill, is its own verdict's error: the
   others are judged on, end to end."""
   m, ids = tiny
@@ -254,8 +256,6 @@ def test_a_reference_kl_on_file_is_used_not_measured(tiny, monkeypatch):
   tf = out["exact"].teacher_forced
   assert (tf.reference_bf16_mean_kl, tf.bound) == (0.25, verdicts.KL_FACTOR * 0.25)
   assert any("2.50e-01" in s and "on file" in s for s in lines)
-
-
 
 
 def test_a_carry_bug_passes_one_band_and_fails_in_two_at_its_layer_and_end_to_end(tiny):
