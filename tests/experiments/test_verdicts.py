@@ -205,7 +205,7 @@ def test_the_exact_path_in_bands_is_judged_and_fails_a_bug_every_path_shares(tin
   good = judge(m, len(ids) // 2)
   assert len(good.layers) == len(m.layers) and good.passed and {v.bands for v in good.layers} == {2}
   assert max(v.update_nmse for v in good.layers) < 1e-3 * verdicts.F32_BOUND
-  # planted in layer 0 only (one layer kind compiled again): the model every path and the reference run has it
+  # planted in layer 0 only (one layer kind compiled again), in the model that every path and the reference run
   shared_bug = judge(mutations.mutated_model(m, mutations.kv_tail_dropped, {0}), len(ids) // 2)
   assert not shared_bug.passed and "in 2 bands" in shared_bug.reasons()[0]
 

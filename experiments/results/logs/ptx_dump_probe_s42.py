@@ -1,7 +1,8 @@
 """Session 42 probe: the PTX and ptxas's log of the MoE Mosaic GPU kernels at V4-Flash's hidden size (16 experts, 512
 tokens): argv names any of mix (gate/up MIX_TILING), mixc2 (the same with cluster 2), down (down_wgmma.TILING), ring
-(the bf16 ring w64_n128_i_t_x3), bf16 (the bf16 pipeline, BF16_TILING on separate W1/W3; session 43). Run on the GPU with MOSAIC_GPU_DUMP_TO=dir MOSAIC_GPU_DUMP_PTX=1
-MOSAIC_GPU_DUMP_PTXAS=1; output: ptxas_moe_kernels_c7512_s42.log. At 6a99a1b a variant of it compiled the 384-row
+(the bf16 ring w64_n128_i_t_x3), bf16 (the bf16 pipeline, BF16_TILING on separate W1/W3; session 43). Run on the
+GPU with MOSAIC_GPU_DUMP_TO=dir MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1; output: ptxas_moe_kernels_c7512_s42.log
+(session 43: ptxas_moe_kernels_h100_c7518e2.log). At 6a99a1b a variant of it compiled the 384-row
 tilings (Tiling(wg_rows=192, block_n=64, stages=2 or 3, mma_rows=128)): ptxas_mix384_h100_6a99a1b.log."""
 import sys
 import jax, jax.numpy as jnp, numpy as np
