@@ -310,19 +310,20 @@ def test_gather_planes_tiles_any_hidden_size_the_kernels_take(rng, d, planes):
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
-@pytest.mark.parametrize("decode", ["64-row wgmmas", "128-row wgmmas"])
-def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
-  # ~80 rows per expert, a 128-row tile: its second 64-row block is partial. W1/W3 in FP2-MIX (expert 0
-  # uniform), decoded in the kernel, one projection per warpgroup on all 128 rows, two N tiles. D = 512: two meta
-  # tiles (256 weights each), each serving 4 K steps. Compared with the reference on the
-  # canonically decoded weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding
-  # of h.
+@pytest.mark.parametrize("decode,cluster", [("64-row wgmmas", 1), ("128-row wgmmas", 2)])
+def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
+  # ~80 rows per expert (three experts routed, expert 0 among them), a 128-row tile: its second 64-row block is
+  # partial. W1/W3 in FP2-MIX (expert 0 uniform), decoded in the kernel, one projection per warpgroup on all 128 rows,
+  # two N tiles (with cluster 2, one per SM of a cluster, x multicast: `default_tiling`'s MIX_TILING). D = 512: two
+  # meta tiles (256 weights each), each serving 4 K steps. Compared with the reference on the canonically decoded
+  # weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding of h.
   D_ = 512
-  x, w1, w3, ids = problem(rng, 160, 4, inter=128, d=D_)
+  x, w1, w3, ids = problem(rng, 120, 2, inter=128, d=D_, empty=(2, 3, 4, 5, 6))
   st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
   q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D_)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
-  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64)
+  assert int(r.group_sizes[0]) > 64
+  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64, cluster=cluster)
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races(h)
@@ -335,16 +336,17 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode):
 
 def test_gate_up_wgmma_writes_h_in_the_down_planes_order(rng):
   # With planes_rows, h comes as down_wgmma's planes [4, rows, I/4] (plane q column i = h column 4i + q): each unit
-  # reads the W1/W3 rows of one plane's columns. FP2-MIX, I = 512: two N tiles per plane, on 3 SMs. Four experts
-  # routed (the others empty): four items of eight units, each decoded in the interpreter.
+  # reads the W1/W3 rows of one plane's columns. FP2-MIX, I = 512: two N tiles per plane, taken by the two SMs of a
+  # cluster (x multicast, as the model's MIX_TILING), on 3 clusters. Two experts routed (the others empty): two items
+  # of eight units, each decoded in the interpreter.
   D_, I_ = 256, 512
-  x, w1, w3, ids = problem(rng, 40, 4, inter=I_, d=D_, empty=(1, 3, 5, 7))
+  x, w1, w3, ids = problem(rng, 40, 2, inter=I_, d=D_, empty=(1, 2, 3, 5, 6, 7))
   st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
   q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, I_, D_)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
   rows = padded_rows(r.num_routes, 128)
-  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128)
-  hp = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=3,
+  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128, cluster=2)
+  hp = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                      planes_rows=rows, interpret=interpret())
   assert_no_races(hp)
   assert hp.shape == (4, rows, I_ // 4)
