@@ -122,10 +122,9 @@ class Tiling:
 
 
 # The measured best tilings at V4-Flash shapes (bench_moe, BENCHMARKS.md): FP2-MIX "lhs r256" with x multicast over
-# clusters of two SMs (c2) above 64 rows per expert: 14-19% faster than without on the H100 at 8192 and 32768 tokens
-# (session 44, two calls; 5.04 against 6.24 ms at 8192); on the H200 c2 was within 8% either way at 229cee3, before
-# the C7512 change, and has not run since. "lhs w64 r128" at 2048 (48 rows: 3.86 ms on the H200); bf16 w128 n64
-# (8192: 3.99 ms on the H200).
+# clusters of two SMs (c2) above 64 rows per expert: faster than without at 8192 and 32768 tokens, by 14-19% on the
+# H100 (two calls; 5.04 against 6.24 ms at 8192) and 5% / 1% on the H200 (4.85 against 5.10 ms at 8192). "lhs w64
+# r128" at 2048 (48 rows: 3.86 ms on the H200); bf16 w128 n64 (8192: 3.99 ms on the H200).
 MIX_TILING = Tiling(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2)
 MIX_TILING_FEW_ROWS = Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128)
 BF16_TILING = Tiling(wg_rows=128, block_n=64)
