@@ -125,17 +125,18 @@ def problem(rng, S, K, *, D, I, mask_every=0, empty=()):
                                     Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128, tile_order="item"),
                                     TILING])  # the default: 256-row tiles and wgmmas
 def test_down_wgmma_matches_reference(rng, tiling):
-  # ~80 rows per expert (one expert empty, every 7th route masked): items that start inside the previous expert's
-  # rows, 64-row blocks with no row of the expert (skipped), several items per expert with the 128-row tile. D = 256:
-  # two units per item (an N-tile pair each), on 3 SMs. I = 512: two meta tiles, four high-bit tiles.
+  # Three experts routed, ~130 rows each (every 7th route masked; expert 5 among the empty ones): items that start
+  # inside the previous expert's rows, 64-row blocks with no row of the expert (skipped), several items per expert
+  # with the 128-row tile. D = 256: two units per item (an N-tile pair each), on 3 SMs. I = 512: two meta tiles,
+  # four high-bit tiles.
   D, I = 256, 512
-  h, st, r = problem(rng, 200, 4, D=D, I=I, mask_every=7, empty=(5,))
+  h, st, r = problem(rng, 150, 3, D=D, I=I, mask_every=7, empty=(1, 2, 3, 5, 6))
   out = jax.block_until_ready(down_wgmma(h, mix3_stack(st), r, tiling=tiling, num_sms=3, interpret=interpret()))
   if not ON_GPU:  # after the kernel has finished (test_moe_gate_up_wgmma.assert_no_races)
     assert not interpret_pallas_call.get_races().races_found
   ref = down_reference(h, jnp.asarray(dense_bf16(st)), r)
   n = int(r.num_rows[0])
-  assert int(r.group_sizes[5]) == 0 and n < 200 * 4
+  assert int(r.group_sizes[5]) == 0 and n < 150 * 3 and int(max(r.group_sizes)) > 128
   assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1
   err = nmse(out[:n], ref[:n])
   assert err <= 1e-10, err
