@@ -218,7 +218,7 @@ def test_wgmma_gate_up_and_down_in_the_model(seed):
   gate/up reads W1/W3 decoded beforehand (all three stacks decoded), beside the Triton down."""
   two = config.tiny_window(hidden_size=256, moe_intermediate_size=256)
   one = config.tiny_window(hidden_size=256, moe_intermediate_size=256, attention=two.attention[:1],
-                           routing=two.routing[:1])  # one layer: the Mosaic interpreter is the cost
+                           routing=two.routing[:1], n_routed_experts=4)  # one layer, 4 items: the interpreter's cost
   m = model.init_random(one, seed=seed, dtype=jnp.float32, policy="lucebox_mix")
   on = lambda *s: features.resolve(DEVICE, {k: k in s for k in SWITCHES} | {"prefill_band_tokens": 0})
   wgmma = on("bf16_matmul", "moe_sparse_gate_up", "moe_compact_queue", "moe_wgmma_gate_up", "moe_wgmma_down")
