@@ -257,10 +257,11 @@ def test_mla_wgmma_in_the_model(seed):
   m = model.init_random(cfg, seed=seed, dtype=jnp.float32)
   on = lambda *s: features.resolve(DEVICE, {k: k in s for k in SWITCHES} | {"prefill_band_tokens": 0})
   fast = on("bf16_matmul", "mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp", "mla_wgmma")
-  names = {n for n, _ in features.pallas_calls(lambda t: m(t, features=fast), jnp.asarray(TOKENS))}
+  tokens = TOKENS[:24]  # 6 CSA and 3 HCA rows: the interpreter's MLA kernel is the cost
+  names = {n for n, _ in features.pallas_calls(lambda t: m(t, features=fast), jnp.asarray(tokens))}
   assert "mla_stream_wgmma" in names and not any(n.startswith("mla_stream_") and n != "mla_stream_wgmma"
                                                   for n in names)
-  logits = lambda f: np.asarray(prefill.prefill(m, TOKENS, f, all_logits=True))
+  logits = lambda f: np.asarray(prefill.prefill(m, tokens, f, all_logits=True))
   err = nmse(logits(fast), logits(on("bf16_matmul")))
   print(f"{DEVICE} mla_wgmma against the exact path at bf16 operands: NMSE {err:.2e}")
   assert err < 1e-5
