@@ -58,14 +58,13 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
     "w128_n64_i_t_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), True, True),
     "w64_n128_i_t_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), True, True),
     "w64_n128_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), False, False),  # the model's layout
-    # "_c2": clusters of two SMs on neighbouring N tiles of one item, each x tile read from L2 once for both (H100,
-    # session 44: at most 5% faster at 8192 tokens, 4-7% slower at 32768)
-    "w128_n64_i_t_x4_c2": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1, cluster=2), True, True),
-    "w64_n128_i_t_x3_c2": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1, cluster=2), True, True),
 }
 
-# Also measured and dropped (fab9549): w64_n128 interleaved, one m64n256 wgmma per warpgroup as torch's 128x256
-# tile (8192 tokens: 4.6-5.3 ms against 3.6-3.9 for w128_n64).
+# Also measured and dropped: (c5bb9c6) the rings in clusters of two SMs sharing x (H100: at most 5% faster at 8192
+# tokens, 4-7% slower at 32768; its x slots' cluster barrier could complete with the peer SM's releases of a later
+# step, since with wgmmas in flight a release comes a step late: the interpreter deadlocked in CI); (fab9549)
+# w64_n128 interleaved, one m64n256 wgmma per warpgroup as torch's 128x256 tile (8192 tokens: 4.6-5.3 ms against
+# 3.6-3.9 for w128_n64).
 # The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, one projection each, the decoded tile as
 # the wgmma's register operand (mma_rows rows of x per wgmma). Decoding into shared-memory planes (per warpgroup or
 # shared between the two; or, at fab9549, with the wgmmas in flight while the next step decodes: 6.8 vs 5.1 ms at

@@ -99,7 +99,7 @@ class Tiling:
   and block_k 64 (a meta tile then serves 4 steps). profile_regions: what the
   regions Mosaic GPU's profiler records are (experiments/profile_moe.py; nothing without the profiler): "steps"
   (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit).
-  x_stages > 0 (bf16 weights, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
+  x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
   x_stages slots (at least 2 with mma_in_flight) and the weights `stages` slots, the weight copies running
   stages − x_stages steps ahead; there mma_in_flight 1 frees a step's slots one step late, so its wgmmas run while
   the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring)."""
@@ -609,29 +609,23 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   blocks = range(t.wg_rows // WGMMA_M)
-  # cluster 2: the cluster's SMs take neighbouring N tiles of one item, each copies half of an x tile to both, and an
-  # x slot is free once the compute warpgroups of both SMs have released it
-  multicast = dict(collective_axes="cluster") if t.cluster > 1 else {}
-  x_free = (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=sx) if t.cluster > 1
-            else plgpu.Barrier(num_arrivals=2, num_barriers=sx))
   scratch = dict(x_s=plgpu.SMEM((sx, t.block_m, bk), x_g.dtype, transforms=tiles),
                  w_s=[plgpu.SMEM((sw, w_rows, bk), x_g.dtype, transforms=tiles) for _ in w_gs],
                  out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype),
                  x_full=plgpu.Barrier(num_arrivals=1, num_barriers=sx),
-                 x_free=x_free,
+                 x_free=plgpu.Barrier(num_arrivals=2, num_barriers=sx),
                  w_full=plgpu.Barrier(num_arrivals=n_w, num_barriers=sw),
                  w_free=plgpu.Barrier(num_arrivals=2, num_barriers=sw))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
   def _scope(x_s, w_s, out_smem, x_full, x_free, w_full, w_free):
-    wg, sm, num_sms = lax.axis_index("wg"), lax.axis_index("sm"), lax.axis_size("sm")  # sm: the cluster
-    groups = n_tiles // t.cluster  # N tiles are taken `cluster` at a time, one per SM of the cluster
-    local_units = jnp.maximum(num_items[0] * groups - sm + num_sms - 1, 0) // num_sms  # as plgpu.nd_loop deals
+    wg, sm, num_sms = lax.axis_index("wg"), lax.axis_index("sm"), lax.axis_size("sm")
+    local_units = jnp.maximum(num_items[0] * n_tiles - sm + num_sms - 1, 0) // num_sms  # as plgpu.nd_loop deals
     local_steps = local_units * steps
 
     def unit_of(g):  # (item, N tile, K step) of this SM's step g
       u = sm + num_sms * (g // steps)
-      return u // groups, u % groups * t.cluster + lax.axis_index("cluster"), g % steps
+      return u // n_tiles, u % n_tiles, g % steps
 
     @pl.when(wg == 2)
     def _():
@@ -656,8 +650,7 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
           s = (g - lag) % sx
           plgpu.barrier_wait(x_free.at[s])
           x_start = pl.multiple_of(item_x_start[i], ROW_ALIGN)
-          plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s],
-                                  **multicast)
+          plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s])
 
       for s in range(sw):  # the consumers' last releases
         plgpu.barrier_wait(w_free.at[s])
@@ -783,10 +776,10 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
                      f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
   # in flight, step g's x copy waits for step g − 1's release, which comes after step g's x: one x slot deadlocks
   lowest = 2 if t.mma_in_flight else 1
-  if t.x_stages and (mix or t.tile_order != "n" or not lowest <= t.x_stages <= t.stages):
-    raise ValueError(f"x_stages={t.x_stages} (separate x and weight rings) takes bf16 weights, tile_order 'n' and "
-                     f"{lowest} <= x_stages <= stages={t.stages} (2 with mma_in_flight); got mix={mix}, "
-                     f"tile_order={t.tile_order!r}")
+  if t.x_stages and (mix or t.cluster != 1 or t.tile_order != "n" or not lowest <= t.x_stages <= t.stages):
+    raise ValueError(f"x_stages={t.x_stages} (separate x and weight rings) takes bf16 weights, cluster 1, tile_order "
+                     f"'n' and {lowest} <= x_stages <= stages={t.stages} (2 with mma_in_flight); got mix={mix}, "
+                     f"cluster={t.cluster}, tile_order={t.tile_order!r}")
   if t.mma_in_flight and not t.x_stages:
     raise ValueError("mma_in_flight=1 takes the separate x and weight rings (x_stages > 0): in the pipeline a unit's "
                      "last slot is refilled under its last wgmmas (gate_up_wgmma's docstring)")
