@@ -9,8 +9,7 @@ optimisation off (XLA's own passes stay on), which cuts the suite's CPU time by 
 keeps the default level. On a GPU the tests compare numbers, not speed, so XLA's GEMM autotuning is off too: it
 times many candidate kernels for each dot while a program compiles, and XLA's priority fusion is off: on the H200
 it spent over 60 s on one layer of the 3-layer 64-head model of test_mla_wgmma_in_the_model (every feature set, the
-exact path too; 6.6 s to the logits without it). The CPU pipeline has no pass of that name. On the CPU, dispatch is
-synchronous (jax_cpu_enable_async_dispatch off): nothing runs beside an interpreted Mosaic GPU kernel.
+exact path too; 6.6 s to the logits without it). The CPU pipeline has no pass of that name.
 """
 
 import os
@@ -27,14 +26,8 @@ if "xla_disable_hlo_passes" not in os.environ.get("XLA_FLAGS", ""):
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-import jax  # noqa: E402
-
 from tests import async_wgmma  # noqa: E402
 
-# CPU programs run inline, each finished before the next is dispatched (read when the CPU client starts, after this):
-# work dispatched beside a running Mosaic GPU interpreter deadlocked it on two cores (a CI worker hung, 2026-12-05;
-# block_until_ready after each interpreted kernel covered the kernel tests only).
-jax.config.update("jax_cpu_enable_async_dispatch", False)
 async_wgmma.install()  # the Mosaic GPU kernels' wgmmas run as late as on the GPU (tests/async_wgmma.py)
 
 SEED_ENV = "DS4JAX_TEST_SEED"
@@ -72,6 +65,8 @@ def shared_compilation_cache(tmp_path_factory):
   or an entry point started as a subprocess: they inherit the variable) loads from disk in the others. The run's
   temp dir is fresh, so nothing carries over between runs. DS4JAX_TEST_JIT_CACHE=0 turns it off; a cache directory
   the user set is kept."""
+  import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS above)
+
   if os.environ.get("DS4JAX_TEST_JIT_CACHE") == "0" or jax.config.jax_compilation_cache_dir:
     return
   root = tmp_path_factory.getbasetemp()
@@ -108,6 +103,8 @@ def release_compiled_programs(budget: int) -> bool:
   if n is None or n <= budget:
     return False
   import gc  # pylint: disable=import-outside-toplevel
+
+  import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS above)
 
   jax.clear_caches()
   gc.collect()
