@@ -47,9 +47,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
-                                              aligned_items, as_planes, expert_levels, half_block_values,
-                                              half_block_values_ir, issue_blocks, padded_rows, prmt_selectors_ir,
-                                              profile_region)
+                                              aligned_items, as_planes, bf16_pair_ir, expert_levels, half_block_values,
+                                              issue_blocks, padded_rows, prmt_selectors_ir, profile_region,
+                                              value_pairs_ir)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -72,13 +72,12 @@ def default_tiling(rows_per_expert: int) -> Tiling:
 
 class Mix3Stack(NamedTuple):
   """An FP3-MIX expert stack [E, N, K] as this kernel reads it (`mix3_stack`): codes_lo [E, N, K/4], codes_hi
-  [E, N, K/8] and meta [E, N, K/16] u8 as stored; levels [E, 2, 8] f32, the books' entries or for a mode-0 expert
-  the fixed levels (rocmfp3.levels) in both; zero_flagged [E] i32, 1 where a set bit 7 zeroes the scale (mode 0)."""
+  [E, N, K/8] and meta [E, N, K/16] u8 as stored; levels [E, 2, 8] f32 (`expert_levels`, the fixed levels
+  rocmfp3.levels for a mode-0 expert)."""
   codes_lo: jax.Array
   codes_hi: jax.Array
   meta: jax.Array
   levels: jax.Array
-  zero_flagged: jax.Array
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -89,7 +88,7 @@ class Mix3Stack(NamedTuple):
 def mix3_stack(storage: dict) -> Mix3Stack:
   """From rocmfp3_mix storage arrays (codes_lo, codes_hi, scales, books, mode)."""
   return Mix3Stack(*(jnp.asarray(storage[k]) for k in ("codes_lo", "codes_hi", "scales")),
-                   *expert_levels(storage, rocmfp3.levels(jnp.arange(rocmfp3_mix.LEVELS))))
+                   expert_levels(storage, rocmfp3.levels(jnp.arange(rocmfp3_mix.LEVELS))))
 
 
 def row_planes(h, block_m: int) -> jax.Array:
@@ -98,12 +97,12 @@ def row_planes(h, block_m: int) -> jax.Array:
   return as_planes(jnp.pad(h, ((0, padded_rows(h.shape[0], block_m) - h.shape[0]), (0, 0))))
 
 
-def decode_planes3(codes_lo, high_nibbles, meta, levels, zero_flagged) -> list[jax.Array]:
+def decode_planes3(codes_lo, high_nibbles, meta, levels) -> list[jax.Array]:
   """codes_lo, meta (one per code byte) and high_nibbles [n, m] → 4 bf16 planes [n, m], plane q holding weight
   4i + q of byte i. high_nibbles: the high bits of byte i's 4 weights (bit q for weight 4i + q). levels [2][8]
   scalars. The canonical decode's products: the same bits. Pure jnp: runs in the interpreter and in tests."""
   b, hi = codes_lo.astype(I32), high_nibbles.astype(I32)
-  values = half_block_values(meta, levels, zero_flagged)
+  values = half_block_values(meta, levels)
   return [rocmfp_mix.pick([(b >> 2 * q) & 1 != 0, (b >> 2 * q) & 2 != 0, (hi >> q) & 1 != 0], values)
           for q in range(PLANES)]
 
@@ -121,13 +120,13 @@ def high_bit_mask_ir(spread, q: int):
   return mgpu.utils.prmt(y, y, arith.constant(i32, HIGH_SELECTOR))
 
 
-def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels, zero_flagged) -> list[jax.Array]:
+def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels) -> list[jax.Array]:
   """decode_planes3 in wgmma's register layout, compiled (sm_90). Each code-byte pair (2c, 2c + 1) of a thread
   reads its high-bit byte (column hi_first + c of `hi_ref`) and its meta byte (column meta_first + c // 2 of
   `meta_ref`), both shared-memory tiles; makes its 8 values once and packs them in 4 registers; each plane's two
   weights are two prmts (low and high 4 values) merged by high_bit_mask. Not in interpret mode."""
   wg = plgpu.Layout.WGMMA
-  scalars = [hi_first, meta_first] + [levels[s][k] for s in range(2) for k in range(8)] + [zero_flagged]
+  scalars = [hi_first, meta_first] + [levels[s][k] for s in range(2) for k in range(8)]
 
   @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(), plgpu.RefType()) + (wg,) * len(scalars),
                      return_type=[plgpu.ShapeDtypeStruct(codes_lo.shape, BF16, layout=wg)] * PLANES)
@@ -137,8 +136,7 @@ def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels
     const = lambda v, t=i32: arith.constant(t, v)
     args = [a.registers.item() for a in args]  # scalars come as splat arrays
     hi_col, meta_col = (arith.index_cast(index, a) for a in args[:2])
-    lv, zf = [args[2:10], args[10:18]], args[18]
-    zero_flagged_set = arith.cmpi(arith.CmpIPredicate.ne, zf, const(0))
+    level_pairs = [[bf16_pair_ir(*args[2 + 8 * s + 2 * h:4 + 8 * s + 2 * h]) for h in range(4)] for s in range(2)]
     out = [np.empty(code_bytes.registers.shape, object) for _ in range(PLANES)]
     where = code_bytes.layout.thread_idxs(code_bytes.shape)  # (row, column) of each register's first byte
     for (idx, reg), (row, col) in zip(np.ndenumerate(code_bytes.registers), where, strict=True):
@@ -146,8 +144,7 @@ def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels
       hb = arith.extui(i32, memref.load(hi_smem, [row, arith.addi(hi_col, arith.divui(col, const(2, index)))]))
       half_block = arith.addi(meta_col, arith.divui(col, const(rocmfp_layout.HALF // PLANES, index)))
       m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
-      vals = half_block_values_ir(m, lv, zero_flagged_set)
-      table = [mgpu.utils.bitcast(vector.from_elements(pair, vals[2 * h:2 * h + 2]), i32) for h in range(4)]
+      table = value_pairs_ir(m, level_pairs)
       spread = arith.ori(arith.andi(hb, const(0xF)), arith.shli(arith.andi(hb, const(0xF0)), const(4)))
       for q in range(PLANES):
         sel = prmt_selectors_ir(w, q)
@@ -185,9 +182,9 @@ def store_transposed_rows(acc, out_ref, row0, lo, end, col0) -> None:
   _(acc, out_ref, row0, lo, end, col0)
 
 
-def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, hi_g, meta_g, levels_g, zf_g,
-            out_g, *, t: Tiling, max_items: int, n_pairs: int, k_dim: int, lhs_in_smem: bool):
-  """x_g: h's planes [4, rows, I/4]; lo/hi/meta/levels/zf: the Mix3Stack; out_g [R, D] f32."""
+def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, hi_g, meta_g, levels_g, out_g,
+            *, t: Tiling, max_items: int, n_pairs: int, k_dim: int, lhs_in_smem: bool):
+  """x_g: h's planes [4, rows, I/4]; lo/hi/meta/levels: the Mix3Stack; out_g [R, D] f32."""
   bk = t.block_k // PLANES  # code bytes (and plane columns) per row per K step
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
@@ -240,7 +237,6 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
         first, rows = rows_in(x_start, t.block_m)
         blocks = range(t.block_m // t.mma_rows)
         levels = [[levels_g[e, s, k] for k in range(rocmfp3_mix.LEVELS)] for s in range(2)]
-        flagged = zf_g[e]
 
         def context(run):
           @functools.partial(pl.run_scoped, accs=[plgpu.ACC((t.block_n, t.mma_rows), F32) for _ in blocks])
@@ -272,7 +268,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
                 odd = lax.broadcasted_iota(I32, hi.shape, 1) % 2
                 meta = jnp.repeat(meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)],
                                   rocmfp_layout.HALF // PLANES, axis=1)
-                planes = decode_planes3(lo_s[...], hi.astype(I32) >> (4 * odd), meta, levels, flagged)
+                planes = decode_planes3(lo_s[...], hi.astype(I32) >> (4 * odd), meta, levels)
                 buf = idx[0] % 2
                 for q, plane in enumerate(planes):
                   dec[buf, v, q] = plane
@@ -280,7 +276,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
                 planes = [dec.at[buf, v, q] for q in range(PLANES)]
               else:
                 with profile_region("decode", t):
-                  planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels, flagged)
+                  planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels)
               def issue(b):
                 rows = pl.ds(b * t.mma_rows, t.mma_rows)
                 with profile_region("mma", t):

@@ -178,12 +178,10 @@ def sorted_rows(x, r: Routing, block_m: int) -> jax.Array:
 class MixStack(NamedTuple):
   """An FP2-MIX expert stack [E, N, K] as this kernel reads it (`mix_stack`). codes [E, N, K/4] u8 and meta
   [E, N, K/16] u8 as stored (weight 4i + q at bits 2q of code byte i; one meta byte per 16-weight half-block);
-  levels [E, 2, 4] f32: the two books' entries, or for a mode-0 (uniform) expert the fixed levels c − 1 in both;
-  zero_flagged [E] i32: 1 where a set bit 7 zeroes the scale (mode 0) instead of selecting book 1."""
+  levels [E, 2, 4] f32: what each book's entries are multiplied by (`expert_levels`)."""
   codes: jax.Array
   meta: jax.Array
   levels: jax.Array
-  zero_flagged: jax.Array
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -191,58 +189,70 @@ class MixStack(NamedTuple):
     return E, N, K4 * PLANES
 
 
-def expert_levels(storage: dict, fixed_levels) -> tuple[jax.Array, jax.Array]:
-  """(levels [E, 2, L] f32, zero_flagged [E] i32) of a MIX stack's storage: each expert's two books, or for a mode-0
-  (uniform) expert `fixed_levels` [L] in both, whose set bit 7 zeroes the scale instead."""
-  uniform = jnp.asarray(storage["mode"]) == 0
-  levels = jnp.where(uniform[:, None, None], jnp.asarray(fixed_levels, F32), jnp.asarray(storage["books"]).astype(F32))
-  return levels, uniform.astype(I32)
+def expert_levels(storage: dict, fixed_levels) -> jax.Array:
+  """levels [E, 2, L] f32 of a MIX stack's storage: each expert's two books, or for a mode-0 (uniform) expert
+  `fixed_levels` [L] and, as book 1, their signed zeros: there a set bit 7 zeroes the scale, and level × 0 is the
+  canonical product's bits. So the decode picks a book by bit 7 whatever the mode."""
+  uniform = (jnp.asarray(storage["mode"]) == 0)[:, None]
+  fixed = jnp.asarray(fixed_levels, F32)
+  fixed = jnp.stack([fixed, jnp.copysign(F32(0), fixed)])
+  return jnp.where(uniform[..., None], fixed, jnp.asarray(storage["books"]).astype(F32))
 
 
 def mix_stack(storage: dict) -> MixStack:
   """From rocmfp2_mix storage arrays (codes, scales, books, mode): the codes and meta bytes themselves, and each
-  expert's 8 levels and mode flag (a few bytes an expert)."""
+  expert's 8 levels (a few bytes an expert)."""
   fixed = rocmfp2_mix.fixed_level(jnp.arange(rocmfp2_mix.LEVELS))
-  return MixStack(jnp.asarray(storage["codes"]), jnp.asarray(storage["scales"]), *expert_levels(storage, fixed))
+  return MixStack(jnp.asarray(storage["codes"]), jnp.asarray(storage["scales"]), expert_levels(storage, fixed))
 
 
-def half_block_values(meta, levels, zero_flagged) -> list[jax.Array]:
+def half_block_values(meta, levels) -> list[jax.Array]:
   """The bf16 value of each level k (len(levels[0]) of them) for meta bytes `meta`: book level × UE4M3 scale in
   f32, then bf16, as the canonical decode. Pure jnp."""
   m = meta.astype(I32)
-  flagged = m >= rocmfp_mix.SELECT_BIT
   m7 = m & 0x7F
   # ue4m3.decode in fewer integer ops (the decode is this kernel's ALU bound): 2^(e − 8)·(1 + mant/8) as float32
   # bits with the exponent rebiased; e = 0 (2^-7·mant/8) is 2c − 2^-7 of that. Every step is exact.
   c = lax.bitcast_convert_type((m7 << 20) + ((127 - 8) << 23), F32)
   scale = jnp.where(m7 < 8, 2 * c - F32(2.0**-7), c)
-  scale = jnp.where((m7 > ue4m3.MAX_BYTE) | (flagged & (zero_flagged != 0)), F32(0), scale)
+  scale = jnp.where(m7 > ue4m3.MAX_BYTE, F32(0), scale)
+  flagged = m >= rocmfp_mix.SELECT_BIT
   return [(jnp.where(flagged, levels[1][k], levels[0][k]) * scale).astype(BF16) for k in range(len(levels[0]))]
 
 
-def half_block_values_ir(m, levels, zero_flagged_set):
-  """half_block_values in Mosaic GPU IR for one meta byte `m` (i32): the bf16 values of levels[s][k] (f32 IR
-  scalars); zero_flagged_set an i1. The same f32 products, so the same bits."""
+def bf16_pair_ir(lo, hi):
+  """Two f32 IR scalars, exact in bf16, as one i32 of two bf16 (lo in bits 0-15)."""
+  pair = ir.VectorType.get((2,), ir.BF16Type.get())
+  bf16 = [arith.truncf(ir.BF16Type.get(), v) for v in (lo, hi)]
+  return mgpu.utils.bitcast(vector.from_elements(pair, bf16), ir.IntegerType.get_signless(32))
+
+
+def value_pairs_ir(m, level_pairs):
+  """half_block_values in Mosaic GPU IR for one meta byte `m` (i32), two values to a register: register h holds the
+  bf16 values of levels 2h and 2h + 1 of the book bit 7 picks. level_pairs[s][h]: book s's levels 2h, 2h + 1 as
+  bf16 pairs (bf16_pair_ir). The scale has 4 significant bits and a level 8, so their product is exact in f32 and the
+  canonical decode rounds it to bf16 once; a bf16x2 multiply of the two (the scale is exact in bf16) rounds the
+  same exact product once: the same bits, two values an instruction, where the f32 products take four."""
   i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
   const = lambda v, t=i32: arith.constant(t, v)
-  flagged = arith.cmpi(arith.CmpIPredicate.uge, m, const(rocmfp_mix.SELECT_BIT))
   m7 = arith.andi(m, const(0x7F))
   c = arith.bitcast(f32, arith.addi(arith.shli(m7, const(20)), const((127 - 8) << 23)))
   low = arith.subf(arith.mulf(c, const(2.0, f32)), const(2.0**-7, f32))
   scale = arith.select(arith.cmpi(arith.CmpIPredicate.ult, m7, const(8)), low, c)
-  zero = arith.ori(arith.cmpi(arith.CmpIPredicate.ugt, m7, const(ue4m3.MAX_BYTE)),
-                   arith.andi(flagged, zero_flagged_set))
-  scale = arith.select(zero, const(0.0, f32), scale)
-  return [arith.truncf(ir.BF16Type.get(), arith.mulf(arith.select(flagged, levels[1][k], levels[0][k]), scale))
-          for k in range(len(levels[0]))]
+  scale = arith.select(arith.cmpi(arith.CmpIPredicate.ugt, m7, const(ue4m3.MAX_BYTE)), const(0.0, f32), scale)
+  bits = arith.bitcast(i32, scale)
+  scale_pair = mgpu.utils.prmt(bits, bits, const(0x3232))  # the f32's high half (its bf16, exactly) in both halves
+  flagged = arith.cmpi(arith.CmpIPredicate.uge, m, const(rocmfp_mix.SELECT_BIT))
+  return [mgpu.utils.inline_ptx("mul.rn.bf16x2 $0, $1, $2;", arith.select(flagged, one, zero), scale_pair,
+                                result_types=i32) for zero, one in zip(*level_pairs)]
 
 
-def decode_planes(codes, meta, levels, zero_flagged) -> list[jax.Array]:
+def decode_planes(codes, meta, levels) -> list[jax.Array]:
   """Code bytes and meta bytes [n, m] → 4 bf16 planes [n, m], plane q holding weight 4i + q of byte i; `levels`
   is [2][4] scalars. The canonical decode's products (book level × UE4M3 scale in f32, then bf16): the same bits.
   Pure jnp: runs in the kernel and in tests."""
   b = codes.astype(I32)
-  values = half_block_values(meta, levels, zero_flagged)
+  values = half_block_values(meta, levels)
   # code bit j of weight 4i + q tested as the sign of the byte shifted left (one shift and a compare per bit)
   return [rocmfp_mix.pick([(b << (31 - 2 * q)) < 0, (b << (30 - 2 * q)) < 0], values) for q in range(PLANES)]
 
@@ -266,33 +276,31 @@ def prmt_selectors_ir(code_pairs, q: int):
                     const(offset))
 
 
-def decode_planes_prmt(codes, meta_ref, first, levels, zero_flagged) -> list[jax.Array]:
+def decode_planes_prmt(codes, meta_ref, first, levels) -> list[jax.Array]:
   """decode_planes in wgmma's register layout, compiled (sm_90): in that layout a thread's bytes come in pairs
   (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair reads its meta byte, column
-  first + c // 4 of `meta_ref` (a shared-memory tile of meta bytes), makes its 4 values once (the same f32
-  products, rounded to bf16 as in decode_planes), packs them in two registers, and each plane's two weights are one
-  `prmt` of them by `prmt_selectors`: ~4 instructions per 2 weights, where decode_planes spends ~12 per weight.
+  first + c // 4 of `meta_ref` (a shared-memory tile of meta bytes), makes its 4 values once, two to a register
+  (value_pairs_ir: decode_planes' bits), and each plane's two weights are one `prmt` of them by `prmt_selectors`:
+  ~4 instructions per 2 weights, where decode_planes spends ~12 per weight.
   Not in interpret mode (inline Mosaic GPU code has no interpreter); its planes are decode_planes' bits."""
   wg = plgpu.Layout.WGMMA
-  scalars = [first] + [levels[s][k] for s in range(2) for k in range(4)] + [zero_flagged]
+  scalars = [first] + [levels[s][k] for s in range(2) for k in range(4)]
 
   @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()) + (wg,) * len(scalars),
                      return_type=[plgpu.ShapeDtypeStruct(codes.shape, BF16, layout=wg)] * PLANES)
   def planes(_, code_bytes, meta_smem, *args):
     i16, i32, index = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.IndexType.get()
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
-    const = lambda v, t=i32: arith.constant(t, v)
     args = [a.registers.item() for a in args]  # scalars come as splat arrays
-    first_col, lv, zf = arith.index_cast(index, args[0]), [args[1:5], args[5:9]], args[9]
-    zero_flagged_set = arith.cmpi(arith.CmpIPredicate.ne, zf, const(0))
+    first_col = arith.index_cast(index, args[0])
+    level_pairs = [[bf16_pair_ir(*args[1 + 4 * s + 2 * h:3 + 4 * s + 2 * h]) for h in range(2)] for s in range(2)]
     out = [np.empty(code_bytes.registers.shape, object) for _ in range(PLANES)]
     where = code_bytes.layout.thread_idxs(code_bytes.shape)  # (row, column) of each register's first byte
     for (idx, reg), (row, col) in zip(np.ndenumerate(code_bytes.registers), where, strict=True):
       w = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
-      half_block = arith.addi(first_col, arith.divui(col, const(rocmfp_layout.HALF // PLANES, index)))
+      half_block = arith.addi(first_col, arith.divui(col, arith.constant(index, rocmfp_layout.HALF // PLANES)))
       m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
-      vals = half_block_values_ir(m, lv, zero_flagged_set)
-      table = [mgpu.utils.bitcast(vector.from_elements(pair, vals[2 * h:2 * h + 2]), i32) for h in range(2)]
+      table = value_pairs_ir(m, level_pairs)
       for q in range(PLANES):
         out[q][idx] = mgpu.utils.bitcast(mgpu.utils.prmt(table[0], table[1], prmt_selectors_ir(w, q)), pair)
     return [mgpu.FragmentedArray(_registers=o, _layout=code_bytes.layout, _is_signed=None) for o in out]
@@ -393,12 +401,12 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
             max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool, planes_out: bool,
             step_tiled: bool = False):
   """x_g is x_sorted [rows, D] (bf16 weights) or its planes [4, rows, D/4] (FP2-MIX). refs: the weight arrays
-  (w1, w3 | w13 | codes, meta, levels, zero_flagged of W1 then of W3), then h. With `planes_out` the code and meta
+  (w1, w3 | w13 | codes, meta, levels of W1 then of W3), then h. With `planes_out` the code and meta
   arrays come as [E, I/4, 4, ·] and h as planes [4, rows, I/4]: N tile j holds the rows 4i + q of plane q. With
   `step_tiled` the dense weights come as tile_by_step's [E, N tiles, steps · rows, block_k]."""
   *w_gs, h_g = refs
   if mix:
-    stacks = [w_gs[:4], w_gs[4:]]
+    stacks = [w_gs[:3], w_gs[3:]]
     n_w, w_rows, fused, bk = 2, t.block_n, False, t.block_k // PLANES
   else:
     n_w = len(w_gs)
@@ -439,7 +447,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
     at = (lambda a: a.at[e, cols, q]) if planes_out else (lambda a: a.at[e, cols])
     if step_tiled:  # the N tile's steps, one after the other
       at = lambda a: a.at[e, first_col // t.block_n]
-    ws = [at(a) for c, m, _, _ in stacks for a in (c, m)] if mix else [at(w) for w in w_gs]
+    ws = [at(a) for c, m, _ in stacks for a in (c, m)] if mix else [at(w) for w in w_gs]
     return [x] + ws
 
   noop = lambda *_, **__: None
@@ -488,8 +496,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         if mix:  # both warpgroups cover the whole row tile, one projection each
           first, rows = rows_in(x_start, t.block_m)
           blocks = range(t.block_m // t.mma_rows)
-        if mix:  # this expert's book levels and mode flag, as scalars
-          sides = [([[lv[e, s, k] for k in range(4)] for s in range(2)], zf[e]) for _, _, lv, zf in stacks]
+        if mix:  # this expert's book levels, as scalars
+          sides = [[[lv[e, s, k] for k in range(4)] for s in range(2)] for _, _, lv in stacks]
 
         def lhs_context(run):
           @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, t.mma_rows), F32)] for _ in blocks])
@@ -527,20 +535,20 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
           for v in range(2):
             @pl.when(wg == v)
             def _(v=v):
-              levels, flagged = sides[v]
+              levels = sides[v]
               codes_s, meta_s = w_ss[2 * v], w_ss[2 * v + 1]
               meta_col = idx[0] % per_box * (t.block_k // rocmfp_layout.HALF)  # this step's first meta column
               if lhs_in_smem:
                 meta = meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)]
                 meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1)  # one per code byte
-                planes = decode_planes(codes_s[...], meta, levels, flagged)
+                planes = decode_planes(codes_s[...], meta, levels)
                 for q, plane in enumerate(planes):  # the previous step's wgmmas have read them (its wait)
                   dec[v, q] = plane
                 plgpu.commit_smem()
                 planes = [dec.at[v, q] for q in range(PLANES)]
               else:
                 with profile_region("decode", t):
-                  planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, flagged)
+                  planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels)
               def issue(b):
                 rows = pl.ds(b * t.mma_rows, t.mma_rows)
                 with profile_region("mma", t):

@@ -24,8 +24,7 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
 S, K, E, D, I = 512, 6, 16, 4096, 512  # V4-Flash's hidden size, few experts: the kernels' code does not change
 SDS = jax.ShapeDtypeStruct
 ROUTES = jax.eval_shape(lambda i: routing.route(i, E, 128), SDS((S, K), jnp.int32))
-MIX = gate_up.MixStack(SDS((E, I, D // 4), jnp.uint8), SDS((E, I, D // 16), jnp.uint8), SDS((E, 2, 4), jnp.float32),
-                       SDS((E,), jnp.int32))
+MIX = gate_up.MixStack(SDS((E, I, D // 4), jnp.uint8), SDS((E, I, D // 16), jnp.uint8), SDS((E, 2, 4), jnp.float32))
 BF16 = SDS((E, I, D), jnp.bfloat16)
 RING = gate_up.Tiling(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1)  # bench_moe's w64_n128_x3
 
@@ -43,7 +42,7 @@ def gate_up_kernel(weights, tiling) -> bytes:
 
 def down_kernel(tiling) -> bytes:
   w2 = down.Mix3Stack(SDS((E, D, I // 4), jnp.uint8), SDS((E, D, I // 8), jnp.uint8), SDS((E, D, I // 16), jnp.uint8),
-                      SDS((E, 2, 8), jnp.float32), SDS((E,), jnp.int32))
+                      SDS((E, 2, 8), jnp.float32))
   (m,) = modules(lambda h, w, r: down.down_wgmma(h, w, r, tiling=tiling), SDS((S * K, I), jnp.bfloat16), w2, ROUTES)
   return m
 

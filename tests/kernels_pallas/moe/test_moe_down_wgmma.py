@@ -64,7 +64,7 @@ def test_decode_planes3_is_the_canonical_decode(rng):
   for e in range(3):
     hi = np.repeat(np.asarray(ms.codes_hi[e]).astype(np.int32), 2, axis=1) >> (4 * (np.arange(K // 4) % 2))
     meta = jnp.repeat(ms.meta[e], 4, axis=-1)
-    planes = decode_planes3(ms.codes_lo[e], jnp.asarray(hi), meta, ms.levels[e], ms.zero_flagged[e])
+    planes = decode_planes3(ms.codes_lo[e], jnp.asarray(hi), meta, ms.levels[e])
     got = np.stack([np.asarray(p).view(np.uint16) for p in planes], axis=-1).reshape(16, K)  # weight 4i + q
     np.testing.assert_array_equal(got, dense[e])
   assert np.any(dense[0] == 0x8000) and np.any(dense[0] == 0)  # mode 0: −0 (code 4, flagged) and +0
@@ -163,8 +163,7 @@ def test_down_wgmma_lowers_for_sm90_at_v4_flash_shapes():
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D, I = 8192, 6, 256, 4096, 2048
   u8 = lambda k: jax.ShapeDtypeStruct((E_, D, I // k), jnp.uint8)
-  w2 = Mix3Stack(u8(4), u8(8), u8(16), jax.ShapeDtypeStruct((E_, 2, 8), jnp.float32),
-                 jax.ShapeDtypeStruct((E_,), jnp.int32))
+  w2 = Mix3Stack(u8(4), u8(8), u8(16), jax.ShapeDtypeStruct((E_, 2, 8), jnp.float32))
   h = jax.ShapeDtypeStruct((S * K, I), jnp.bfloat16)
   r = jax.eval_shape(lambda i: routing.route(i, E_, 128), jax.ShapeDtypeStruct((S, K), jnp.int32))
   def lower(t):

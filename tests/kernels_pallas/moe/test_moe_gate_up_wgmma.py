@@ -27,9 +27,9 @@ from ds4jax.metrics import nmse
 from ds4jax.quant import formats, rocmfp2_mix, ue4m3
 from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
-from kernels_pallas.moe.gate_up_wgmma import (ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
-                                              gate_up_wgmma, gather_planes, interleave, mix_stack, padded_rows,
-                                              prmt_selectors, sorted_planes, sorted_rows, tile_by_step)
+from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
+                                              expert_levels, gate_up_wgmma, gather_planes, interleave, mix_stack,
+                                              padded_rows, prmt_selectors, sorted_planes, sorted_rows, tile_by_step)
 
 ON_GPU = jax.default_backend() == "gpu"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
@@ -199,8 +199,7 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
   x = jax.ShapeDtypeStruct((S, D_), jnp.bfloat16)
   if weights.startswith("mix"):
     u8 = lambda k: jax.ShapeDtypeStruct((E_, I_, D_ // k), jnp.uint8)
-    stack = MixStack(u8(4), u8(16), jax.ShapeDtypeStruct((E_, 2, 4), jnp.float32),
-                     jax.ShapeDtypeStruct((E_,), jnp.int32))
+    stack = MixStack(u8(4), u8(16), jax.ShapeDtypeStruct((E_, 2, 4), jnp.float32))
     ws = (stack, stack)
   elif weights == "interleaved":
     ws = (jax.ShapeDtypeStruct((E_, 2 * I_, D_), jnp.bfloat16), None)
@@ -250,24 +249,27 @@ def test_decode_planes_is_the_canonical_decode(rng):
                      .astype(jnp.bfloat16)).view(np.uint16)  # [E, N, K] bits
   for e in range(3):
     meta = jnp.repeat(ms.meta[e], 4, axis=-1)  # one per code byte
-    planes = decode_planes(ms.codes[e], meta, ms.levels[e], ms.zero_flagged[e])
+    planes = decode_planes(ms.codes[e], meta, ms.levels[e])
     got = np.stack([np.asarray(p).view(np.uint16) for p in planes], axis=-1).reshape(16, D)  # weight 4i + q
     np.testing.assert_array_equal(got, dense[e])
   assert np.any(dense[0] == 0x8000) and np.any(dense[0] == 0)  # the flagged uniform half-blocks: −0 and +0
 
 
-@pytest.mark.parametrize("zero_flagged", [0, 1])
-def test_decode_planes_every_byte_pair(zero_flagged):
+@pytest.mark.parametrize("mode", [1, 0])
+def test_decode_planes_every_byte_pair(mode):
   # every meta byte (0x7F and 0xFF included, which decode to 0) with every code byte, against ue4m3.decode and the
-  # books picked the canonical way
+  # books picked the canonical way; in mode 0 the fixed levels, where a set bit 7 zeroes the scale
   meta, codes = (jnp.asarray(a, jnp.uint8) for a in np.meshgrid(np.arange(256), np.arange(256), indexing="ij"))
-  levels = np.array([[-1.5, -0.25, 0.375, 2.0], [-3.0, -0.5, 0.0, 1.25]], np.float32)
-  planes = decode_planes(codes, meta, [[jnp.float32(v) for v in row] for row in levels], jnp.int32(zero_flagged))
+  books = np.array([[-1.5, -0.25, 0.375, 2.0], [-3.0, -0.5, 0.0, 1.25]], np.float32)
+  fixed = np.asarray(rocmfp2_mix.fixed_level(jnp.arange(4)), np.float32)
+  levels = expert_levels({"mode": np.array([mode]), "books": jnp.asarray(books, jnp.bfloat16)[None]}, fixed)[0]
+  planes = decode_planes(codes, meta, [[levels[s, k] for k in range(4)] for s in range(2)])
   m = np.asarray(meta).astype(np.int32)
-  scale = np.asarray(ue4m3.decode(jnp.asarray(m & 0x7F))) * ~((m >= 0x80) & bool(zero_flagged))
+  scale = np.asarray(ue4m3.decode(jnp.asarray(m if mode == 0 else m & 0x7F)))
   for q, plane in enumerate(planes):
     code = (np.asarray(codes).astype(np.int32) >> (2 * q)) & 3
-    want = (np.where(m >= 0x80, levels[1][code], levels[0][code]) * scale).astype(jnp.bfloat16)
+    level = fixed[code] if mode == 0 else np.where(m >= 0x80, books[1][code], books[0][code])
+    want = (level * scale).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(plane).view(np.uint16), want.view(np.uint16))
   assert np.any(np.asarray(planes[0]).view(np.uint16) == 0x8000)  # −0 from a negative level times a zero scale
 
@@ -330,6 +332,30 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
   assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1
   err = nmse(h[:n].astype(jnp.float32), ref[:n])
   assert err <= 2e-5, err
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the compiled decode (decode_planes_prmt); the interpreter runs decode_planes, "
+                    "checked bit by bit above")
+def test_compiled_decode_gives_every_weight(rng):
+  # x rows one-hot, so h[r, n] = swiglu(W1[n, k], W3[n, k]) for row r's column k: a wrongly decoded weight shows in
+  # its own output, where in a sum over K a small scale's weights (UE4M3 subnormals: 8 of 128 scales) hide under the
+  # large ones. Every meta byte value in every expert (0x7F and 0xFF too, which zero the scale), expert 0 in mode 0;
+  # a limit the values stay under. About 64 rows an expert × 128 outputs: ~8000 weights of W1 and of W3 an expert.
+  D_, I_, limit = 512, 128, 1e6
+  _, w1, _, ids = problem(rng, 256, 2, inter=I_, d=D_)
+  st1, st3 = mix_storage(rng, w1.shape, flagged_uniform=True), mix_storage(rng, w1.shape, flagged_uniform=True)
+  for st in (st1, st3):
+    st["scales"] = rng.permuted(np.arange(st["scales"].size).reshape(st["scales"].shape) % 256, axis=-1
+                                ).astype(np.uint8)
+  x = jnp.asarray(np.eye(D_)[rng.integers(0, D_, 256)], jnp.bfloat16)
+  r = routing.route(ids, E, 32)
+  h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=limit, tiling=MIX_TILING)
+  w1, w3 = (rocmfp2_mix.dequantize(*(st[k] for k in ("codes", "scales", "books", "mode"))).astype(jnp.bfloat16)
+            for st in (st1, st3))
+  ref = gate_up.gate_up_reference(x, w1, w3, r, swiglu_limit=limit)
+  n = int(r.num_rows[0])
+  assert float(jnp.min(jnp.abs(ref[:n])[ref[:n] != 0])) < 1e-6 and float(jnp.max(jnp.abs(ref[:n]))) > 100
+  np.testing.assert_allclose(np.asarray(h[:n], np.float32), np.asarray(ref[:n], np.float32), rtol=2**-7, atol=0)
 
 
 def test_gate_up_wgmma_writes_h_in_the_down_planes_order(rng):
