@@ -47,9 +47,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
-                                              aligned_items, as_planes, bf16_pair_ir, expert_levels, half_block_values,
-                                              issue_blocks, padded_rows, prmt_selectors_ir, profile_region,
-                                              value_pairs_ir)
+                                              aligned_items, as_planes, expert_levels, half_block_values,
+                                              half_block_values_ir, issue_blocks, padded_rows, prmt_selectors_ir,
+                                              profile_region)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -136,7 +136,7 @@ def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels
     const = lambda v, t=i32: arith.constant(t, v)
     args = [a.registers.item() for a in args]  # scalars come as splat arrays
     hi_col, meta_col = (arith.index_cast(index, a) for a in args[:2])
-    level_pairs = [[bf16_pair_ir(*args[2 + 8 * s + 2 * h:4 + 8 * s + 2 * h]) for h in range(4)] for s in range(2)]
+    levels = [args[2:10], args[10:18]]
     out = [np.empty(code_bytes.registers.shape, object) for _ in range(PLANES)]
     where = code_bytes.layout.thread_idxs(code_bytes.shape)  # (row, column) of each register's first byte
     for (idx, reg), (row, col) in zip(np.ndenumerate(code_bytes.registers), where, strict=True):
@@ -144,7 +144,8 @@ def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels
       hb = arith.extui(i32, memref.load(hi_smem, [row, arith.addi(hi_col, arith.divui(col, const(2, index)))]))
       half_block = arith.addi(meta_col, arith.divui(col, const(rocmfp_layout.HALF // PLANES, index)))
       m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
-      table = value_pairs_ir(m, level_pairs)
+      vals = half_block_values_ir(m, levels)
+      table = [mgpu.utils.bitcast(vector.from_elements(pair, vals[2 * h:2 * h + 2]), i32) for h in range(4)]
       spread = arith.ori(arith.andi(hb, const(0xF)), arith.shli(arith.andi(hb, const(0xF0)), const(4)))
       for q in range(PLANES):
         sel = prmt_selectors_ir(w, q)

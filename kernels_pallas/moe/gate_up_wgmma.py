@@ -227,12 +227,9 @@ def bf16_pair_ir(lo, hi):
   return mgpu.utils.bitcast(vector.from_elements(pair, bf16), ir.IntegerType.get_signless(32))
 
 
-def value_pairs_ir(m, level_pairs):
-  """half_block_values in Mosaic GPU IR for one meta byte `m` (i32), two values to a register: register h holds the
-  bf16 values of levels 2h and 2h + 1 of the book bit 7 picks. level_pairs[s][h]: book s's levels 2h, 2h + 1 as
-  bf16 pairs (bf16_pair_ir). The scale has 4 significant bits and a level 8, so their product is exact in f32 and the
-  canonical decode rounds it to bf16 once; a bf16x2 multiply of the two (the scale is exact in bf16) rounds the
-  same exact product once: the same bits, two values an instruction, where the f32 products take four."""
+def scale_ir(m):
+  """(bit 7 set, the UE4M3 scale of bits 0-6 as f32) of a meta byte `m` (i32), in Mosaic GPU IR: half_block_values'
+  integer steps."""
   i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
   const = lambda v, t=i32: arith.constant(t, v)
   m7 = arith.andi(m, const(0x7F))
@@ -240,9 +237,29 @@ def value_pairs_ir(m, level_pairs):
   low = arith.subf(arith.mulf(c, const(2.0, f32)), const(2.0**-7, f32))
   scale = arith.select(arith.cmpi(arith.CmpIPredicate.ult, m7, const(8)), low, c)
   scale = arith.select(arith.cmpi(arith.CmpIPredicate.ugt, m7, const(ue4m3.MAX_BYTE)), const(0.0, f32), scale)
+  return arith.cmpi(arith.CmpIPredicate.uge, m, const(rocmfp_mix.SELECT_BIT)), scale
+
+
+def half_block_values_ir(m, levels):
+  """half_block_values in Mosaic GPU IR for one meta byte `m` (i32): the bf16 values of levels[s][k] (f32 IR
+  scalars), the same f32 products, so the same bits. The down's (down_wgmma.py): for its 8 values these measured
+  faster than value_pairs_ir (BENCHMARKS.md, session 46)."""
+  flagged, scale = scale_ir(m)
+  return [arith.truncf(ir.BF16Type.get(), arith.mulf(arith.select(flagged, levels[1][k], levels[0][k]), scale))
+          for k in range(len(levels[0]))]
+
+
+def value_pairs_ir(m, level_pairs):
+  """half_block_values in Mosaic GPU IR for one meta byte `m` (i32), two values to a register: register h holds the
+  bf16 values of levels 2h and 2h + 1 of the book bit 7 picks. level_pairs[s][h]: book s's levels 2h, 2h + 1 as
+  bf16 pairs (bf16_pair_ir). The scale has 4 significant bits and a level 8, so their product is exact in f32 and the
+  canonical decode rounds it to bf16 once; a bf16x2 multiply of the two (the scale is exact in bf16) rounds the
+  same exact product once: the same bits, two values an instruction, where the f32 products take four. The gate/up's:
+  2-4% faster there than half_block_values_ir's products (BENCHMARKS.md, session 46)."""
+  i32 = ir.IntegerType.get_signless(32)
+  flagged, scale = scale_ir(m)
   bits = arith.bitcast(i32, scale)
-  scale_pair = mgpu.utils.prmt(bits, bits, const(0x3232))  # the f32's high half (its bf16, exactly) in both halves
-  flagged = arith.cmpi(arith.CmpIPredicate.uge, m, const(rocmfp_mix.SELECT_BIT))
+  scale_pair = mgpu.utils.prmt(bits, bits, arith.constant(i32, 0x3232))  # the f32's high half (its bf16) twice
   return [mgpu.utils.inline_ptx("mul.rn.bf16x2 $0, $1, $2;", arith.select(flagged, one, zero), scale_pair,
                                 result_types=i32) for zero, one in zip(*level_pairs)]
 
