@@ -242,8 +242,8 @@ def scale_ir(m):
 
 def half_block_values_ir(m, levels):
   """half_block_values in Mosaic GPU IR for one meta byte `m` (i32): the bf16 values of levels[s][k] (f32 IR
-  scalars), the same f32 products, so the same bits. The down's (down_wgmma.py): for its 8 values these measured
-  faster than value_pairs_ir (BENCHMARKS.md, session 46)."""
+  scalars), the same f32 products, so the same bits. The down's (down_wgmma.py): there value_pairs_ir's products
+  measured no faster (BENCHMARKS.md, session 46)."""
   flagged, scale = scale_ir(m)
   return [arith.truncf(ir.BF16Type.get(), arith.mulf(arith.select(flagged, levels[1][k], levels[0][k]), scale))
           for k in range(len(levels[0]))]
