@@ -315,12 +315,12 @@ def test_gather_planes_tiles_any_hidden_size_the_kernels_take(rng, d, planes):
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
-@pytest.mark.parametrize("decode,cluster", [("64-row wgmmas", 1), ("128-row wgmmas", 2)])
+@pytest.mark.parametrize("decode,cluster", [("64-row wgmmas", 1)])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
   # ~80 rows per expert (three experts routed, expert 0 among them), a 128-row tile: its second 64-row block is
   # partial. W1/W3 in FP2-MIX (expert 0 uniform), decoded in the kernel, one projection per warpgroup on all 128 rows,
-  # two N tiles (with cluster 2, one per SM of a cluster, x multicast: `default_tiling`'s MIX_TILING). D = 512: two
-  # meta tiles (256 weights each), each serving 4 K steps. Compared with the reference on the canonically decoded
+  # two N tiles. D = 512: two meta tiles (256 weights each), each serving 4 K steps. (128-row wgmmas in clusters of
+  # two SMs, as MIX_TILING: test_gate_up_wgmma_takes_an_experts_tail_in_its_last_item.) Compared with the reference on the canonically decoded
   # weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding of h.
   D_ = 512
   x, w1, w3, ids = problem(rng, 120, 2, inter=128, d=D_, empty=(2, 3, 4, 5, 6))
@@ -342,8 +342,10 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
 def test_gate_up_wgmma_takes_an_experts_tail_in_its_last_item(rng):
   # tail_rows 32 on 128-row items: expert 0's 150 rows are one item and a 22-row tail; expert 3's 282 (from row 248)
   # two items, the second with a 26-row tail; expert 1 (106 rows from row 144) and expert 5 (32) none. Five items
-  # where there would be seven; FP2-MIX, cluster 2, checked against the reference and for races.
-  D_, I_ = 256, 128
+  # where there would be seven. FP2-MIX (expert 0 uniform) decoded in the kernel, 128-row wgmmas, two N tiles taken by
+  # the two SMs of a cluster (x multicast, as MIX_TILING), D = 512: two meta tiles of 4 K steps each. Checked against
+  # the reference on the canonically decoded weights rounded to bf16, and for races.
+  D_, I_ = 512, 128
   ids = np.array([(0, 3)] * 150 + [(1, 3)] * 100 + [(3, 5)] * 30, np.int32)[rng.permutation(280)]
   x = jnp.asarray(rng.standard_normal((280, D_)), jnp.bfloat16)
   st1, st3 = mix_storage(rng, (E, I_, D_)), mix_storage(rng, (E, I_, D_))
