@@ -553,8 +553,10 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                   a = accs[b][0][...]
                   for c in chunks:
                     up[b, :, pl.ds(c, WGMMA_M)] = a[:, c:c + WGMMA_M]
-                for b in tail_block:
-                  up[0, :, pl.ds(t.mma_rows, t.tail_rows)] = accs[b][0][...]
+                for b in tail_block:  # only an expert's last item has rows there
+                  @pl.when(last)
+                  def _(b=b):
+                    up[0, :, pl.ds(t.mma_rows, t.tail_rows)] = accs[b][0][...]
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(up_ready)
 
@@ -568,9 +570,10 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                     h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
                     out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
                 for b in tail_block:
-                  h = clamped_swiglu(accs[b][0][...], up[0, :, pl.ds(t.mma_rows, t.tail_rows)], limit)
-                  h = h.astype(h_g.dtype)
-                  out_smem.at[0, pl.ds(t.block_m, t.tail_rows)].T[...] = h
+                  @pl.when(last)
+                  def _(b=b):
+                    h = clamped_swiglu(accs[b][0][...], up[0, :, pl.ds(t.mma_rows, t.tail_rows)], limit)
+                    out_smem.at[0, pl.ds(t.block_m, t.tail_rows)].T[...] = h.astype(h_g.dtype)
                 plgpu.barrier_arrive(up_free)
                 plgpu.commit_smem()
                 _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.tile_rows)
