@@ -4,12 +4,13 @@ Random inputs are seeded per test: the seed is a hash of the test's id, so a fai
 DS4JAX_TEST_SEED=<int> replaces it for every test (to replay or to explore other draws). A failing test that drew
 from `rng` or `seed` prints its seed in the report.
 
-The suite's time is mostly XLA compiling small CPU programs, each run a few times: tests compile with LLVM's
-optimisation off (XLA's own passes stay on), which cuts the suite's CPU time by about a third. DS4JAX_TEST_XLA_OPT=1
-keeps the default level. On a GPU the tests compare numbers, not speed, so XLA's GEMM autotuning is off too: it
-times many candidate kernels for each dot while a program compiles, and XLA's priority fusion is off: on the H200
-it spent over 60 s on one layer of the 3-layer 64-head model of test_mla_wgmma_in_the_model (every feature set, the
-exact path too; 6.6 s to the logits without it). The CPU pipeline has no pass of that name.
+XLA compiling small CPU programs is ~40% of the suite's time (2026-12-05: 580 of 1390 s; 5150 distinct programs, 30 s
+of them compiled twice, so the shared cache below has little more to give; no XLA CPU flag tried cut it). Tests
+compile with LLVM's optimisation off (XLA's own passes stay on), which cuts the suite's CPU time by about a third.
+DS4JAX_TEST_XLA_OPT=1 keeps the default level. On a GPU the tests compare numbers, not speed, so XLA's GEMM autotuning
+is off too: it times many candidate kernels for each dot while a program compiles, and XLA's priority fusion is off:
+on the H200 it spent over 60 s on one layer of the 3-layer 64-head model of test_mla_wgmma_in_the_model (every
+feature set, the exact path too; 6.6 s to the logits without it). The CPU pipeline has no pass of that name.
 """
 
 import os
@@ -121,18 +122,22 @@ def bounded_memory_maps():
   release_compiled_programs(map_budget())
 
 
-# The files that take longest on the 2-core CI machine (seconds, roughly, 2026-12-05), heaviest first. `scripts/dev
-# test` hands files to the two workers in collection order (--dist loadfile --no-loadscope-reorder): started first,
-# they cannot be what one worker is still running alone while the other idles at the end.
+# The files that take longest on the 2-core CI machine (seconds, `--durations=0` summed by file, 2026-12-05), heaviest
+# first. `scripts/dev test` hands files to the two workers in collection order (--dist loadfile
+# --no-loadscope-reorder): started first, they cannot be what one worker is still running alone while the other idles
+# at the end.
 HEAVY_FILES = {
-    "tests/test_model_features.py": 125, "tests/test_decode.py": 100, "tests/test_prefill.py": 82,
-    "tests/kernels_pallas/moe/test_moe_gate_up_wgmma.py": 85, "tests/experiments/test_qualification.py": 79,
-    "tests/test_mesh.py": 75, "tests/kernels_pallas/moe/test_moe_quantized.py": 75,
-    "tests/kernels_pallas/test_lowering_gfx1151.py": 60, "tests/kernels_pallas/mla/test_mla.py": 60,
-    "tests/kernels_pallas/moe/test_moe_kernels.py": 55, "tests/experiments/test_verdicts.py": 100,
-    "tests/kernels_pallas/moe/test_moe_down_wgmma.py": 45, "tests/notebooks/test_ablation_notebook.py": 40,
-    "tests/test_golden.py": 35, "tests/quant/test_policy.py": 35, "tests/experiments/test_train_tiny.py": 30,
-    "tests/kernels_pallas/mla/test_mla_stream_wgmma.py": 28, "tests/experiments/test_processes.py": 25,
+    "tests/test_model_features.py": 130, "tests/test_prefill.py": 125,
+    "tests/kernels_pallas/moe/test_moe_gate_up_wgmma.py": 110, "tests/experiments/test_verdicts.py": 105,
+    "tests/experiments/test_qualification.py": 100, "tests/test_decode.py": 95,
+    "tests/kernels_pallas/moe/test_moe_quantized.py": 70, "tests/test_mesh.py": 65,
+    "tests/kernels_pallas/moe/test_moe_kernels.py": 55, "tests/kernels_pallas/mla/test_mla.py": 50,
+    "tests/kernels_pallas/moe/test_moe_down_wgmma.py": 45, "tests/kernels_pallas/test_lowering_gfx1151.py": 45,
+    "tests/kernels_pallas/mla/test_mla_stream_wgmma.py": 45, "tests/quant/test_policy.py": 35,
+    "tests/experiments/test_processes.py": 30, "tests/test_golden.py": 25, "tests/experiments/test_generate.py": 25,
+    "tests/notebooks/test_ablation_notebook.py": 25, "tests/notebooks/test_walkthrough_notebook.py": 15,
+    "tests/test_model.py": 15, "tests/experiments/test_train_tiny.py": 15,
+    "tests/kernels_pallas/indexer/test_indexer_topk.py": 15,
 }
 
 
