@@ -487,7 +487,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   noop = lambda *_, **__: None
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
   if mix:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per block, handed to warpgroup 0 for the SwiGLU
-    # (the tail's, if any, after block 0's rows: a scratch buffer of its own hung the interpreter)
+    # (the tail's, if any, after block 0's rows: one more scratch buffer starved the interpreter's thread pool on 2
+    # cores, docs/lowering.md §2)
     scratch = dict(out_smem=plgpu.SMEM((1, t.tile_rows, t.block_n), h_g.dtype),
                    up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows + t.tail_rows), F32, transforms=(
                        plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
