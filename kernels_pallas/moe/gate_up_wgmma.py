@@ -102,10 +102,7 @@ class Tiling:
   x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
   x_stages slots (at least 2 with mma_in_flight) and the weights `stages` slots, the weight copies running
   stages − x_stages steps ahead; there mma_in_flight 1 frees a step's slots one step late, so its wgmmas run while
-  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring).
-  tail_rows (FP2-MIX; 0, 32 or 64): an expert's last item takes up to tail_rows rows past block_m, issued as one more
-  wgmma of that many rows on the same decoded tiles, where an item of their own would decode all the expert's tiles
-  again (an expert's rows a little past a multiple of block_m: BENCHMARKS.md, session 46)."""
+  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring)."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -118,16 +115,10 @@ class Tiling:
   producer_registers: int = 40
   profile_regions: str = "steps"
   x_stages: int = 0
-  tail_rows: int = 0
 
   @property
   def block_m(self) -> int:
     return 2 * self.wg_rows
-
-  @property
-  def tile_rows(self) -> int:
-    """The rows of x a unit copies: an item's block_m, and its expert's tail past them."""
-    return self.block_m + self.tail_rows
 
 
 # The measured best tilings at V4-Flash shapes (bench_moe, BENCHMARKS.md): FP2-MIX "lhs r256" with x multicast over
@@ -148,9 +139,8 @@ def default_tiling(rows_per_expert: int, mix: bool) -> Tiling:
 
 
 class Items(NamedTuple):
-  """The aligned work list: item i covers sorted rows [x_start, x_start + block_m) of expert `expert` (its expert's
-  last item up to tail_rows more: `item_rows`) and stores rows [lo, end) ∩ that range. Padding items (i >= count)
-  have expert 0 and lo = end = 0."""
+  """The aligned work list: item i covers sorted rows [x_start, x_start + block_m) of expert `expert` and stores
+  rows [lo, end) ∩ that range. Padding items (i >= count) have expert 0 and lo = end = 0."""
   expert: jax.Array
   x_start: jax.Array
   lo: jax.Array
@@ -158,12 +148,11 @@ class Items(NamedTuple):
   count: jax.Array  # [1]
 
 
-def aligned_items(r: Routing, block_m: int, tail_rows: int = 0) -> Items:
-  """The work list; with `tail_rows` an expert's last item covers up to block_m + tail_rows rows (`item_rows`)."""
+def aligned_items(r: Routing, block_m: int) -> Items:
   E, R = r.num_experts, r.num_routes
   sizes, offsets = r.group_sizes, r.group_offsets
   first = offsets[:E] - offsets[:E] % ROW_ALIGN
-  tiles = jnp.where(sizes > 0, jnp.maximum(1, -(-(offsets[1:] - first - tail_rows) // block_m)), 0).astype(I32)
+  tiles = jnp.where(sizes > 0, -(-(offsets[1:] - first) // block_m), 0).astype(I32)
   tile_ends = jnp.cumsum(tiles, dtype=I32)
   T = max(1, (R + E * (block_m + ROW_ALIGN - 2)) // block_m)  # Σ ceil((c_e + 7) / bm) over non-empty experts
   i = jnp.arange(T, dtype=I32)
@@ -173,12 +162,6 @@ def aligned_items(r: Routing, block_m: int, tail_rows: int = 0) -> Items:
   lo = jnp.maximum(x_start, offsets[e])
   return Items(jnp.where(ok, e, 0), jnp.where(ok, x_start, 0), jnp.where(ok, lo, 0),
                jnp.where(ok, offsets[e + 1], 0), tile_ends[E - 1].reshape(1))
-
-
-def item_rows(x_start, end, t: Tiling):
-  """The rows item [x_start, ·) of an expert ending at `end` covers: block_m, or for the expert's last item up to
-  t.tile_rows (aligned_items with t.tail_rows: an item is the last iff the expert ends within that)."""
-  return jnp.where(end - x_start <= t.tile_rows, t.tile_rows, t.block_m)
 
 
 def padded_rows(rows: int, block_m: int) -> int:
@@ -450,7 +433,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   cluster = ("cluster",) if t.cluster > 1 else ()
-  x_block = (PLANES, t.tile_rows, bk) if mix else (t.block_m, bk)
+  x_block = (PLANES, t.block_m, bk) if mix else (t.block_m, bk)
   x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles,
                            memory_space=plgpu.SMEM, collective_axes=cluster)
   if mix:  # code and meta bytes: read into registers by the decode, no swizzle needed
@@ -477,7 +460,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   def operands(e, j, x_start):  # the pipeline's arrays for one unit: x rows, then the weight tiles' rows
     q, first_col = tile_of(j)
     cols = pl.ds(first_col // t.block_n * w_rows, w_rows)  # an interleaved stack's tile has both projections
-    x = x_g.at[:, pl.ds(x_start, t.tile_rows)] if mix else x_g.at[pl.ds(x_start, t.block_m)]
+    x = x_g.at[:, pl.ds(x_start, t.block_m)] if mix else x_g.at[pl.ds(x_start, t.block_m)]
     at = (lambda a: a.at[e, cols, q]) if planes_out else (lambda a: a.at[e, cols])
     if step_tiled:  # the N tile's steps, one after the other
       at = lambda a: a.at[e, first_col // t.block_n]
@@ -487,10 +470,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   noop = lambda *_, **__: None
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
   if mix:  # h tile [rows, n]; W3's accumulators [n, 64 rows] per block, handed to warpgroup 0 for the SwiGLU
-    # (the tail's, if any, after block 0's rows: one more scratch buffer starved the interpreter's thread pool on 2
-    # cores, docs/lowering.md §2)
-    scratch = dict(out_smem=plgpu.SMEM((1, t.tile_rows, t.block_n), h_g.dtype),
-                   up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows + t.tail_rows), F32, transforms=(
+    scratch = dict(out_smem=plgpu.SMEM((1, t.block_m, t.block_n), h_g.dtype),
+                   up=plgpu.SMEM((t.block_m // t.mma_rows, t.block_n, t.mma_rows), F32, transforms=(
                        plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
     if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
@@ -529,19 +510,15 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         wg_first = x_start + wg * t.wg_rows  # this warpgroup's rows of the tile: [wg_first, wg_first + wg_rows)
         first, rows = rows_in(wg_first, t.wg_rows)
         blocks = range(t.wg_rows // WGMMA_M)
-        if mix:  # both warpgroups cover the whole row tile (and a last item's tail), one projection each
-          last = item_rows(x_start, end, t) > t.block_m
-          first, rows = rows_in(x_start, item_rows(x_start, end, t))
+        if mix:  # both warpgroups cover the whole row tile, one projection each
+          first, rows = rows_in(x_start, t.block_m)
           blocks = range(t.block_m // t.mma_rows)
-          tail_block = [len(blocks)] if t.tail_rows else []  # block index of the tail's wgmma
         if mix:  # this expert's book levels, as scalars
           sides = [[[lv[e, s, k] for k in range(4)] for s in range(2)] for _, _, lv in stacks]
 
         def lhs_context(run):
-          sizes = [t.mma_rows for _ in blocks] + [t.tail_rows for _ in tail_block]
-
-          @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, m), F32)] for m in sizes])
-          def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b] (the tail's last)
+          @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, t.mma_rows), F32)] for _ in blocks])
+          def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b]
             run(accs)
             with profile_region("epilogue", t):
               # In 64-row chunks, through a swizzled buffer: fewer live registers than a whole [64, 256] f32 copy
@@ -554,10 +531,6 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                   a = accs[b][0][...]
                   for c in chunks:
                     up[b, :, pl.ds(c, WGMMA_M)] = a[:, c:c + WGMMA_M]
-                for b in tail_block:  # only an expert's last item has rows there
-                  @pl.when(last)
-                  def _(b=b):
-                    up[0, :, pl.ds(t.mma_rows, t.tail_rows)] = accs[b][0][...]
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(up_ready)
 
@@ -570,14 +543,9 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                   for c in chunks:
                     h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
                     out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
-                for b in tail_block:
-                  @pl.when(last)
-                  def _(b=b):
-                    h = clamped_swiglu(accs[b][0][...], up[0, :, pl.ds(t.mma_rows, t.tail_rows)], limit)
-                    out_smem.at[0, pl.ds(t.block_m, t.tail_rows)].T[...] = h.astype(h_g.dtype)
                 plgpu.barrier_arrive(up_free)
                 plgpu.commit_smem()
-                _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.tile_rows)
+                _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.block_m)
 
         def lhs_mma(idx, x_s, *args):
           *w_ss, accs = args
@@ -599,19 +567,14 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 with profile_region("decode", t):
                   planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels)
               def issue(b):
-                rows = pl.ds(b * t.mma_rows, t.mma_rows) if b < len(blocks) else pl.ds(t.block_m, t.tail_rows)
+                rows = pl.ds(b * t.mma_rows, t.mma_rows)
                 with profile_region("mma", t):
                   for q in range(PLANES):
                     plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
 
-              def rows_in_block(b):  # the tail's rows are its own item's only in its expert's last item
-                if b < len(blocks):
-                  return rows_in(x_start + b * t.mma_rows, t.mma_rows)[1]
-                return jnp.where(last, rows_in(x_start + t.block_m, t.tail_rows)[1], 0)
-
               # an item has rows in the first block of its tile
-              issue_blocks(issue, rows_in_block, len(blocks) + len(tail_block), t,
-                           always_full=len(blocks) == 1 and not tail_block)
+              issue_blocks(issue, lambda b: rows_in(x_start + b * t.mma_rows, t.mma_rows)[1], len(blocks), t,
+                           always_full=len(blocks) == 1)
           return accs
 
         def compute_context(run):
@@ -833,8 +796,6 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
     raise ValueError(f"wg_rows={t.wg_rows} must be a multiple of {WGMMA_M}")
   if t.cluster not in (1, 2):
     raise ValueError(f"cluster must be 1 or 2, got {t.cluster}")
-  if t.tail_rows not in (0, 32, 64) or (t.tail_rows and not mix):
-    raise ValueError(f"tail_rows must be 0, 32 or 64 (FP2-MIX weights only), got {t.tail_rows} (mix={mix})")
   if mix and (t.block_n != WGMMA_M or t.block_m % t.mma_rows or t.mma_rows % WGMMA_M or t.mma_rows > 256):
     raise ValueError(f"FP2-MIX weights need block_n={WGMMA_M} and mma_rows a multiple of {WGMMA_M} up to 256 "
                      f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
@@ -876,7 +837,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
                      f">= {r.num_routes} routes; got I={I}, planes_rows={planes_rows}")
   if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
     interpret = plgpu.InterpretGPUParams()
-  items = aligned_items(r, t.block_m, t.tail_rows)
+  items = aligned_items(r, t.block_m)
   out_shape = (PLANES, planes_rows, I // PLANES) if planes_out else (r.num_routes, I)
   body = functools.partial(_kernel, max_items=items.expert.shape[0], mix=mix,
                            lhs_in_smem=interpret not in (None, False), planes_out=planes_out)
@@ -888,7 +849,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
       cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  gather = functools.partial(gather_planes, x, r, t.tile_rows, interpret=interpret is not None)
+  gather = functools.partial(gather_planes, x, r, t.block_m, interpret=interpret is not None)
   if mix:
     if planes_out:  # [E, I/4, 4, ·]: a unit's weight rows 4i + q are then one TMA box (q squeezed)
       w1, w3 = (w._replace(codes=by_plane(w.codes), meta=by_plane(w.meta)) for w in (w1, w3))

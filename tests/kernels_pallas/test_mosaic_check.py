@@ -2,7 +2,6 @@
 MLA kernels, and their tilings with several row blocks a warpgroup, issue no wgmma inside a branch that does not also
 wait for it (ptxas would serialize every wgmma of the kernel, C7512), and such a branch is found."""
 
-import dataclasses
 import functools
 
 import jax
@@ -83,9 +82,6 @@ SEVERAL_BLOCKS = {
     # 2 warpgroups (one projection each) x (1 + 2 + 3 + 4) block issues x 4 planes
     "gate_up FP2-MIX, four 64-row blocks": (lambda: gate_up_kernel(MIX, gate_up.Tiling(
         wg_rows=128, block_n=64, stages=3, mma_rows=64)), 2 * 10 * 4),
-    # an expert's tail as a second block: 2 warpgroups x (1 + 2) block issues x 4 planes
-    "gate_up FP2-MIX, a 32-row tail": (lambda: gate_up_kernel(MIX, dataclasses.replace(
-        gate_up.MIX_TILING, stages=2, tail_rows=32)), 2 * 3 * 4),
     # one code path for both warpgroups: (1 + 2) block issues x 2 weight stacks x 4 k16 instructions
     "gate_up bf16 pipeline (BF16_TILING)": (lambda: gate_up_kernel(BF16, gate_up.BF16_TILING), 3 * 2 * 4),
     # 2 warpgroups (an N tile each) x (1 + 2) block issues x 4 planes

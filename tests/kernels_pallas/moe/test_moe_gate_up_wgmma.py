@@ -28,9 +28,8 @@ from ds4jax.quant import formats, rocmfp2_mix, ue4m3
 from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
 from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
-                                              expert_levels, gate_up_wgmma, gather_planes, interleave, item_rows,
-                                              mix_stack, padded_rows, prmt_selectors, sorted_planes, sorted_rows,
-                                              tile_by_step)
+                                              expert_levels, gate_up_wgmma, gather_planes, interleave, mix_stack,
+                                              padded_rows, prmt_selectors, sorted_planes, sorted_rows, tile_by_step)
 
 ON_GPU = jax.default_backend() == "gpu"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
@@ -149,24 +148,20 @@ def test_gate_up_wgmma_keeps_a_nan_weight(rng):
   assert np.isfinite(np.delete(h[:n], np.s_[lo:hi], axis=0)).all()
 
 
-@pytest.mark.parametrize("block_m, tail", [(16, 0), (128, 0), (16, 32)])
-def test_aligned_items_cover_each_row_once(rng, block_m, tail):
-  # with a tail, an expert's last item covers up to block_m + tail rows: fewer items, each row still stored once
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_aligned_items_cover_each_row_once(rng, block_m):
   x, _, _, ids = problem(rng, 70, 3, mask_every=5, empty=(2,))
   r = routing.route(ids, E, 64)
-  t = Tiling(wg_rows=block_m // 2, tail_rows=tail)
-  items = aligned_items(r, block_m, tail)
+  items = aligned_items(r, block_m)
   n, offsets = int(r.num_rows[0]), np.asarray(r.group_offsets)
   stored = np.zeros(n, int)
   for e, x_start, lo, end in zip(*(np.asarray(a)[:int(items.count[0])] for a in items[:4])):
     assert x_start % ROW_ALIGN == 0 and x_start <= lo < end and offsets[e] <= lo and end == offsets[e + 1]
-    stored[lo:min(end, x_start + int(item_rows(x_start, end, t)))] += 1
+    stored[lo:min(end, x_start + block_m)] += 1
   np.testing.assert_array_equal(stored, 1)
   assert items.expert.shape[0] >= int(items.count[0])
-  if tail:  # ~26 rows an expert past multiples of 16: most last items take their tail
-    assert int(items.count[0]) < int(aligned_items(r, block_m).count[0])
-  xs = sorted_rows(x, r, t.tile_rows)
-  assert xs.shape[0] % ROW_ALIGN == 0 and xs.shape[0] >= max(np.asarray(items.x_start)) + t.tile_rows
+  xs = sorted_rows(x, r, block_m)
+  assert xs.shape[0] % ROW_ALIGN == 0 and xs.shape[0] >= max(np.asarray(items.x_start)) + block_m
   np.testing.assert_array_equal(np.asarray(xs[:n]), np.asarray(x)[np.asarray(r.token_of_row)[:n]])
 
 
@@ -315,12 +310,12 @@ def test_gather_planes_tiles_any_hidden_size_the_kernels_take(rng, d, planes):
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
-@pytest.mark.parametrize("decode,cluster", [("64-row wgmmas", 1)])
+@pytest.mark.parametrize("decode,cluster", [("64-row wgmmas", 1), ("128-row wgmmas", 2)])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
   # ~80 rows per expert (three experts routed, expert 0 among them), a 128-row tile: its second 64-row block is
   # partial. W1/W3 in FP2-MIX (expert 0 uniform), decoded in the kernel, one projection per warpgroup on all 128 rows,
-  # two N tiles. D = 512: two meta tiles (256 weights each), each serving 4 K steps. (128-row wgmmas in clusters of
-  # two SMs, as MIX_TILING: test_gate_up_wgmma_takes_an_experts_tail_in_its_last_item.) Compared with the reference on the canonically decoded
+  # two N tiles (with cluster 2, one per SM of a cluster, x multicast: `default_tiling`'s MIX_TILING). D = 512: two
+  # meta tiles (256 weights each), each serving 4 K steps. Compared with the reference on the canonically decoded
   # weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding of h.
   D_ = 512
   x, w1, w3, ids = problem(rng, 120, 2, inter=128, d=D_, empty=(2, 3, 4, 5, 6))
@@ -337,31 +332,6 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
   assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1
   err = nmse(h[:n].astype(jnp.float32), ref[:n])
   assert err <= 2e-5, err
-
-
-def test_gate_up_wgmma_takes_an_experts_tail_in_its_last_item(rng):
-  # tail_rows 32 on 128-row items: expert 0's 150 rows are one item and a 22-row tail; expert 3's 282 (from row 248)
-  # two items, the second with a 26-row tail; expert 1 (106 rows from row 144) and expert 5 (32) none. Five items
-  # where there would be seven. FP2-MIX (expert 0 uniform) decoded in the kernel, 128-row wgmmas, two N tiles taken by
-  # the two SMs of a cluster (x multicast, as MIX_TILING), D = 512: two meta tiles of 4 K steps each. Checked against
-  # the reference on the canonically decoded weights rounded to bf16, and for races.
-  D_, I_ = 512, 128
-  ids = np.array([(0, 3)] * 150 + [(1, 3)] * 100 + [(3, 5)] * 30, np.int32)[rng.permutation(280)]
-  x = jnp.asarray(rng.standard_normal((280, D_)), jnp.bfloat16)
-  st1, st3 = mix_storage(rng, (E, I_, D_)), mix_storage(rng, (E, I_, D_))
-  q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, I_, D_)) for st in (st1, st3))
-  r = routing.route(jnp.asarray(ids), E, 32)
-  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128, cluster=2, tail_rows=32)
-  assert [int(aligned_items(r, 128, tail).count[0]) for tail in (32, 0)] == [5, 7]
-  h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=4,
-                    interpret=interpret())
-  assert_no_races(h)
-  ref = gate_up.gate_up_reference(x, dequantize_to_dense(q1).w, dequantize_to_dense(q3).w, r, swiglu_limit=LIMIT)
-  assert float(jnp.mean(jnp.abs(ref))) > 0.1
-  err = nmse(h.astype(jnp.float32), ref)
-  assert err <= 2e-5, err
-  with pytest.raises(ValueError, match="tail_rows must be 0, 32 or 64"):
-    gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=dataclasses.replace(t, tail_rows=16))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the compiled decode (decode_planes_prmt); the interpreter runs decode_planes, "
