@@ -1,8 +1,8 @@
 """Quantized expert weights in the grouped MoE kernels (kernels_pallas/moe/quantized_weights.py), in Pallas interpret
 mode on CPU and compiled on a GPU (INTERPRET follows the default backend, as in test_moe_kernels.py).
 
-Parity grid: every quantized registry format × token widths {2, 4, 8, 9, 16, 32, 48, 64}, fused and unfused combine
-on each, against `moe_reference` on the SAME weights dequantized to f32 by the format's canonical
+Parity grid: every quantized registry format × token widths {2, 4, 8, 9, 16, 32, 48, 64} compiled (interpreted, 3
+widths per format in rotation, every width on two or three formats: `grid`), fused and unfused combine on each, against `moe_reference` on the SAME weights dequantized to f32 by the format's canonical
 `formats.get(f).dequantize(**storage)`. Activations are f32, so the kernels multiply the exact dequantized weights in
 f32: NMSE ≤ 5e-4 is required (the Lucebox MMQ bound); measured ~1e-13. (bf16 weights, `DenseWeights`, take no tile
 decode: test_moe_kernels.py's parity widths run them at 1e-6, every queue config, both combines.)
@@ -190,8 +190,22 @@ def check(y, want, fmt, what=""):
 
 # ---- parity grid: format × width × combine -------------------------------------------------------------------
 
-@pytest.mark.parametrize("S", base.WIDTHS)
-@pytest.mark.parametrize("fmt", qw.QUANTIZED_FORMATS)
+def grid() -> list[tuple[str, int]]:
+  """Compiled: every format × every width. Interpreted, where a format's widths all run one compiled bucket and each
+  costs ~0.5 s of interpretation alone: format i takes widths i, i + 3 and i + 6 (mod 8), so every width runs on two
+  or three formats and every format meets a narrow, an odd or mid and a masked (≥ 32) width."""
+  n = len(base.WIDTHS)
+  return [(f, S) for i, f in enumerate(qw.QUANTIZED_FORMATS) for j, S in enumerate(base.WIDTHS)
+          if not INTERPRET or j in {i % n, (i + 3) % n, (i + 6) % n}]
+
+
+def test_the_interpreted_grid_covers_every_format_and_width():
+  g = grid()
+  assert {f for f, _ in g} == set(qw.QUANTIZED_FORMATS) and {S for _, S in g} == set(base.WIDTHS)
+  assert all(any(S >= 32 for f2, S in g if f2 == f) for f in qw.QUANTIZED_FORMATS)  # a masked width each
+
+
+@pytest.mark.parametrize("fmt, S", grid())
 def test_parity_grid(rng, fmt, S):
   """Both combines on one problem (the kernels of a bucket compile once): each against the reference, and the two
   within f32 summation order of each other."""
