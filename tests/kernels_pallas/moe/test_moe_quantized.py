@@ -2,7 +2,8 @@
 mode on CPU and compiled on a GPU (INTERPRET follows the default backend, as in test_moe_kernels.py).
 
 Parity grid: every quantized registry format × token widths {2, 4, 8, 9, 16, 32, 48, 64} compiled (interpreted, 3
-widths per format in rotation, every width on two or three formats: `grid`), fused and unfused combine on each, against `moe_reference` on the SAME weights dequantized to f32 by the format's canonical
+widths per format in rotation, every width on two or three formats: `grid`), fused and unfused combine on each,
+against `moe_reference` on the SAME weights dequantized to f32 by the format's canonical
 `formats.get(f).dequantize(**storage)`. Activations are f32, so the kernels multiply the exact dequantized weights in
 f32: NMSE ≤ 5e-4 is required (the Lucebox MMQ bound); measured ~1e-13. (bf16 weights, `DenseWeights`, take no tile
 decode: test_moe_kernels.py's parity widths run them at 1e-6, every queue config, both combines.)
@@ -193,7 +194,7 @@ def check(y, want, fmt, what=""):
 def grid() -> list[tuple[str, int]]:
   """Compiled: every format × every width. Interpreted, where a format's widths all run one compiled bucket and each
   costs ~0.5 s of interpretation alone: format i takes widths i, i + 3 and i + 6 (mod 8), so every width runs on two
-  or three formats and every format meets a narrow, an odd or mid and a masked (≥ 32) width."""
+  or three formats and every format meets a masked width (≥ 32)."""
   n = len(base.WIDTHS)
   return [(f, S) for i, f in enumerate(qw.QUANTIZED_FORMATS) for j, S in enumerate(base.WIDTHS)
           if not INTERPRET or j in {i % n, (i + 3) % n, (i + 6) % n}]
