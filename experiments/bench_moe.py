@@ -58,6 +58,10 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
     "w128_n64_i_t_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), True, True),
     "w64_n128_i_t_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), True, True),
     "w64_n128_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), False, False),  # the model's layout
+    # "_c2": the rings in clusters of two SMs that split an item's rows and share each weight tile (a multicast);
+    # w64_n128 so is torch._grouped_mm's 128 x 256 tile in a 2 x 1 cluster
+    "w64_n128_i_t_x3_c2": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1, cluster=2), True, True),
+    "w128_n64_i_t_x4_c2": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1, cluster=2), True, True),
 }
 
 # Also measured and dropped: (c5bb9c6) the rings in clusters of two SMs sharing x (H100: at most 5% faster at 8192
@@ -211,7 +215,7 @@ def main(argv):
         h_triton = jax.jit(gu)(x, w1, w3, r)
         for tname, (t, _, _) in WGMMA_TILINGS.items():
           name = f"ours_wgmma_bf16_gate_up {tname}"
-          if not wanted(name):
+          if not (wanted(name) or wanted(name + " presorted")):
             continue
           ws = wgmma_weights(tname, w1, w3)
           gw = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
@@ -223,7 +227,7 @@ def main(argv):
             save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
           measure(name, gw, x, *ws, r, nmse_vs_triton=diff)
-          xs = gate_up_wgmma.sorted_rows(x, r, t.block_m)  # the kernel alone, as torch is timed: rows sorted before
+          xs = gate_up_wgmma.sorted_rows(x, r, t.item_rows)  # the kernel alone, as torch is timed: rows sorted before
           measure(name + " presorted", lambda xs, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(
               xs, a, b, r, swiglu_limit=10.0, tiling=t, rows_sorted=True), xs, *ws, r)
           del ws, xs
