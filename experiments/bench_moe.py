@@ -58,17 +58,15 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
     "w128_n64_i_t_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), True, True),
     "w64_n128_i_t_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), True, True),
     "w64_n128_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), False, False),  # the model's layout
-    # "_c2": the rings in clusters of two SMs that split an item's rows and share each weight tile (a multicast);
-    # w64_n128 so is torch._grouped_mm's 128 x 256 tile in a 2 x 1 cluster
-    "w64_n128_i_t_x3_c2": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1, cluster=2), True, True),
-    "w128_n64_i_t_x4_c2": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1, cluster=2), True, True),
 }
 
 # Also measured and dropped: (c5bb9c6) the rings in clusters of two SMs sharing x (H100: at most 5% faster at 8192
 # tokens, 4-7% slower at 32768; its x slots' cluster barrier could complete with the peer SM's releases of a later
 # step, since with wgmmas in flight a release comes a step late: the interpreter deadlocked in CI); (fab9549)
 # w64_n128 interleaved, one m64n256 wgmma per warpgroup as torch's 128x256 tile (8192 tokens: 4.6-5.3 ms against
-# 3.6-3.9 for w128_n64).
+# 3.6-3.9 for w128_n64); (cadd0d7) the rings in clusters of two SMs that split a 2·block_m-row item and multicast
+# each weight tile, torch's 2 x 1 cluster (H100, presorted: w64_n128 4.13 against 4.42 ms at 8192 uniform, 1-6%
+# slower at 8192 Zipf and 32768; w128_n64 6.2 against 3.8 ms at 8192, its second SM mostly idle).
 # The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, one projection each, the decoded tile as
 # the wgmma's register operand (mma_rows rows of x per wgmma). Decoding into shared-memory planes (per warpgroup or
 # shared between the two; or, at fab9549, with the wgmmas in flight while the next step decodes: 6.8 vs 5.1 ms at
@@ -227,7 +225,7 @@ def main(argv):
             save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
           measure(name, gw, x, *ws, r, nmse_vs_triton=diff)
-          xs = gate_up_wgmma.sorted_rows(x, r, t.item_rows)  # the kernel alone, as torch is timed: rows sorted before
+          xs = gate_up_wgmma.sorted_rows(x, r, t.block_m)  # the kernel alone, as torch is timed: rows sorted before
           measure(name + " presorted", lambda xs, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(
               xs, a, b, r, swiglu_limit=10.0, tiling=t, rows_sorted=True), xs, *ws, r)
           del ws, xs

@@ -99,12 +99,10 @@ class Tiling:
   and block_k 64 (a meta tile then serves 4 steps). profile_regions: what the
   regions Mosaic GPU's profiler records are (experiments/profile_moe.py; nothing without the profiler): "steps"
   (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit).
-  x_stages > 0 (bf16 weights, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
+  x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
   x_stages slots (at least 2 with mma_in_flight) and the weights `stages` slots, the weight copies running
   stages − x_stages steps ahead; there mma_in_flight 1 frees a step's slots one step late, so its wgmmas run while
-  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring). There cluster 2 shares the
-  weights instead of x: an item has 2 · block_m rows, each SM of the cluster takes one half, and each weight tile is
-  read from L2 once for both (torch._grouped_mm's 2 × 1 cluster)."""
+  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring)."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -121,11 +119,6 @@ class Tiling:
   @property
   def block_m(self) -> int:
     return 2 * self.wg_rows
-
-  @property
-  def item_rows(self) -> int:
-    """Rows of one work item: an SM's row tile, or with the rings a cluster's (its SMs split the rows)."""
-    return self.block_m * (self.cluster if self.x_stages else 1)
 
 
 # The measured best tilings at V4-Flash shapes (bench_moe, BENCHMARKS.md): FP2-MIX "lhs r256" with x multicast over
@@ -633,16 +626,11 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
   With mma_in_flight a step's wgmmas run on until the next step's are issued; its slots are released one step
   late. A unit's non-empty 64-row blocks are a prefix of its blocks (an item's rows start at most 7 rows into its
   tile), so each count runs its own loop with a static wait and no branch around a wgmma: with such a branch
-  ptxas serializes every wgmma (C7511).
-  In a cluster of two, both SMs run the same units, each on its half of the item's rows, and each copies half of
-  a weight tile into both SMs' slots (a TMA multicast). So a weight slot is free only once all four compute
-  warpgroups of the cluster have released it (a cluster barrier); an SM whose half holds no row of the expert still
-  takes part in the copies. x stays each SM's own."""
+  ptxas serializes every wgmma (C7511)."""
   *w_gs, h_g = refs
   n_w, fused = len(w_gs), len(w_gs) == 1
   w_rows, bk, sx, sw = (2 if fused else 1) * t.block_n, t.block_k, t.x_stages, t.stages
   steps, lag = d // bk, t.stages - t.x_stages
-  shared = t.cluster > 1  # the weight tiles multicast to both SMs of a cluster
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   blocks = range(t.wg_rows // WGMMA_M)
@@ -652,13 +640,11 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
                  x_full=plgpu.Barrier(num_arrivals=1, num_barriers=sx),
                  x_free=plgpu.Barrier(num_arrivals=2, num_barriers=sx),
                  w_full=plgpu.Barrier(num_arrivals=n_w, num_barriers=sw),
-                 w_free=(plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=sw) if shared
-                         else plgpu.Barrier(num_arrivals=2, num_barriers=sw)))
+                 w_free=plgpu.Barrier(num_arrivals=2, num_barriers=sw))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
   def _scope(x_s, w_s, out_smem, x_full, x_free, w_full, w_free):
-    wg, sm, num_sms = lax.axis_index("wg"), lax.axis_index("sm"), lax.axis_size("sm")  # sm: the cluster
-    half = lax.axis_index("cluster") * t.block_m  # this SM's first row in an item
+    wg, sm, num_sms = lax.axis_index("wg"), lax.axis_index("sm"), lax.axis_size("sm")
     local_units = jnp.maximum(num_items[0] * n_tiles - sm + num_sms - 1, 0) // num_sms  # as plgpu.nd_loop deals
     local_steps = local_units * steps
 
@@ -681,14 +667,14 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
           for w_g, ring in zip(w_gs, w_s):
             src = (w_g.at[e, j, pl.ds(k * w_rows, w_rows)] if step_tiled
                    else w_g.at[e, pl.ds(j * w_rows, w_rows), pl.ds(k * bk, bk)])
-            plgpu.copy_gmem_to_smem(src, ring.at[s], w_full.at[s], collective_axes="cluster" if shared else None)
+            plgpu.copy_gmem_to_smem(src, ring.at[s], w_full.at[s])
 
         @pl.when(g >= lag)
         def _():
           i, _, k = unit_of(g - lag)
           s = (g - lag) % sx
           plgpu.barrier_wait(x_free.at[s])
-          x_start = pl.multiple_of(item_x_start[i] + half, ROW_ALIGN)
+          x_start = pl.multiple_of(item_x_start[i], ROW_ALIGN)
           plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s])
 
       for s in range(sw):  # the consumers' last releases
@@ -712,7 +698,7 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
       @pl.loop(0, local_units)
       def _(u):
         i, j, _ = unit_of(u * steps)
-        x_start, lo, end = pl.multiple_of(item_x_start[i] + half, ROW_ALIGN), item_lo[i], item_end[i]
+        x_start, lo, end = pl.multiple_of(item_x_start[i], ROW_ALIGN), item_lo[i], item_end[i]
         wg_first = x_start + wg * t.wg_rows
 
         def rows_in(first_row, n):  # (first stored row, count) of rows [first_row, first_row + n)
@@ -786,7 +772,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up. w1/w3: dense [E, I, D]; or
   w3=None and w1 = interleave(w1, w3, tiling.block_n); either also as tile_by_step(·, its box rows, block_k) (each
   step's box contiguous); or two FP2-MIX `MixStack`s (decoded in the kernel, the
-  canonical decode's bits). x [S, D], or with `rows_sorted` already sorted_rows(x, r, tiling.item_rows) (dense
+  canonical decode's bits). x [S, D], or with `rows_sorted` already sorted_rows(x, r, tiling.block_m) (dense
   weights; to time the kernel without the gather). With `planes_rows` (FP2-MIX, I a multiple of 4 · block_n) h
   comes as the down's planes, [4, planes_rows, I/4] with plane q column i = h column 4i + q (down_wgmma.row_planes
   without its transpose: each unit reads the weight rows of one plane's columns). The routing's own row tile and
@@ -815,10 +801,10 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
                      f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
   # in flight, step g's x copy waits for step g − 1's release, which comes after step g's x: one x slot deadlocks
   lowest = 2 if t.mma_in_flight else 1
-  if t.x_stages and (mix or t.tile_order != "n" or not lowest <= t.x_stages <= t.stages):
-    raise ValueError(f"x_stages={t.x_stages} (separate x and weight rings) takes bf16 weights, tile_order 'n' and "
-                     f"{lowest} <= x_stages <= stages={t.stages} (2 with mma_in_flight); got mix={mix}, "
-                     f"tile_order={t.tile_order!r}")
+  if t.x_stages and (mix or t.cluster != 1 or t.tile_order != "n" or not lowest <= t.x_stages <= t.stages):
+    raise ValueError(f"x_stages={t.x_stages} (separate x and weight rings) takes bf16 weights, cluster 1, tile_order "
+                     f"'n' and {lowest} <= x_stages <= stages={t.stages} (2 with mma_in_flight); got mix={mix}, "
+                     f"cluster={t.cluster}, tile_order={t.tile_order!r}")
   if t.mma_in_flight and not t.x_stages:
     raise ValueError("mma_in_flight=1 takes the separate x and weight rings (x_stages > 0): in the pipeline a unit's "
                      "last slot is refilled under its last wgmmas (gate_up_wgmma's docstring)")
@@ -842,17 +828,16 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if Dw != D or (w3 is not None and tuple(w3.shape) != tuple(w1.shape)):  # (a step-tiled shape passed above)
     raise ValueError(f"w1 {tuple(w1.shape)} / w3 {None if w3 is None else tuple(w3.shape)} must be [E, I, D] "
                      f"(or w1 an interleaved [E, 2I, D] and w3 None) with D = {D}")
-  n_split = 1 if t.x_stages else t.cluster  # SMs of a cluster that split an item's N tiles
-  if D % t.block_k or I % (t.block_n * n_split):
+  if D % t.block_k or I % (t.block_n * t.cluster):
     raise ValueError(f"D={D} / I={I} must be multiples of block_k={t.block_k} / block_n × cluster="
-                     f"{t.block_n * n_split}")
+                     f"{t.block_n * t.cluster}")
   planes_out = planes_rows is not None
   if planes_out and (not mix or I % (PLANES * t.block_n) or planes_rows < r.num_routes):
     raise ValueError(f"h as planes takes FP2-MIX weights with I a multiple of {PLANES * t.block_n} and planes_rows "
                      f">= {r.num_routes} routes; got I={I}, planes_rows={planes_rows}")
   if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
     interpret = plgpu.InterpretGPUParams()
-  items = aligned_items(r, t.item_rows)
+  items = aligned_items(r, t.block_m)
   out_shape = (PLANES, planes_rows, I // PLANES) if planes_out else (r.num_routes, I)
   body = functools.partial(_kernel, max_items=items.expert.shape[0], mix=mix,
                            lhs_in_smem=interpret not in (None, False), planes_out=planes_out)
@@ -864,7 +849,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
       cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  gather = functools.partial(gather_planes, x, r, t.item_rows, interpret=interpret is not None)
+  gather = functools.partial(gather_planes, x, r, t.block_m, interpret=interpret is not None)
   if mix:
     if planes_out:  # [E, I/4, 4, ·]: a unit's weight rows 4i + q are then one TMA box (q squeezed)
       w1, w3 = (w._replace(codes=by_plane(w.codes), meta=by_plane(w.meta)) for w in (w1, w3))
