@@ -29,7 +29,8 @@ from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
 from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
                                               expert_levels, gate_up_wgmma, gather_planes, interleave, mix_stack,
-                                              narrow_widths, padded_rows, prmt_selectors, sorted_planes, sorted_rows, tile_by_step)
+                                              narrow_widths, padded_rows, prmt_selectors, sorted_planes, sorted_rows,
+                                              tile_by_step)
 
 ON_GPU = jax.default_backend() == "gpu"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
