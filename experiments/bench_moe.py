@@ -89,6 +89,7 @@ WGMMA_MIX_TILINGS = {
 WGMMA_DOWN_TILINGS = {
     "w128_s4_r256": _T(wg_rows=128, block_n=64, stages=4, mma_rows=256),
     "w128_s2_r256": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256),
+    "w128_s2_r256_wide": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256, narrow=False),
     "w128_s5_r256": _T(wg_rows=128, block_n=64, stages=5, mma_rows=256),
     "w128_s4_r128": _T(wg_rows=128, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r128": _T(wg_rows=64, block_n=64, stages=4, mma_rows=128),

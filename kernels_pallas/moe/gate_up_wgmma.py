@@ -96,9 +96,9 @@ class Tiling:
   64-row block of its rows that holds none of the expert's; cluster 2: two SMs take neighbouring N tiles of one
   item and each x tile is read from L2 once for both (a TMA multicast);
   mma_rows (FP2-MIX): rows of x per wgmma. With FP2-MIX weights block_n must be 64 (one warpgroup's wgmma rows)
-  and block_k 64 (a meta tile then serves 4 steps). narrow (FP2-MIX gate/up): an item whose rows end in the first 64
-  (or 128) rows of its tile runs its own pipeline of 64 (128)-row wgmmas: its decode is the same, its MMAs a
-  fraction (an expert's last item often holds a few rows: 127 of 902 items at 32768 tokens, uniform).
+  and block_k 64 (a meta tile then serves 4 steps). narrow (the MIX gate/up and down): an item whose rows end in the
+  first 64 (or 128) rows of its tile runs its own pipeline of 64 (128)-row wgmmas: its decode is the same, its MMAs
+  a fraction (an expert's last item often holds a few rows: 127 of 902 items at 32768 tokens, uniform).
   profile_regions: what the regions Mosaic GPU's profiler records are (experiments/profile_moe.py; nothing without
   the profiler): "steps" (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit).
   x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
