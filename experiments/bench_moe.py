@@ -78,7 +78,7 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
-    "lhs_w128_s3_r256_c2_wide": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2, narrow=False),
+    "lhs_w128_s3_r256_c2_narrow": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2, narrow=True),
 }
 # Also measured and dropped (2a804c4): a third warpgroup issuing the copies and decoding both tiles into shared-memory
 # planes, the other two only issuing wgmmas (8192 tokens: 5.85 against 5.17 ms); (6a99a1b) 384-row tiles, three
@@ -89,7 +89,7 @@ WGMMA_MIX_TILINGS = {
 WGMMA_DOWN_TILINGS = {
     "w128_s4_r256": _T(wg_rows=128, block_n=64, stages=4, mma_rows=256),
     "w128_s2_r256": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256),
-    "w128_s2_r256_wide": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256, narrow=False),
+    "w128_s2_r256_narrow": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256, narrow=True),
     "w128_s5_r256": _T(wg_rows=128, block_n=64, stages=5, mma_rows=256),
     "w128_s4_r128": _T(wg_rows=128, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r128": _T(wg_rows=64, block_n=64, stages=4, mma_rows=128),

@@ -98,7 +98,8 @@ class Tiling:
   mma_rows (FP2-MIX): rows of x per wgmma. With FP2-MIX weights block_n must be 64 (one warpgroup's wgmma rows)
   and block_k 64 (a meta tile then serves 4 steps). narrow (the MIX gate/up and down): an item whose rows end in the
   first 64 (or 128) rows of its tile runs its own pipeline of 64 (128)-row wgmmas: its decode is the same, its MMAs
-  a fraction (an expert's last item often holds a few rows: 127 of 902 items at 32768 tokens, uniform).
+  a fraction (an expert's last item often holds a few rows: 127 of 902 items at 32768 tokens, uniform). Not yet
+  timed on a GPU, so off in MIX_TILING and the down's TILING.
   profile_regions: what the regions Mosaic GPU's profiler records are (experiments/profile_moe.py; nothing without
   the profiler): "steps" (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit).
   x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
@@ -117,7 +118,7 @@ class Tiling:
   producer_registers: int = 40
   profile_regions: str = "steps"
   x_stages: int = 0
-  narrow: bool = True
+  narrow: bool = False
 
   @property
   def block_m(self) -> int:

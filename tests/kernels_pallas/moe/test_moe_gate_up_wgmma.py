@@ -330,7 +330,7 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
   if "narrow" in decode:
     x, w1, w3, _ = problem(rng, 290, 2, inter=128, d=D_)
     ids = jnp.asarray(skewed_ids({1: 100, 7: 180, 4: 6}, 290))
-    t = dataclasses.replace(MIX_TILING, stages=2)
+    t = dataclasses.replace(MIX_TILING, stages=2, narrow=True)
   else:
     x, w1, w3, ids = problem(rng, 120, 2, inter=128, d=D_, empty=(2, 3, 4, 5, 6))
     t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=64, cluster=cluster)
