@@ -48,8 +48,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
                                               aligned_items, as_planes, expert_levels, half_block_values,
-                                              half_block_values_ir, issue_blocks, narrow_widths, padded_rows,
-                                              prmt_selectors_ir, profile_region)
+                                              half_block_values_ir, issue_blocks, padded_rows, prmt_selectors_ir,
+                                              profile_region, run_by_width)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -289,17 +289,10 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
                            always_full=len(blocks) == 1)
           return accs
 
-        with profile_region("unit", t, "units"):  # one pipeline per wgmma width (gate_up_wgmma.Tiling.narrow)
-          widths = narrow_widths(t)
-          span = jnp.minimum(end - x_start, t.block_m)  # the item's rows end this far into its tile
-          for k, m in enumerate(widths):
-            above = widths[k - 1] if k else 0
-            bs = range(1) if m < t.mma_rows else blocks
-
-            @pl.when((span > above) & (span <= m) if m < t.mma_rows else span > above)
-            def _(m=m, bs=bs):
-              pipeline(functools.partial(mma, m=m, blocks=bs), functools.partial(context, m=m, blocks=bs))(
-                  *operands(e, g, x_start), allocations=allocs)
+        with profile_region("unit", t, "units"):  # a pipeline per wgmma width (gate_up_wgmma.Tiling.narrow)
+          run_by_width(t, end - x_start, blocks, lambda m, bs: pipeline(
+              functools.partial(mma, m=m, blocks=bs), functools.partial(context, m=m, blocks=bs))(
+                  *operands(e, g, x_start), allocations=allocs))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

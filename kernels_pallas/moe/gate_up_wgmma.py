@@ -391,6 +391,19 @@ def narrow_widths(t: Tiling) -> tuple[int, ...]:
   return tuple(m for m in (64, 128) if t.narrow and m < t.mma_rows) + (t.mma_rows,)
 
 
+def run_by_width(t: Tiling, rows, blocks, run) -> None:
+  """run(m, blocks of m rows) for the wgmma width m of an item whose rows end `rows` rows into its tile: the narrowest
+  of narrow_widths(t) that holds them, one branch each. Each runs a whole pipeline, waits included: a branch that
+  issues a wgmma without its wait makes ptxas serialize every wgmma (C7512, docs/lowering.md §1)."""
+  widths, rows = narrow_widths(t), jnp.minimum(rows, t.block_m)
+  for k, m in enumerate(widths):
+    above = widths[k - 1] if k else 0
+    if m < t.mma_rows:
+      pl.when((rows > above) & (rows <= m))(functools.partial(run, m, range(1)))
+    else:
+      pl.when(rows > above)(functools.partial(run, m, blocks))
+
+
 def issue_blocks(issue, rows_in_block, n_blocks: int, t: Tiling, always_full: bool = False) -> None:
   """Issues issue(b), block b's wgmmas, for the blocks that hold rows, then waits for them. The blocks with rows are
   a prefix (an item's rows start fewer than ROW_ALIGN rows into its tile), so with skip_empty each count of them is
@@ -619,17 +632,10 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         with profile_region("unit", t, "units"):
           if not mix:
             pipeline(mma, compute_context)(*operands(e, j, x_start), allocations=allocs)
-          else:  # one pipeline per wgmma width, each with its waits (no wgmma in a branch without one: C7512)
-            widths = narrow_widths(t)
-            span = jnp.minimum(end - x_start, t.block_m)  # the item's rows end this far into its tile
-            for k, m in enumerate(widths):
-              above = widths[k - 1] if k else 0
-              bs = range(1) if m < t.mma_rows else blocks
-
-              @pl.when((span > above) & (span <= m) if m < t.mma_rows else span > above)
-              def _(m=m, bs=bs):
-                pipeline(functools.partial(lhs_mma, m=m, blocks=bs), functools.partial(lhs_context, m=m, blocks=bs))(
-                    *operands(e, j, x_start), allocations=allocs)
+          else:
+            run_by_width(t, end - x_start, blocks, lambda m, bs: pipeline(
+                functools.partial(lhs_mma, m=m, blocks=bs), functools.partial(lhs_context, m=m, blocks=bs))(
+                    *operands(e, j, x_start), allocations=allocs))
 
     if mix:  # observe warpgroup 0's last arrival (the barrier's phases must all be seen before it is freed)
       pl.when(wg == 1)(lambda: plgpu.barrier_wait(up_free))
