@@ -78,18 +78,18 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
-    "lhs_w128_s3_r256_c2_narrow": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2, narrow=True),
 }
 # Also measured and dropped (2a804c4): a third warpgroup issuing the copies and decoding both tiles into shared-memory
 # planes, the other two only issuing wgmmas (8192 tokens: 5.85 against 5.17 ms); (6a99a1b) 384-row tiles, three
 # 128-row wgmmas per decoded step, gate/up and down: 192 accumulator registers a thread, and ptxas spills 150-250
-# bytes (H100, 8192 tokens: 8.8 against 5.9 ms).
+# bytes (H100, 8192 tokens: 8.8 against 5.9 ms); (61ec2ad) "narrow" items, gate/up and down: an item whose rows end
+# within 64 or 128 rows of its tile ran a pipeline of that wgmma width, its decode unchanged (H100: the gate/up -3% at
+# 8192 Zipf, +3% at 32768 Zipf, within 2% elsewhere; the down -5% at 8192 Zipf, +12% at 8192 uniform).
 # The Mosaic GPU down on rocmfp3_mix W2 (down_wgmma.py), the same structure with one stack, each warpgroup its own
 # N tile; against what the model runs under moe_wgmma_gate_up (W2 decoded by the decode kernel, then the Triton down).
 WGMMA_DOWN_TILINGS = {
     "w128_s4_r256": _T(wg_rows=128, block_n=64, stages=4, mma_rows=256),
     "w128_s2_r256": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256),
-    "w128_s2_r256_narrow": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256, narrow=True),
     "w128_s5_r256": _T(wg_rows=128, block_n=64, stages=5, mma_rows=256),
     "w128_s4_r128": _T(wg_rows=128, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r128": _T(wg_rows=64, block_n=64, stages=4, mma_rows=128),

@@ -49,7 +49,7 @@ from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
                                               aligned_items, as_planes, expert_levels, half_block_values,
                                               half_block_values_ir, issue_blocks, padded_rows, prmt_selectors_ir,
-                                              profile_region, run_by_width)
+                                              profile_region)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -239,24 +239,24 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
         blocks = range(t.block_m // t.mma_rows)
         levels = [[levels_g[e, s, k] for k in range(rocmfp3_mix.LEVELS)] for s in range(2)]
 
-        def context(run, m, blocks):  # m: rows of h per wgmma, blocks of m rows
-          @functools.partial(pl.run_scoped, accs=[plgpu.ACC((t.block_n, m), F32) for _ in blocks])
+        def context(run):
+          @functools.partial(pl.run_scoped, accs=[plgpu.ACC((t.block_n, t.mma_rows), F32) for _ in blocks])
           def _acc(accs):  # accs[b]: this warpgroup's out^T, [n, rows of block b]
             run(accs)
             col0 = (2 * g + wg) * t.block_n
             if not lhs_in_smem:
               with profile_region("epilogue", t):
                 for b in blocks:
-                  store_transposed_rows(accs[b][...], out_g, x_start + b * m, lo, end, col0)
+                  store_transposed_rows(accs[b][...], out_g, x_start + b * t.mma_rows, lo, end, col0)
               return
             # the interpreter: through shared memory (it checks no layouts), then TMA
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
             for b in blocks:
-              out_smem.at[wg, pl.ds(b * m, m)].T[...] = accs[b][...]
+              out_smem.at[wg, pl.ds(b * t.mma_rows, t.mma_rows)].T[...] = accs[b][...]
             plgpu.commit_smem()
             _store_rows(out_smem, wg, first - x_start, out_g, first, rows, pl.ds(col0, t.block_n), t.block_m)
 
-        def mma(idx, x_s, *args, m, blocks):
+        def mma(idx, x_s, *args):
           *w_ss, accs = args
           hi_col = idx[0] % per_hi * (t.block_k // 8)  # this step's first high-bit column
           meta_col = idx[0] % per_meta * (t.block_k // rocmfp_layout.HALF)
@@ -279,20 +279,18 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
                 with profile_region("decode", t):
                   planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels)
               def issue(b):
-                rows = pl.ds(b * m, m)
+                rows = pl.ds(b * t.mma_rows, t.mma_rows)
                 with profile_region("mma", t):
                   for q in range(PLANES):
                     plgpu.wgmma(accs[b], planes[q], x_s.at[q, rows].T)
 
               # an item has rows in the first block of its tile
-              issue_blocks(issue, lambda b: rows_in(x_start + b * m, m)[1], len(blocks), t,
+              issue_blocks(issue, lambda b: rows_in(x_start + b * t.mma_rows, t.mma_rows)[1], len(blocks), t,
                            always_full=len(blocks) == 1)
           return accs
 
-        with profile_region("unit", t, "units"):  # a pipeline per wgmma width (gate_up_wgmma.Tiling.narrow)
-          run_by_width(t, end - x_start, blocks, lambda m, bs: pipeline(
-              functools.partial(mma, m=m, blocks=bs), functools.partial(context, m=m, blocks=bs))(
-                  *operands(e, g, x_start), allocations=allocs))
+        with profile_region("unit", t, "units"):
+          pipeline(mma, context)(*operands(e, g, x_start), allocations=allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

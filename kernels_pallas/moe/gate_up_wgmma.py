@@ -96,12 +96,9 @@ class Tiling:
   64-row block of its rows that holds none of the expert's; cluster 2: two SMs take neighbouring N tiles of one
   item and each x tile is read from L2 once for both (a TMA multicast);
   mma_rows (FP2-MIX): rows of x per wgmma. With FP2-MIX weights block_n must be 64 (one warpgroup's wgmma rows)
-  and block_k 64 (a meta tile then serves 4 steps). narrow (the MIX gate/up and down): an item whose rows end in the
-  first 64 (or 128) rows of its tile runs its own pipeline of 64 (128)-row wgmmas: its decode is the same, its MMAs
-  a fraction (an expert's last item often holds a few rows: 127 of 902 items at 32768 tokens, uniform). Not yet
-  timed on a GPU, so off in MIX_TILING and the down's TILING.
-  profile_regions: what the regions Mosaic GPU's profiler records are (experiments/profile_moe.py; nothing without
-  the profiler): "steps" (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit).
+  and block_k 64 (a meta tile then serves 4 steps). profile_regions: what the
+  regions Mosaic GPU's profiler records are (experiments/profile_moe.py; nothing without the profiler): "steps"
+  (decode, mma, wait per pipeline step, epilogue per unit) or "units" (one per unit).
   x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
   x_stages slots (at least 2 with mma_in_flight) and the weights `stages` slots, the weight copies running
   stages − x_stages steps ahead; there mma_in_flight 1 frees a step's slots one step late, so its wgmmas run while
@@ -118,7 +115,6 @@ class Tiling:
   producer_registers: int = 40
   profile_regions: str = "steps"
   x_stages: int = 0
-  narrow: bool = False
 
   @property
   def block_m(self) -> int:
@@ -385,25 +381,6 @@ def profile_region(name: str, t: Tiling, kind: str = "steps"):
   return jax.named_scope(name) if t.profile_regions == kind else contextlib.nullcontext()
 
 
-def narrow_widths(t: Tiling) -> tuple[int, ...]:
-  """The FP2-MIX gate/up's wgmma widths (rows of x), narrowest first: an item runs the narrowest that holds its rows,
-  in blocks of t.mma_rows at the widest."""
-  return tuple(m for m in (64, 128) if t.narrow and m < t.mma_rows) + (t.mma_rows,)
-
-
-def run_by_width(t: Tiling, rows, blocks, run) -> None:
-  """run(m, blocks of m rows) for the wgmma width m of an item whose rows end `rows` rows into its tile: the narrowest
-  of narrow_widths(t) that holds them, one branch each. Each runs a whole pipeline, waits included: a branch that
-  issues a wgmma without its wait makes ptxas serialize every wgmma (C7512, docs/lowering.md §1)."""
-  widths, rows = narrow_widths(t), jnp.minimum(rows, t.block_m)
-  for k, m in enumerate(widths):
-    above = widths[k - 1] if k else 0
-    if m < t.mma_rows:
-      pl.when((rows > above) & (rows <= m))(functools.partial(run, m, range(1)))
-    else:
-      pl.when(rows > above)(functools.partial(run, m, blocks))
-
-
 def issue_blocks(issue, rows_in_block, n_blocks: int, t: Tiling, always_full: bool = False) -> None:
   """Issues issue(b), block b's wgmmas, for the blocks that hold rows, then waits for them. The blocks with rows are
   a prefix (an item's rows start fewer than ROW_ALIGN rows into its tile), so with skip_empty each count of them is
@@ -539,13 +516,13 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         if mix:  # this expert's book levels, as scalars
           sides = [[[lv[e, s, k] for k in range(4)] for s in range(2)] for _, _, lv in stacks]
 
-        def lhs_context(run, m, blocks):  # m: rows of x per wgmma, blocks of m rows
-          @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, m), F32)] for _ in blocks])
+        def lhs_context(run):
+          @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, t.mma_rows), F32)] for _ in blocks])
           def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b]
             run(accs)
             with profile_region("epilogue", t):
               # In 64-row chunks, through a swizzled buffer: fewer live registers than a whole [64, 256] f32 copy
-              chunks = range(0, m, WGMMA_M)
+              chunks = range(0, t.mma_rows, WGMMA_M)
 
               @pl.when(wg == 1)
               def _():
@@ -565,12 +542,12 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                   gate = accs[b][0][...]
                   for c in chunks:
                     h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
-                    out_smem.at[0, pl.ds(b * m + c, WGMMA_M)].T[...] = h
+                    out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
                 plgpu.barrier_arrive(up_free)
                 plgpu.commit_smem()
                 _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.block_m)
 
-        def lhs_mma(idx, x_s, *args, m, blocks):
+        def lhs_mma(idx, x_s, *args):
           *w_ss, accs = args
           for v in range(2):
             @pl.when(wg == v)
@@ -590,13 +567,13 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 with profile_region("decode", t):
                   planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels)
               def issue(b):
-                rows = pl.ds(b * m, m)
+                rows = pl.ds(b * t.mma_rows, t.mma_rows)
                 with profile_region("mma", t):
                   for q in range(PLANES):
                     plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
 
               # an item has rows in the first block of its tile
-              issue_blocks(issue, lambda b: rows_in(x_start + b * m, m)[1], len(blocks), t,
+              issue_blocks(issue, lambda b: rows_in(x_start + b * t.mma_rows, t.mma_rows)[1], len(blocks), t,
                            always_full=len(blocks) == 1)
           return accs
 
@@ -629,13 +606,9 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
           issue_blocks(issue, lambda b: rows_in(wg_first + b * WGMMA_M, WGMMA_M)[1], len(blocks), t)
           return accs
 
+        body, context = (lhs_mma, lhs_context) if mix else (mma, compute_context)
         with profile_region("unit", t, "units"):
-          if not mix:
-            pipeline(mma, compute_context)(*operands(e, j, x_start), allocations=allocs)
-          else:
-            run_by_width(t, end - x_start, blocks, lambda m, bs: pipeline(
-                functools.partial(lhs_mma, m=m, blocks=bs), functools.partial(lhs_context, m=m, blocks=bs))(
-                    *operands(e, j, x_start), allocations=allocs))
+          pipeline(body, context)(*operands(e, j, x_start), allocations=allocs)
 
     if mix:  # observe warpgroup 0's last arrival (the barrier's phases must all be seen before it is freed)
       pl.when(wg == 1)(lambda: plgpu.barrier_wait(up_free))

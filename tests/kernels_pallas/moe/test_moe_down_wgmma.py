@@ -23,7 +23,7 @@ from kernels_pallas.moe import QuantizedExpertWeights, routing
 from kernels_pallas.moe.down import down_reference
 from kernels_pallas.moe.down_wgmma import (HIGH_SELECTOR, TILING, TILING_FEW_ROWS, Mix3Stack, decode_planes3,
                                            down_wgmma, mix3_stack, row_planes, spread_high_bits)
-from kernels_pallas.moe.gate_up_wgmma import Tiling, aligned_items, narrow_widths, prmt_selectors
+from kernels_pallas.moe.gate_up_wgmma import Tiling, prmt_selectors
 
 ON_GPU = jax.default_backend() == "gpu"
 E = 8
@@ -111,10 +111,9 @@ def test_row_planes(rng):
     np.testing.assert_array_equal(p[q, :21], np.asarray(h)[:, q::4])
 
 
-def problem(rng, S, K, *, D, I, mask_every=0, empty=(), ids=None):
+def problem(rng, S, K, *, D, I, mask_every=0, empty=()):
   experts = np.setdiff1d(np.arange(E), empty)
-  if ids is None:
-    ids = np.stack([rng.permutation(experts)[:K] for _ in range(S)]).astype(np.int32)
+  ids = np.stack([rng.permutation(experts)[:K] for _ in range(S)]).astype(np.int32)
   if mask_every:
     ids.reshape(-1)[mask_every - 1::mask_every] = -1
   r = routing.route(jnp.asarray(ids), E, 32)
@@ -124,24 +123,14 @@ def problem(rng, S, K, *, D, I, mask_every=0, empty=(), ids=None):
 
 @pytest.mark.parametrize("tiling", [Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=64),
                                     Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128, tile_order="item"),
-                                    dataclasses.replace(TILING, narrow=True)])  # the default's 256-row tiles
+                                    TILING])  # the default: 256-row tiles and wgmmas
 def test_down_wgmma_matches_reference(rng, tiling):
   # Three experts routed, ~130 rows each (every 7th route masked; expert 5 among the empty ones): items that start
   # inside the previous expert's rows, 64-row blocks with no row of the expert (skipped), several items per expert
   # with the 128-row tile. D = 256: two units per item (an N-tile pair each), on 3 SMs. I = 512: two meta tiles,
-  # four high-bit tiles. At TILING's shape the routes are skewed instead (expert 0 takes every token's first route; 100, 30
-  # and 8 second routes for experts 1, 4 and 7, the rest masked): items whose rows end within 64, 128 and 256 rows of their tiles,
-  # each width a pipeline of its own (Tiling.narrow).
+  # four high-bit tiles.
   D, I = 256, 512
-  ids, mask_every = None, 7
-  if tiling.narrow:  # masked routes of its own
-    second = np.concatenate([np.full(100, 1), np.full(30, 4), np.full(8, 7), np.full(12, -1)])
-    ids, mask_every = np.stack([np.zeros(150), second, np.full(150, -1)], 1).astype(np.int32), 0
-  h, st, r = problem(rng, 150, 3, D=D, I=I, mask_every=mask_every, empty=(1, 2, 3, 5, 6), ids=ids)
-  items = aligned_items(r, tiling.block_m)
-  span = np.minimum(np.asarray(items.end - items.x_start), tiling.block_m)[:int(items.count[0])]
-  widths = {next((m for m in narrow_widths(tiling)[:-1] if s <= m), tiling.mma_rows) for s in span}
-  assert widths == ({64, 128, 256} if tiling.narrow else {tiling.mma_rows})
+  h, st, r = problem(rng, 150, 3, D=D, I=I, mask_every=7, empty=(1, 2, 3, 5, 6))
   out = jax.block_until_ready(down_wgmma(h, mix3_stack(st), r, tiling=tiling, num_sms=3, interpret=interpret()))
   if not ON_GPU:  # after the kernel has finished (test_moe_gate_up_wgmma.assert_no_races)
     assert not interpret_pallas_call.get_races().races_found
