@@ -78,6 +78,7 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
+    "lhs_w128_s3_r256_c4": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=4),
     # separate x and weight rings (_mix_ring_kernel), "_i": each step decoded under the previous step's wgmmas
     "ring_w128_s8_x2_r256_i": _T(wg_rows=128, block_n=64, stages=8, x_stages=2, mma_rows=256, mma_in_flight=1),
     "ring_w128_s8_x3_r256_i": _T(wg_rows=128, block_n=64, stages=8, x_stages=3, mma_rows=256, mma_in_flight=1),

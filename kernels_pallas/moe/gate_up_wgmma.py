@@ -950,8 +950,8 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
     raise ValueError(f"w1/w3 dtypes {[str(w.dtype) for w in ws]} must equal x's {x.dtype} (or be MixStacks)")
   if t.wg_rows % WGMMA_M:
     raise ValueError(f"wg_rows={t.wg_rows} must be a multiple of {WGMMA_M}")
-  if t.cluster not in (1, 2):
-    raise ValueError(f"cluster must be 1 or 2, got {t.cluster}")
+  if t.cluster not in (1, 2, 4):
+    raise ValueError(f"cluster must be 1, 2 or 4, got {t.cluster}")
   if mix and (t.block_n != WGMMA_M or t.block_m % t.mma_rows or t.mma_rows % WGMMA_M or t.mma_rows > 256):
     raise ValueError(f"FP2-MIX weights need block_n={WGMMA_M} and mma_rows a multiple of {WGMMA_M} up to 256 "
                      f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
