@@ -78,12 +78,6 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
-    "lhs_w128_s3_r256_c4": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=4),
-    # separate x and weight rings (_mix_ring_kernel), "_i": each step decoded under the previous step's wgmmas
-    "ring_w128_s8_x2_r256_i": _T(wg_rows=128, block_n=64, stages=8, x_stages=2, mma_rows=256, mma_in_flight=1),
-    "ring_w128_s8_x3_r256_i": _T(wg_rows=128, block_n=64, stages=8, x_stages=3, mma_rows=256, mma_in_flight=1),
-    "ring_w128_s8_x2_r256": _T(wg_rows=128, block_n=64, stages=8, x_stages=2, mma_rows=256),
-    "ring_w64_s8_x3_r128_i": _T(wg_rows=64, block_n=64, stages=8, x_stages=3, mma_rows=128, mma_in_flight=1),
 }
 # Also measured and dropped (2a804c4): a third warpgroup issuing the copies and decoding both tiles into shared-memory
 # planes, the other two only issuing wgmmas (8192 tokens: 5.85 against 5.17 ms); (6a99a1b) 384-row tiles, three
@@ -91,6 +85,10 @@ WGMMA_MIX_TILINGS = {
 # bytes (H100, 8192 tokens: 8.8 against 5.9 ms); (61ec2ad) "narrow" items, gate/up and down: an item whose rows end
 # within 64 or 128 rows of its tile ran a pipeline of that wgmma width, its decode unchanged (H100: the gate/up -3% at
 # 8192 Zipf, +3% at 32768 Zipf, within 2% elsewhere; the down -5% at 8192 Zipf, +12% at 8192 uniform).
+# (e3db26e) the gate/up over separate x and weight rings, each step decoded while the previous step's wgmmas ran (two
+# plane sets in registers; ptxas kept the wgmmas async): H100, 8192 uniform 5.11-5.44 ms against 4.49-4.90 for c2,
+# 32768 16.8-17.6 against 16.1-17.0; the same rings without wgmmas in flight 4.85-5.37 / 16.2-17.0; (e6a4f2d) x
+# multicast to clusters of four SMs: 7.6 ms at 8192 uniform, 26 at 32768 (c2: 4.5, 16.2).
 # The Mosaic GPU down on rocmfp3_mix W2 (down_wgmma.py), the same structure with one stack, each warpgroup its own
 # N tile; against what the model runs under moe_wgmma_gate_up (W2 decoded by the decode kernel, then the Triton down).
 WGMMA_DOWN_TILINGS = {
