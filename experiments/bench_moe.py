@@ -78,6 +78,10 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
+    # separate x and weight rings (_mix_ring_kernel), alone or in clusters of two SMs sharing x (multicast)
+    "ring_w128_s8_x2_r256": _T(wg_rows=128, block_n=64, stages=8, x_stages=2, mma_rows=256),
+    "ring_w128_s8_x2_r256_c2": _T(wg_rows=128, block_n=64, stages=8, x_stages=2, mma_rows=256, cluster=2),
+    "ring_w128_s8_x3_r256_c2": _T(wg_rows=128, block_n=64, stages=8, x_stages=3, mma_rows=256, cluster=2),
 }
 # Also measured and dropped (2a804c4): a third warpgroup issuing the copies and decoding both tiles into shared-memory
 # planes, the other two only issuing wgmmas (8192 tokens: 5.85 against 5.17 ms); (6a99a1b) 384-row tiles, three
