@@ -78,10 +78,6 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
-    # separate x and weight rings (_mix_ring_kernel), alone or in clusters of two SMs sharing x (multicast)
-    "ring_w128_s8_x2_r256": _T(wg_rows=128, block_n=64, stages=8, x_stages=2, mma_rows=256),
-    "ring_w128_s8_x2_r256_c2": _T(wg_rows=128, block_n=64, stages=8, x_stages=2, mma_rows=256, cluster=2),
-    "ring_w128_s8_x3_r256_c2": _T(wg_rows=128, block_n=64, stages=8, x_stages=3, mma_rows=256, cluster=2),
 }
 # Also measured and dropped (2a804c4): a third warpgroup issuing the copies and decoding both tiles into shared-memory
 # planes, the other two only issuing wgmmas (8192 tokens: 5.85 against 5.17 ms); (6a99a1b) 384-row tiles, three
@@ -92,7 +88,9 @@ WGMMA_MIX_TILINGS = {
 # (e3db26e) the gate/up over separate x and weight rings, each step decoded while the previous step's wgmmas ran (two
 # plane sets in registers; ptxas kept the wgmmas async): H100, 8192 uniform 5.11-5.44 ms against 4.49-4.90 for c2,
 # 32768 16.8-17.6 against 16.1-17.0; the same rings without wgmmas in flight 4.85-5.37 / 16.2-17.0; (e6a4f2d) x
-# multicast to clusters of four SMs: 7.6 ms at 8192 uniform, 26 at 32768 (c2: 4.5, 16.2).
+# multicast to clusters of four SMs: 7.6 ms at 8192 uniform, 26 at 32768 (c2: 4.5, 16.2); (a37cf74) those rings in
+# clusters of two sharing x, 3 x slots: -5% / -4% / -1% / +3% against c2 (32768 uniform, 8192 Zipf, 32768 Zipf,
+# 8192 uniform).
 # The Mosaic GPU down on rocmfp3_mix W2 (down_wgmma.py), the same structure with one stack, each warpgroup its own
 # N tile; against what the model runs under moe_wgmma_gate_up (W2 decoded by the decode kernel, then the Triton down).
 WGMMA_DOWN_TILINGS = {

@@ -48,7 +48,9 @@ pipeline", C7511) at every tiling, even with no decode (docs/lowering.md; BENCHM
 raced: emit_pipeline_warp_specialized's `delay_release` never releases the slot of a pipeline's last step, so the
 next unit's prologue copies refilled it under that step's wgmmas (found by the tests' interpreter with late wgmmas,
 tests/async_wgmma.py). Only `_ring_kernel`, which releases a unit's last slots after its final wait, keeps wgmmas in
-flight.
+flight. An FP2-MIX version of it (e3db26e: two plane sets in registers, steps unrolled in pairs) compiled with the
+wgmmas asynchronous and was no faster than this pipeline at cluster 2. Without wgmmas in flight, in clusters of
+two sharing x (a37cf74), it was within ±5% of it (BENCHMARKS.md, session 51).
 
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
 on bf16 weights its h is bit-identical to gate_up.py's on the H200 (FP2-MIX: the same decoded bits, summed over K
@@ -414,45 +416,6 @@ def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: 
     size //= 2
 
 
-def _tile_of(j, *, n_tiles: int, block_n: int, planes_out: bool):
-  """(h's plane or None, the first column in it) of N tile j: with planes_out, the N tiles of plane q come together."""
-  if planes_out:
-    per_plane = n_tiles // PLANES
-    return j // per_plane, j % per_plane * block_n
-  return None, j * block_n
-
-
-def _mix_epilogue(wg, accs, t: Tiling, limit: float, up, up_ready, up_free, out_smem, store) -> None:
-  """The FP2-MIX kernels' unit epilogue. Warpgroup 1 hands W3's accumulators (accs[b]: [n, rows of block b]) to
-  warpgroup 0 through `up`; warpgroup 0 makes the SwiGLU with its W1 accumulators and stores h's rows: store =
-  (h, columns, first stored row, row count, the tile's first row). `wg` is traced or a Python int."""
-  h_g, cols, first, rows, x_start = store
-  chunks = range(0, t.mma_rows, WGMMA_M)  # through a swizzled buffer in 64-row chunks: fewer live registers
-  with profile_region("epilogue", t):
-    @pl.when(wg == 1)
-    def _():
-      plgpu.barrier_wait(up_free)  # warpgroup 0 has read the previous unit's
-      for b, acc in enumerate(accs):
-        a = acc[...]
-        for c in chunks:
-          up[b, :, pl.ds(c, WGMMA_M)] = a[:, c:c + WGMMA_M]
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(up_ready)
-
-    @pl.when(wg == 0)
-    def _():
-      plgpu.barrier_wait(up_ready)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
-      for b, acc in enumerate(accs):
-        gate = acc[...]
-        for c in chunks:
-          h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
-          out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
-      plgpu.barrier_arrive(up_free)
-      plgpu.commit_smem()
-      _store_rows(out_smem, 0, first - x_start, h_g, first, rows, cols, t.block_m)
-
-
 def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
             max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool, planes_out: bool,
             step_tiled: bool = False):
@@ -489,7 +452,12 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
         body, grid=(d // t.block_k,), memory_registers=t.producer_registers, in_specs=[x_spec] + w_specs,
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=compute_context)
 
-  tile_of = functools.partial(_tile_of, n_tiles=n_tiles, block_n=t.block_n, planes_out=planes_out)
+  per_plane = n_tiles // PLANES
+
+  def tile_of(j):  # (h's plane or None, the N tile's first column in it)
+    if planes_out:
+      return j // per_plane, j % per_plane * t.block_n
+    return None, j * t.block_n
 
   def operands(e, j, x_start):  # the pipeline's arrays for one unit: x rows, then the weight tiles' rows
     q, first_col = tile_of(j)
@@ -554,8 +522,32 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
           @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((t.block_n, t.mma_rows), F32)] for _ in blocks])
           def _acc(accs):  # accs[b]: this warpgroup's projection, [n, rows of block b]
             run(accs)
-            _mix_epilogue(wg, [a[0] for a in accs], t, limit, up, up_ready, up_free, out_smem,
-                          (h_out, cols, first, rows, x_start))
+            with profile_region("epilogue", t):
+              # In 64-row chunks, through a swizzled buffer: fewer live registers than a whole [64, 256] f32 copy
+              chunks = range(0, t.mma_rows, WGMMA_M)
+
+              @pl.when(wg == 1)
+              def _():
+                plgpu.barrier_wait(up_free)  # warpgroup 0 has read the previous unit's
+                for b in blocks:
+                  a = accs[b][0][...]
+                  for c in chunks:
+                    up[b, :, pl.ds(c, WGMMA_M)] = a[:, c:c + WGMMA_M]
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(up_ready)
+
+              @pl.when(wg == 0)
+              def _():
+                plgpu.barrier_wait(up_ready)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
+                for b in blocks:
+                  gate = accs[b][0][...]
+                  for c in chunks:
+                    h = clamped_swiglu(gate[:, c:c + WGMMA_M], up[b, :, pl.ds(c, WGMMA_M)], limit).astype(h_g.dtype)
+                    out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
+                plgpu.barrier_arrive(up_free)
+                plgpu.commit_smem()
+                _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.block_m)
 
         def lhs_mma(idx, x_s, *args):
           *w_ss, accs = args
@@ -626,35 +618,6 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _local_units(num_items, n_tiles: int, steps: int, cluster: int = 1):
-  """(this SM's unit count, unit_of) of the ring kernels' persistent loop, units dealt to the SMs (the clusters) in
-  turn as plgpu.nd_loop deals them; unit_of(g): (item, N tile, K step) of this SM's step g. A cluster's unit is
-  `cluster` neighbouring N tiles of one item, one per SM."""
-  sm, num_sms, groups = lax.axis_index("sm"), lax.axis_size("sm"), n_tiles // cluster
-
-  def unit_of(g):
-    u = sm + num_sms * (g // steps)
-    return u // groups, u % groups * cluster + lax.axis_index("cluster"), g % steps
-
-  return jnp.maximum(num_items[0] * groups - sm + num_sms - 1, 0) // num_sms, unit_of
-
-
-def _ring_producer(t: Tiling, local_steps, lag: int, copy_weights, copy_x, frees, interpret: bool):
-  """The copy warpgroup of the ring kernels: step g's weight copies go out with step g − lag's x copy; then it waits
-  on every (barrier, slots) of `frees` once more, the consumers' last releases (each phase is seen before exit)."""
-  if not interpret:
-    plgpu.set_max_registers(t.producer_registers, action="decrease")
-
-  @pl.loop(0, local_steps + lag)
-  def _(g):
-    pl.when(g < local_steps)(lambda: copy_weights(g))
-    pl.when(g >= lag)(lambda: copy_x(g - lag))
-
-  for barrier, slots in frees:
-    for s in range(slots):
-      plgpu.barrier_wait(barrier.at[s])
-
-
 def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
                  n_tiles: int, d: int, step_tiled: bool, interpret: bool):
   """The bf16 gate/up over two rings of shared-memory slots, one for x tiles and one for weight tiles, where _kernel
@@ -683,28 +646,43 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
   def _scope(x_s, w_s, out_smem, x_full, x_free, w_full, w_free):
-    wg = lax.axis_index("wg")
-    local_units, unit_of = _local_units(num_items, n_tiles, steps)
+    wg, sm, num_sms = lax.axis_index("wg"), lax.axis_index("sm"), lax.axis_size("sm")
+    local_units = jnp.maximum(num_items[0] * n_tiles - sm + num_sms - 1, 0) // num_sms  # as plgpu.nd_loop deals
     local_steps = local_units * steps
 
-    def copy_weights(g):
-      i, j, k = unit_of(g)
-      e, s = item_expert[i], g % sw
-      plgpu.barrier_wait(w_free.at[s])
-      for w_g, ring in zip(w_gs, w_s):
-        src = (w_g.at[e, j, pl.ds(k * w_rows, w_rows)] if step_tiled
-               else w_g.at[e, pl.ds(j * w_rows, w_rows), pl.ds(k * bk, bk)])
-        plgpu.copy_gmem_to_smem(src, ring.at[s], w_full.at[s])
+    def unit_of(g):  # (item, N tile, K step) of this SM's step g
+      u = sm + num_sms * (g // steps)
+      return u // n_tiles, u % n_tiles, g % steps
 
-    def copy_x(g):
-      i, _, k = unit_of(g)
-      s = g % sx
-      plgpu.barrier_wait(x_free.at[s])
-      x_start = pl.multiple_of(item_x_start[i], ROW_ALIGN)
-      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s])
+    @pl.when(wg == 2)
+    def _():
+      if not interpret:
+        plgpu.set_max_registers(t.producer_registers, action="decrease")
 
-    pl.when(wg == 2)(lambda: _ring_producer(t, local_steps, lag, copy_weights, copy_x,
-                                            [(w_free, sw), (x_free, sx)], interpret))
+      @pl.loop(0, local_steps + lag)
+      def _(g):
+        @pl.when(g < local_steps)
+        def _():
+          i, j, k = unit_of(g)
+          e, s = item_expert[i], g % sw
+          plgpu.barrier_wait(w_free.at[s])
+          for w_g, ring in zip(w_gs, w_s):
+            src = (w_g.at[e, j, pl.ds(k * w_rows, w_rows)] if step_tiled
+                   else w_g.at[e, pl.ds(j * w_rows, w_rows), pl.ds(k * bk, bk)])
+            plgpu.copy_gmem_to_smem(src, ring.at[s], w_full.at[s])
+
+        @pl.when(g >= lag)
+        def _():
+          i, _, k = unit_of(g - lag)
+          s = (g - lag) % sx
+          plgpu.barrier_wait(x_free.at[s])
+          x_start = pl.multiple_of(item_x_start[i], ROW_ALIGN)
+          plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s])
+
+      for s in range(sw):  # the consumers' last releases
+        plgpu.barrier_wait(w_free.at[s])
+      for s in range(sx):
+        plgpu.barrier_wait(x_free.at[s])
 
     @pl.when(wg < 2)
     def _():
@@ -772,128 +750,6 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _mix_ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
-                     n_tiles: int, d: int, planes_out: bool, interpret: bool):
-  """The FP2-MIX gate/up over _ring_kernel's two rings: one persistent loop per SM (or cluster) over its units, the
-  next unit's copies going out under this unit's last steps and epilogue, and each warpgroup with weight slots and
-  barriers of its own (warpgroup v decodes and multiplies W_v, as in _kernel), so one waits for its own copies only.
-  A unit is one block of mma_rows = block_m rows (no branch around a wgmma). The copy warpgroup sends each step's
-  code bytes and 16-byte meta box per projection, and x's 4 planes. With cluster 2 the two SMs take neighbouring
-  N tiles of one item, each copies half of an x tile into both SMs' slots (a TMA multicast), and an x slot is free
-  once the compute warpgroups of both SMs have released it (a cluster barrier). No wgmma is left in flight:
-  decoding a step under the previous step's wgmmas (e3db26e) was slower (BENCHMARKS.md, session 51)."""
-  codes1, meta1, lv1, codes3, meta3, lv3, h_g = refs
-  stacks = [(codes1, meta1, lv1), (codes3, meta3, lv3)]
-  bk, sx, sw = t.block_k // PLANES, t.x_stages, t.stages
-  steps, lag = d // t.block_k, t.stages - t.x_stages
-  per_box = META_BOX // (t.block_k // rocmfp_layout.HALF)  # K steps covered by one meta box
-  swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
-  tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
-  tile_of = functools.partial(_tile_of, n_tiles=n_tiles, block_n=t.block_n, planes_out=planes_out)
-  u8 = codes1.dtype
-  multicast = dict(collective_axes="cluster") if t.cluster > 1 else {}
-  x_free = (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=sx) if t.cluster > 1
-            else plgpu.Barrier(num_arrivals=2, num_barriers=sx))
-  scratch = dict(x_s=plgpu.SMEM((sx, PLANES, t.block_m, bk), x_g.dtype, transforms=tiles),
-                 code_s=[plgpu.SMEM((sw, t.block_n, bk), u8) for _ in stacks],
-                 meta_s=[plgpu.SMEM((sw, t.block_n, META_BOX), u8) for _ in stacks],
-                 out_smem=plgpu.SMEM((1, t.block_m, t.block_n), h_g.dtype),
-                 up=plgpu.SMEM((1, t.block_n, t.mma_rows), F32, transforms=(
-                     plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
-                 x_full=plgpu.Barrier(num_arrivals=1, num_barriers=sx), x_free=x_free,
-                 w_full=[plgpu.Barrier(num_arrivals=2, num_barriers=sw) for _ in stacks],
-                 w_free=[plgpu.Barrier(num_arrivals=1, num_barriers=sw) for _ in stacks],
-                 up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
-  if interpret:  # the interpreter takes wgmma operands from refs only: each warpgroup's planes
-    scratch["dec"] = plgpu.SMEM((2, PLANES, t.block_n, bk), BF16, transforms=tiles)
-
-  @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
-  def _scope(x_s, code_s, meta_s, out_smem, up, x_full, x_free, w_full, w_free, up_ready, up_free, dec=None):
-    wg = lax.axis_index("wg")
-    local_units, unit_of = _local_units(num_items, n_tiles, steps, t.cluster)
-    local_steps = local_units * steps
-
-    def copy_weights(g):
-      i, j, k = unit_of(g)
-      e, s = item_expert[i], g % sw
-      plane, first_col = tile_of(j)
-      rows = pl.ds(first_col, t.block_n)
-      for v, (codes, meta, _) in enumerate(stacks):
-        at = (lambda a: a.at[e, rows, plane]) if planes_out else (lambda a: a.at[e, rows])
-        plgpu.barrier_wait(w_free[v].at[s])
-        plgpu.copy_gmem_to_smem(at(codes).at[:, pl.ds(k * bk, bk)], code_s[v].at[s], w_full[v].at[s])
-        plgpu.copy_gmem_to_smem(at(meta).at[:, pl.ds(k // per_box * META_BOX, META_BOX)], meta_s[v].at[s],
-                                w_full[v].at[s])
-
-    def copy_x(g):
-      i, _, k = unit_of(g)
-      s = g % sx
-      plgpu.barrier_wait(x_free.at[s])
-      x_start = pl.multiple_of(item_x_start[i], ROW_ALIGN)
-      plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s],
-                              **multicast)
-
-    pl.when(wg == 2)(lambda: _ring_producer(t, local_steps, lag, copy_weights, copy_x,
-                                            [(w_free[0], sw), (w_free[1], sw), (x_free, sx)], interpret))
-
-    def consumer(v):  # warpgroup v: W_v's tile of every unit
-      if not interpret:
-        plgpu.set_max_registers(232, action="increase")
-      for s in range(sw):
-        plgpu.barrier_arrive(w_free[v].at[s])
-      for s in range(sx):
-        plgpu.barrier_arrive(x_free.at[s])
-      if v == 0:  # the first unit's up buffer is free
-        plgpu.barrier_arrive(up_free)
-
-      @pl.loop(0, local_units)
-      def _(u):
-        i, j, _ = unit_of(u * steps)
-        e, x_start, lo, end = item_expert[i], pl.multiple_of(item_x_start[i], ROW_ALIGN), item_lo[i], item_end[i]
-        levels = [[stacks[v][2][e, b, k] for k in range(4)] for b in range(2)]
-        plane, col = tile_of(j)
-        first = jnp.maximum(x_start, lo)
-        rows = jnp.clip(jnp.minimum(x_start + t.block_m, end) - first, 0, t.block_m)
-
-        @functools.partial(pl.run_scoped, acc=plgpu.ACC((t.block_n, t.mma_rows), F32))
-        def _acc(acc):
-          @pl.loop(0, steps)
-          def _(k):
-            g = u * steps + k
-            s = g % sw
-            plgpu.barrier_wait(w_full[v].at[s])
-            meta_col = k % per_box * (t.block_k // rocmfp_layout.HALF)  # this step's first meta column
-            with profile_region("decode", t):
-              if interpret:
-                meta = meta_s[v].at[s][:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)]
-                meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1)  # one per code byte
-                for q, p in enumerate(decode_planes(code_s[v].at[s][...], meta, levels)):
-                  dec[v, q] = p  # the previous step's wgmmas have read them (its wait)
-                plgpu.commit_smem()
-                planes = [dec.at[v, q] for q in range(PLANES)]
-              else:
-                planes = decode_planes_prmt(code_s[v].at[s][...], meta_s[v].at[s], meta_col, levels)
-            plgpu.barrier_wait(x_full.at[g % sx])
-            with profile_region("mma", t):
-              for q in range(PLANES):
-                plgpu.wgmma(acc, planes[q], x_s.at[g % sx, q].T)
-            with profile_region("wait", t):
-              plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(w_free[v].at[s])
-            plgpu.barrier_arrive(x_free.at[g % sx])
-
-          h_out = h_g if plane is None else h_g.at[plane]
-          _mix_epilogue(v, [acc], t, limit, up, up_ready, up_free, out_smem,
-                        (h_out, pl.ds(col, t.block_n), first, rows, x_start))
-
-      if v == 1:  # observe warpgroup 0's last arrival (the barrier's phases must all be seen before it is freed)
-        plgpu.barrier_wait(up_free)
-
-    for v in range(2):
-      pl.when(wg == v)(functools.partial(consumer, v))
-
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
 def interleave(w1, w3, block_n: int) -> jax.Array:
   """w13 [E, 2I, D]: rows [2j·bn, (2j+1)·bn) are W1's N tile j and the next bn rows W3's, so one TMA copy and one
   wgmma cover both projections of a tile."""
@@ -947,14 +803,10 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
                      f"dividing block_m; got block_n={t.block_n}, mma_rows={t.mma_rows}, block_m={t.block_m}")
   # in flight, step g's x copy waits for step g − 1's release, which comes after step g's x: one x slot deadlocks
   lowest = 2 if t.mma_in_flight else 1
-  if t.x_stages and ((t.cluster != 1 and not mix) or t.tile_order != "n" or not lowest <= t.x_stages <= t.stages):
-    raise ValueError(f"x_stages={t.x_stages} (separate x and weight rings) takes tile_order 'n', {lowest} <= x_stages "
-                     f"<= stages={t.stages} (2 with mma_in_flight) and with bf16 weights cluster 1; got "
-                     f"cluster={t.cluster}, tile_order={t.tile_order!r}, mix={mix}")
-  if t.x_stages and mix and (t.mma_rows != t.block_m or t.mma_in_flight):
-    raise ValueError(f"FP2-MIX weights in separate x and weight rings take mma_rows = block_m (one wgmma block) and "
-                     f"no wgmma in flight; got mma_rows={t.mma_rows}, block_m={t.block_m}, "
-                     f"mma_in_flight={t.mma_in_flight}")
+  if t.x_stages and (mix or t.cluster != 1 or t.tile_order != "n" or not lowest <= t.x_stages <= t.stages):
+    raise ValueError(f"x_stages={t.x_stages} (separate x and weight rings) takes bf16 weights, cluster 1, tile_order "
+                     f"'n' and {lowest} <= x_stages <= stages={t.stages} (2 with mma_in_flight); got mix={mix}, "
+                     f"cluster={t.cluster}, tile_order={t.tile_order!r}")
   if t.mma_in_flight and not t.x_stages:
     raise ValueError("mma_in_flight=1 takes the separate x and weight rings (x_stages > 0): in the pipeline a unit's "
                      "last slot is refilled under its last wgmmas (gate_up_wgmma's docstring)")
@@ -990,13 +842,11 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   items = aligned_items(r, t.block_m)
   out_shape = (PLANES, planes_rows, I // PLANES) if planes_out else (r.num_routes, I)
   body = functools.partial(_kernel, max_items=items.expert.shape[0], mix=mix,
-                           lhs_in_smem=interpret not in (None, False), planes_out=planes_out, step_tiled=step_tiled)
+                           lhs_in_smem=interpret not in (None, False), planes_out=planes_out)
   if t.x_stages:
-    ring = (functools.partial(_mix_ring_kernel, planes_out=planes_out) if mix
-            else functools.partial(_ring_kernel, step_tiled=step_tiled))
-    body = functools.partial(ring, interpret=interpret not in (None, False))
+    body = functools.partial(_ring_kernel, interpret=interpret not in (None, False))
   kernel = plgpu.kernel(
-      functools.partial(body, t=t, limit=float(swiglu_limit), n_tiles=I // t.block_n, d=D),
+      functools.partial(body, t=t, limit=float(swiglu_limit), n_tiles=I // t.block_n, d=D, step_tiled=step_tiled),
       out_type=jax.ShapeDtypeStruct(out_shape, x.dtype), grid=(num_sms // t.cluster,), grid_names=("sm",),
       cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
