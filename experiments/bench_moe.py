@@ -78,6 +78,9 @@ WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
+    # x as rows with its planes side by side, one K-64 wgmma a step (Tiling.x_rows; not yet timed)
+    "lhs_w128_s3_r256_c2_xr": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2, x_rows=True),
+    "lhs_w64_s3_r128_xr": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128, x_rows=True),
 }
 # Also measured and dropped (2a804c4): a third warpgroup issuing the copies and decoding both tiles into shared-memory
 # planes, the other two only issuing wgmmas (8192 tokens: 5.85 against 5.17 ms); (6a99a1b) 384-row tiles, three
@@ -243,6 +246,8 @@ def main(argv):
         for p in (1, 4):
           measure(f"wgmma gather_planes planes={p}", lambda x, r, p=p: gate_up_wgmma.gather_planes(x, r, 256, planes=p),
                   x, r)
+        measure("wgmma gather_planes plane_rows", lambda x, r: gate_up_wgmma.gather_planes(x, r, 256, plane_rows=True),
+                x, r)
         m1, m3 = (jax.jit(gate_up_wgmma.mix_stack)(q.storage) for q in (q1, q3))  # made once, as weights stationary
         h_mix = jax.jit(gu)(x, q1, q3, r)
         for tname, t in WGMMA_MIX_TILINGS.items():

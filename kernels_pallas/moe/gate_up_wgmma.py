@@ -28,7 +28,10 @@ bytes and a 16-byte-wide tile of meta bytes (a TMA row needs ≥ 16 bytes; it co
 64, and is copied again for each). Each compute warpgroup decodes its tile into 4 bf16 planes that stay in registers
 as the wgmmas' A operand (h^T = W · x^T per tile): no shared-memory planes, one decode per weight per tile, and one
 warpgroup's decode runs while the other's wgmmas do. Plane q of a K step holds weights 4i + q (the codes' order), so
-x comes as planes too (`sorted_planes`) and the MMAs sum over K in another order than gate_up.py. Warpgroup 1 hands
+x comes as planes too (`sorted_planes`) and the MMAs sum over K in another order than gate_up.py. With
+`Tiling.x_rows`, x comes as rows whose 64-column blocks hold its 4 planes side by side (`as_plane_rows`): a step's
+tile has 128-byte rows, and one K-64 wgmma on the joined planes replaces the 4 K-16 ones on 32-byte plane rows
+(with no decode, the planes cost 11-18% on the H100: BENCHMARKS.md, session 51). Warpgroup 1 hands
 its accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows, or,
 with `planes_rows`, as the Mosaic down's planes: unit (q, c) then reads W1/W3 rows 4i + q, i in [c, c + 64).
 Compiled, the planes come from `decode_planes_prmt` (a byte permute per two weights; each code-byte pair reads its
@@ -104,7 +107,10 @@ class Tiling:
   x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
   x_stages slots (at least 2 with mma_in_flight) and the weights `stages` slots, the weight copies running
   stages − x_stages steps ahead; there mma_in_flight 1 frees a step's slots one step late, so its wgmmas run while
-  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring)."""
+  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring).
+  x_rows (FP2-MIX): x comes as rows whose 64-column blocks hold its planes side by side (`gather_plane_rows`), a
+  step's x tile has 128-byte rows, and a warpgroup issues one K-64 wgmma a step on its 4 planes joined; without it x
+  comes as 4 planes of 32-byte rows, one K-16 wgmma each (BENCHMARKS.md, session 51: the planes cost 11-18%)."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -117,6 +123,7 @@ class Tiling:
   producer_registers: int = 40
   profile_regions: str = "steps"
   x_stages: int = 0
+  x_rows: bool = False
 
   @property
   def block_m(self) -> int:
@@ -295,18 +302,22 @@ def prmt_selectors_ir(code_pairs, q: int):
                     const(offset))
 
 
-def decode_planes_prmt(codes, meta_ref, first, levels) -> list[jax.Array]:
+def decode_planes_prmt(codes, meta_ref, first, levels, *, joined: bool = False) -> list[jax.Array]:
   """decode_planes in wgmma's register layout, compiled (sm_90): in that layout a thread's bytes come in pairs
   (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair reads its meta byte, column
   first + c // 4 of `meta_ref` (a shared-memory tile of meta bytes), makes its 4 values once, two to a register
   (value_pairs_ir: decode_planes' bits), and each plane's two weights are one `prmt` of them by `prmt_selectors`:
-  ~4 instructions per 2 weights, where decode_planes spends ~12 per weight.
+  ~4 instructions per 2 weights, where decode_planes spends ~12 per weight. `joined`: for codes [n, m], one [n, 4m]
+  array, plane q in columns [q·m, (q + 1)·m) (the layout's column tiles are its registers' second axis).
   Not in interpret mode (inline Mosaic GPU code has no interpreter); its planes are decode_planes' bits."""
   wg = plgpu.Layout.WGMMA
   scalars = [first] + [levels[s][k] for s in range(2) for k in range(4)]
 
-  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()) + (wg,) * len(scalars),
-                     return_type=[plgpu.ShapeDtypeStruct(codes.shape, BF16, layout=wg)] * PLANES)
+  rows, cols = codes.shape
+  out_types = ([plgpu.ShapeDtypeStruct((rows, PLANES * cols), BF16, layout=wg)] if joined
+               else [plgpu.ShapeDtypeStruct(codes.shape, BF16, layout=wg)] * PLANES)
+
+  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()) + (wg,) * len(scalars), return_type=out_types)
   def planes(_, code_bytes, meta_smem, *args):
     i16, i32, index = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.IndexType.get()
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -322,6 +333,9 @@ def decode_planes_prmt(codes, meta_ref, first, levels) -> list[jax.Array]:
       table = value_pairs_ir(m, level_pairs)
       for q in range(PLANES):
         out[q][idx] = mgpu.utils.bitcast(mgpu.utils.prmt(table[0], table[1], prmt_selectors_ir(w, q)), pair)
+    if joined:
+      out = [np.concatenate(out, axis=1)]
+      assert out[0].shape == code_bytes.layout.registers_shape((rows, PLANES * cols)), out[0].shape
     return [mgpu.FragmentedArray(_registers=o, _layout=code_bytes.layout, _is_signed=None) for o in out]
 
   return planes(codes, meta_ref, *scalars)
@@ -343,25 +357,37 @@ def sorted_planes(x, r: Routing, block_m: int) -> jax.Array:
   return as_planes(sorted_rows(x, r, block_m))
 
 
+def as_plane_rows(rows, block_k: int = 64) -> jax.Array:
+  """[n, K] → [n, K]: each block_k-column block holds its 4 planes side by side, column 4i + q of the block at
+  q · block_k/4 + i. A step's x tile is then one block of 128-byte rows whose K sub-tiles are the planes."""
+  n, K = rows.shape
+  return rows.reshape(n, K // block_k, block_k // PLANES, PLANES).transpose(0, 1, 3, 2).reshape(n, K)
+
+
 GATHER_NAME = "moe_gather_rows"
 GATHER_ROWS = 8  # rows per program: padded_rows is a multiple of 8
 
 
-def _gather_kernel(token_ref, x_ref, out_ref, *, cols: int, planes: int):
+def _gather_kernel(token_ref, x_ref, out_ref, *, cols: int, planes: int, plane_block: int):
   rows = pl.ds(pl.program_id(0) * GATHER_ROWS, GATHER_ROWS)
   tokens = plt.load(token_ref.at[rows])
   c = pl.program_id(1) * cols + jnp.arange(cols, dtype=I32)
   for q in range(planes):  # stride-4 reads of the same rows: the planes after the first come from L1
-    plt.store(out_ref.at[pl.ds(q, 1), rows, pl.ds(pl.program_id(1) * cols, cols)],
-              plt.load(x_ref.at[tokens[:, None], (planes * c + q)[None, :]])[None])
+    values = plt.load(x_ref.at[tokens[:, None], (planes * c + q)[None, :]])
+    if plane_block:  # as_plane_rows: plane q's column c at q · plane_block + c within its block of 4 · plane_block
+      dst = c // plane_block * (PLANES * plane_block) + q * plane_block + c % plane_block
+      row_ids = pl.program_id(0) * GATHER_ROWS + jnp.arange(GATHER_ROWS, dtype=I32)
+      plt.store(out_ref.at[row_ids[:, None], dst[None, :]], values)
+    else:
+      plt.store(out_ref.at[pl.ds(q, 1), rows, pl.ds(pl.program_id(1) * cols, cols)], values[None])
 
 
 def gather_planes(x, r: Routing, block_m: int, *, planes: int = PLANES, cols: int | None = None,
-                  interpret: bool = False) -> jax.Array:
+                  plane_rows: bool = False, interpret: bool = False) -> jax.Array:
   """sorted_planes (`planes` 4) or sorted_rows[None] (`planes` 1) as one Pallas-Triton kernel: each program reads
   8 gathered rows of x and writes `cols` columns of each plane (by default 512 columns of x, the fastest measured
   on the H200: BENCHMARKS.md, "x's rows gathered by a Pallas kernel"), where XLA's gather (+ transpose) writes
-  at ~1 TB/s."""
+  at ~1 TB/s. `plane_rows`: as_plane_rows(sorted_rows) [rows, D] instead (planes 4, K blocks of 64)."""
   n = padded_rows(r.num_routes, block_m)
   S, D = x.shape
   if cols is None:  # the largest power of two (a Triton block) up to 512 // planes that tiles a plane's columns
@@ -370,10 +396,14 @@ def gather_planes(x, r: Routing, block_m: int, *, planes: int = PLANES, cols: in
       cols //= 2
   if D % (planes * cols):
     raise ValueError(f"gather_planes needs D a multiple of {planes * cols}, got {D}")
+  plane_block = 64 // PLANES if plane_rows else 0
+  if plane_rows and (planes != PLANES or cols % plane_block):
+    raise ValueError(f"plane_rows takes planes={PLANES} and cols a multiple of {plane_block}; got {planes}, {cols}")
   tokens = jnp.pad(r.token_of_row, (0, n - r.num_routes))
+  shape = (n, D) if plane_rows else (planes, n, D // planes)
   return pl.pallas_call(
-      functools.partial(_gather_kernel, cols=cols, planes=planes),
-      out_shape=jax.ShapeDtypeStruct((planes, n, D // planes), x.dtype), grid=(n // GATHER_ROWS, D // planes // cols),
+      functools.partial(_gather_kernel, cols=cols, planes=planes, plane_block=plane_block),
+      out_shape=jax.ShapeDtypeStruct(shape, x.dtype), grid=(n // GATHER_ROWS, D // planes // cols),
       interpret=interpret, name=GATHER_NAME,
       compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))(tokens, x)
 
@@ -435,9 +465,13 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   cluster = ("cluster",) if t.cluster > 1 else ()
-  x_block = (PLANES, t.block_m, bk) if mix else (t.block_m, bk)
-  x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles,
-                           memory_space=plgpu.SMEM, collective_axes=cluster)
+  x_planes = mix and not t.x_rows
+  x_block = (PLANES, t.block_m, bk) if x_planes else (t.block_m, t.block_k)
+  row_swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(BF16).itemsize * 8)
+  row_tiles = (plgpu.TilingTransform((ROW_ALIGN, row_swizzle // jnp.dtype(BF16).itemsize)),
+               plgpu.SwizzleTransform(row_swizzle))  # a K-64 tile of 128-byte rows (x_rows: the joined planes too)
+  x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles if x_planes
+                           else row_tiles, memory_space=plgpu.SMEM, collective_axes=cluster)
   if mix:  # code and meta bytes: read into registers by the decode, no swizzle needed
     per_box = META_BOX // (t.block_k // rocmfp_layout.HALF)  # K steps covered by one meta tile
     code_spec = plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM)
@@ -462,7 +496,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
   def operands(e, j, x_start):  # the pipeline's arrays for one unit: x rows, then the weight tiles' rows
     q, first_col = tile_of(j)
     cols = pl.ds(first_col // t.block_n * w_rows, w_rows)  # an interleaved stack's tile has both projections
-    x = x_g.at[:, pl.ds(x_start, t.block_m)] if mix else x_g.at[pl.ds(x_start, t.block_m)]
+    x = x_g.at[:, pl.ds(x_start, t.block_m)] if x_planes else x_g.at[pl.ds(x_start, t.block_m)]
     at = (lambda a: a.at[e, cols, q]) if planes_out else (lambda a: a.at[e, cols])
     if step_tiled:  # the N tile's steps, one after the other
       at = lambda a: a.at[e, first_col // t.block_n]
@@ -477,7 +511,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                        plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
     if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
-      scratch["dec"] = plgpu.SMEM((2, PLANES, t.block_n, bk), BF16, transforms=tiles)  # a warpgroup's planes
+      scratch["dec"] = (plgpu.SMEM((2, PLANES, t.block_n, bk), BF16, transforms=tiles) if x_planes  # a warpgroup's
+                        else plgpu.SMEM((2, 1, t.block_n, t.block_k), BF16, transforms=row_tiles))  # planes (joined)
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
                      collective_axes="wg", **scratch)
@@ -561,18 +596,23 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 meta = meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)]
                 meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1)  # one per code byte
                 planes = decode_planes(codes_s[...], meta, levels)
+                if not x_planes:
+                  planes = [jnp.concatenate(planes, axis=1)]
                 for q, plane in enumerate(planes):  # the previous step's wgmmas have read them (its wait)
                   dec[v, q] = plane
                 plgpu.commit_smem()
-                planes = [dec.at[v, q] for q in range(PLANES)]
+                planes = [dec.at[v, q] for q in range(len(planes))]
               else:
                 with profile_region("decode", t):
-                  planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels)
+                  planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, joined=not x_planes)
               def issue(b):
                 rows = pl.ds(b * t.mma_rows, t.mma_rows)
                 with profile_region("mma", t):
-                  for q in range(PLANES):
-                    plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
+                  if x_planes:
+                    for q in range(PLANES):
+                      plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
+                  else:  # x's K tile holds the planes side by side, as the joined planes do
+                    plgpu.wgmma(accs[b][0], planes[0], x_s.at[rows].T)
 
               # an item has rows in the first block of its tile
               issue_blocks(issue, lambda b: rows_in(x_start + b * t.mma_rows, t.mma_rows)[1], len(blocks), t,
@@ -810,6 +850,8 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if t.mma_in_flight and not t.x_stages:
     raise ValueError("mma_in_flight=1 takes the separate x and weight rings (x_stages > 0): in the pipeline a unit's "
                      "last slot is refilled under its last wgmmas (gate_up_wgmma's docstring)")
+  if t.x_rows and not mix:
+    raise ValueError("x_rows (x's planes side by side in rows) takes FP2-MIX weights")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   if t.profile_regions not in ("steps", "units"):
@@ -855,5 +897,5 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if mix:
     if planes_out:  # [E, I/4, 4, ·]: a unit's weight rows 4i + q are then one TMA box (q squeezed)
       w1, w3 = (w._replace(codes=by_plane(w.codes), meta=by_plane(w.meta)) for w in (w1, w3))
-    return kernel(*items, gather(), *w1, *w3)
+    return kernel(*items, gather(plane_rows=t.x_rows), *w1, *w3)
   return kernel(*items, x if rows_sorted else gather(planes=1)[0], *ws)

@@ -27,9 +27,10 @@ from ds4jax.metrics import nmse
 from ds4jax.quant import formats, rocmfp2_mix, ue4m3
 from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
-from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, ROW_ALIGN, MixStack, Tiling, aligned_items, decode_planes,
-                                              expert_levels, gate_up_wgmma, gather_planes, interleave, mix_stack,
-                                              padded_rows, prmt_selectors, sorted_planes, sorted_rows, tile_by_step)
+from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, ROW_ALIGN, MixStack, Tiling, aligned_items, as_plane_rows,
+                                              decode_planes, expert_levels, gate_up_wgmma, gather_planes, interleave,
+                                              mix_stack, padded_rows, prmt_selectors, sorted_planes, sorted_rows,
+                                              tile_by_step)
 
 ON_GPU = jax.default_backend() == "gpu"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
@@ -189,7 +190,7 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
 
 @pytest.mark.parametrize("wg_rows,block_n,cluster,weights", [(128, 64, 1, "dense"), (64, 128, 2, "dense"),
                                                              (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
-                                                             (128, 64, 1, "mix planes"),
+                                                             (128, 64, 1, "mix planes"), (128, 64, 2, "mix x rows"),
                                                              (128, 64, 1, "interleaved step-tiled"),
                                                              (128, 64, 1, "interleaved step-tiled rings"),
                                                              (64, 128, 1, "interleaved step-tiled rings")])
@@ -216,7 +217,8 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
       return jax.jit(f).trace(x, *ws, r).lower(lowering_platforms=("cuda",)).as_text()
 
   mix = weights.startswith("mix")
-  t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=3 if mix else 4, mma_rows=256 if mix else 64)
+  t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=3 if mix else 4, mma_rows=256 if mix else 64,
+             x_rows=weights.endswith("x rows"))
   if weights.endswith("rings"):  # the measured best rings (BENCHMARKS.md, session 40): 224 and 208 KiB
     t = dataclasses.replace(t, x_stages=4 if wg_rows == 128 else 3, mma_in_flight=1)
   text = lower(t)
@@ -296,6 +298,12 @@ def test_sorted_planes_match_sorted_rows(rng):
   for q in range(4):
     np.testing.assert_array_equal(xp[q], xs[:, q::4])
   np.testing.assert_array_equal(np.asarray(gather_planes(x, r, 128, cols=32, interpret=not ON_GPU)), xp)
+  # x_rows' layout: each 64-column block holds the 16 columns of plane 0, then of planes 1, 2, 3
+  xr = np.asarray(as_plane_rows(jnp.asarray(xs)))
+  for q in range(4):
+    np.testing.assert_array_equal(xr.reshape(-1, 4, 4, 16)[:, :, q], xp[q].reshape(-1, 4, 16))
+  np.testing.assert_array_equal(
+      np.asarray(gather_planes(x, r, 128, cols=32, plane_rows=True, interpret=not ON_GPU)), xr)
 
 
 @pytest.mark.parametrize("d, planes", [(768, 4), (576, 1)])
@@ -310,12 +318,13 @@ def test_gather_planes_tiles_any_hidden_size_the_kernels_take(rng, d, planes):
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
-@pytest.mark.parametrize("decode,cluster", [("64-row wgmmas", 1), ("128-row wgmmas", 2)])
+@pytest.mark.parametrize("decode,cluster", [("64-row wgmmas", 1), ("128-row wgmmas", 2), ("128-row wgmmas, x rows", 2)])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
   # ~80 rows per expert (three experts routed, expert 0 among them), a 128-row tile: its second 64-row block is
   # partial. W1/W3 in FP2-MIX (expert 0 uniform), decoded in the kernel, one projection per warpgroup on all 128 rows,
   # two N tiles (with cluster 2, one per SM of a cluster, x multicast: `default_tiling`'s MIX_TILING). D = 512: two
-  # meta tiles (256 weights each), each serving 4 K steps. Compared with the reference on the canonically decoded
+  # meta tiles (256 weights each), each serving 4 K steps. "x rows": x's planes side by side in 128-byte rows, one
+  # K-64 wgmma a step on the joined planes (Tiling.x_rows). Compared with the reference on the canonically decoded
   # weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding of h.
   D_ = 512
   x, w1, w3, ids = problem(rng, 120, 2, inter=128, d=D_, empty=(2, 3, 4, 5, 6))
@@ -323,7 +332,8 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
   q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D_)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
   assert int(r.group_sizes[0]) > 64
-  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64, cluster=cluster)
+  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64, cluster=cluster,
+             x_rows="x rows" in decode)
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races(h)
