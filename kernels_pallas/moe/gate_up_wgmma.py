@@ -108,7 +108,7 @@ class Tiling:
   x_stages slots (at least 2 with mma_in_flight) and the weights `stages` slots, the weight copies running
   stages − x_stages steps ahead; there mma_in_flight 1 frees a step's slots one step late, so its wgmmas run while
   the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring).
-  x_rows (FP2-MIX): x comes as rows whose 64-column blocks hold its planes side by side (`gather_plane_rows`), a
+  x_rows (FP2-MIX): x comes as rows whose 64-column blocks hold its planes side by side (`as_plane_rows`), a
   step's x tile has 128-byte rows, and a warpgroup issues one K-64 wgmma a step on its 4 planes joined; without it x
   comes as 4 planes of 32-byte rows, one K-16 wgmma each (BENCHMARKS.md, session 51: the planes cost 11-18%)."""
   wg_rows: int = 64
