@@ -103,6 +103,9 @@ WGMMA_DOWN_TILINGS = {
     "w128_s4_r128": _T(wg_rows=128, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r128": _T(wg_rows=64, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r64": _T(wg_rows=64, block_n=64, stages=4, mma_rows=64),
+    # h as rows with its planes side by side, one K-64 wgmma a step (Tiling.x_rows; not yet timed)
+    "w128_s2_r256_xr": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256, x_rows=True),
+    "w64_s4_r128_xr": _T(wg_rows=64, block_n=64, stages=4, mma_rows=128, x_rows=True),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)

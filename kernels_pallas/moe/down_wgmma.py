@@ -24,7 +24,9 @@ low and the high 4 values by the low bits (gate_up_wgmma's selectors), then a ma
 through shared memory. Both give the canonical decode's bits, summed over K in plane order.
 
 h comes as planes too ([4, rows, I/4], plane q column i = h column 4i + q): written so by the Mosaic gate/up
-(its `planes_rows`), or `row_planes`, an XLA transpose of h.
+(its `planes_rows`), or `row_planes`, an XLA transpose of h. With `Tiling.x_rows` (not yet timed), h comes as
+`plane_rows` instead: each 64-column block holds its 4 planes side by side in 128-byte rows, and a warpgroup issues
+one K-64 wgmma a step on its joined planes (gate_up_wgmma's x_rows).
 Each warpgroup stores its f32 output tile [rows, 64] from registers (`store_transposed_rows`); the interpreter
 stages it in shared memory for TMA stores instead. sm_90 only: gfx1151 keeps down.py. `api.moe` runs it for
 `Config.down_kernel` "wgmma" (the model's `moe_wgmma_down`).
@@ -47,9 +49,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
-                                              aligned_items, as_planes, expert_levels, half_block_values,
-                                              half_block_values_ir, issue_blocks, padded_rows, prmt_selectors_ir,
-                                              profile_region)
+                                              aligned_items, as_plane_rows, as_planes, expert_levels,
+                                              half_block_values, half_block_values_ir, issue_blocks, padded_rows,
+                                              plane_arrays, plane_types, prmt_selectors_ir, profile_region)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -97,6 +99,12 @@ def row_planes(h, block_m: int) -> jax.Array:
   return as_planes(jnp.pad(h, ((0, padded_rows(h.shape[0], block_m) - h.shape[0]), (0, 0))))
 
 
+def plane_rows(h, block_m: int) -> jax.Array:
+  """h [rows, I] as [padded_rows, I] with each 64-column block's planes side by side (as_plane_rows): Tiling.x_rows'
+  h, in XLA."""
+  return as_plane_rows(jnp.pad(h, ((0, padded_rows(h.shape[0], block_m) - h.shape[0]), (0, 0))))
+
+
 def decode_planes3(codes_lo, high_nibbles, meta, levels) -> list[jax.Array]:
   """codes_lo, meta (one per code byte) and high_nibbles [n, m] → 4 bf16 planes [n, m], plane q holding weight
   4i + q of byte i. high_nibbles: the high bits of byte i's 4 weights (bit q for weight 4i + q). levels [2][8]
@@ -120,16 +128,18 @@ def high_bit_mask_ir(spread, q: int):
   return mgpu.utils.prmt(y, y, arith.constant(i32, HIGH_SELECTOR))
 
 
-def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels) -> list[jax.Array]:
+def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels, *,
+                        joined: bool = False) -> list[jax.Array]:
   """decode_planes3 in wgmma's register layout, compiled (sm_90). Each code-byte pair (2c, 2c + 1) of a thread
   reads its high-bit byte (column hi_first + c of `hi_ref`) and its meta byte (column meta_first + c // 2 of
   `meta_ref`), both shared-memory tiles; makes its 8 values once and packs them in 4 registers; each plane's two
-  weights are two prmts (low and high 4 values) merged by high_bit_mask. Not in interpret mode."""
+  weights are two prmts (low and high 4 values) merged by high_bit_mask. `joined`: one array (plane_arrays). Not in
+  interpret mode."""
   wg = plgpu.Layout.WGMMA
   scalars = [hi_first, meta_first] + [levels[s][k] for s in range(2) for k in range(8)]
 
   @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(), plgpu.RefType()) + (wg,) * len(scalars),
-                     return_type=[plgpu.ShapeDtypeStruct(codes_lo.shape, BF16, layout=wg)] * PLANES)
+                     return_type=plane_types(codes_lo.shape, joined))
   def planes(_, code_bytes, hi_smem, meta_smem, *args):
     i16, i32, index = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.IndexType.get()
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -153,7 +163,7 @@ def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels
         mask = high_bit_mask_ir(spread, q)
         picked = arith.ori(arith.andi(low, arith.xori(mask, const(-1))), arith.andi(high, mask))
         out[q][idx] = mgpu.utils.bitcast(picked, pair)
-    return [mgpu.FragmentedArray(_registers=o, _layout=code_bytes.layout, _is_signed=None) for o in out]
+    return plane_arrays(out, code_bytes.layout, code_bytes.shape, joined)
 
   return planes(codes_lo, hi_ref, meta_ref, *scalars)
 
@@ -185,13 +195,17 @@ def store_transposed_rows(acc, out_ref, row0, lo, end, col0) -> None:
 
 def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, hi_g, meta_g, levels_g, out_g,
             *, t: Tiling, max_items: int, n_pairs: int, k_dim: int, lhs_in_smem: bool):
-  """x_g: h's planes [4, rows, I/4]; lo/hi/meta/levels: the Mix3Stack; out_g [R, D] f32."""
+  """x_g: h's planes [4, rows, I/4] (or with t.x_rows plane_rows [rows, I]); lo/hi/meta/levels: the Mix3Stack; out_g
+  [R, D] f32."""
   bk = t.block_k // PLANES  # code bytes (and plane columns) per row per K step
-  swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
+  swizzle = plgpu.find_swizzle((bk if not t.x_rows else t.block_k) * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   per_meta = META_BOX // (t.block_k // rocmfp_layout.HALF)  # K steps covered by one meta tile
   per_hi = HI_BOX // (t.block_k // 8)  # and by one high-bit tile
-  x_spec = plgpu.BlockSpec((PLANES, t.block_m, bk), lambda k: (0, 0, k), transforms=tiles, memory_space=plgpu.SMEM)
+  if t.x_rows:  # a K-64 tile of 128-byte rows holding the 4 planes side by side, as the joined planes
+    x_spec = plgpu.BlockSpec((t.block_m, t.block_k), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM)
+  else:
+    x_spec = plgpu.BlockSpec((PLANES, t.block_m, bk), lambda k: (0, 0, k), transforms=tiles, memory_space=plgpu.SMEM)
   w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM),
              plgpu.BlockSpec((t.block_n, HI_BOX), lambda k: (0, k // per_hi), memory_space=plgpu.SMEM),
              plgpu.BlockSpec((t.block_n, META_BOX), lambda k: (0, k // per_meta), memory_space=plgpu.SMEM)] * 2
@@ -203,12 +217,13 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
 
   def operands(e, g, x_start):  # h's rows, then each warpgroup's N tile (2g + v) of the three byte arrays
     ws = [a.at[e, pl.ds((2 * g + v) * t.block_n, t.block_n)] for v in range(2) for a in (lo_g, hi_g, meta_g)]
-    return [x_g.at[:, pl.ds(x_start, t.block_m)]] + ws
+    return [x_g.at[pl.ds(x_start, t.block_m)] if t.x_rows else x_g.at[:, pl.ds(x_start, t.block_m)]] + ws
 
   noop = lambda *_, **__: None
   scratch = {}
   if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
-    scratch = dict(dec=plgpu.SMEM((2, 2, PLANES, t.block_n, bk), BF16, transforms=tiles),
+    scratch = dict(dec=plgpu.SMEM((2, 2, 1, t.block_n, t.block_k) if t.x_rows else (2, 2, PLANES, t.block_n, bk),
+                                  BF16, transforms=tiles),
                    out_smem=plgpu.SMEM((2, t.block_m, t.block_n), F32))  # untiled: row slices of any size
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
@@ -270,19 +285,24 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
                 meta = jnp.repeat(meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)],
                                   rocmfp_layout.HALF // PLANES, axis=1)
                 planes = decode_planes3(lo_s[...], hi.astype(I32) >> (4 * odd), meta, levels)
+                if t.x_rows:
+                  planes = [jnp.concatenate(planes, axis=1)]
                 buf = idx[0] % 2
                 for q, plane in enumerate(planes):
                   dec[buf, v, q] = plane
                 plgpu.commit_smem()
-                planes = [dec.at[buf, v, q] for q in range(PLANES)]
+                planes = [dec.at[buf, v, q] for q in range(len(planes))]
               else:
                 with profile_region("decode", t):
-                  planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels)
+                  planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels, joined=t.x_rows)
               def issue(b):
                 rows = pl.ds(b * t.mma_rows, t.mma_rows)
                 with profile_region("mma", t):
-                  for q in range(PLANES):
-                    plgpu.wgmma(accs[b], planes[q], x_s.at[q, rows].T)
+                  if t.x_rows:  # h's K tile holds the planes side by side, as the joined planes do
+                    plgpu.wgmma(accs[b], planes[0], x_s.at[rows].T)
+                  else:
+                    for q in range(PLANES):
+                      plgpu.wgmma(accs[b], planes[q], x_s.at[q, rows].T)
 
               # an item has rows in the first block of its tile
               issue_blocks(issue, lambda b: rows_in(x_start + b * t.mma_rows, t.mma_rows)[1], len(blocks), t,
@@ -302,6 +322,9 @@ def check(h, w2: Mix3Stack, r: Routing, t: Tiling) -> None:
   E, D, I = w2.shape
   rows_ok = h.ndim == 2 and h.shape[1] == I
   planes_ok = h.ndim == 3 and tuple(h.shape) == (PLANES, padded_rows(r.num_routes, t.block_m), I // PLANES)
+  if t.x_rows and planes_ok:
+    raise ValueError("with x_rows the wgmma down takes h as rows [rows, I] (it lays them out as plane_rows), not "
+                     "as row_planes")
   if jnp.dtype(h.dtype) != jnp.dtype(BF16) or not (rows_ok or planes_ok):
     n = padded_rows(r.num_routes, t.block_m)
     raise ValueError(f"the wgmma down takes bf16 h [rows, I] or its planes [4, {n}, I/4] (row_planes) with W2 "
@@ -335,4 +358,6 @@ def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms
       out_type=jax.ShapeDtypeStruct((r.num_routes, D), F32), grid=(num_sms,), grid_names=("sm",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  if t.x_rows:
+    return kernel(*items, plane_rows(h, t.block_m), *w2)
   return kernel(*items, h if h.ndim == 3 else row_planes(h, t.block_m), *w2)

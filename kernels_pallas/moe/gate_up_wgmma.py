@@ -302,22 +302,38 @@ def prmt_selectors_ir(code_pairs, q: int):
                     const(offset))
 
 
+def plane_types(shape, joined: bool) -> list:
+  """The return types of a decode into 4 bf16 planes of `shape` [n, m] in wgmma's register layout: one each, or
+  `joined`, one [n, 4m] (see plane_arrays)."""
+  n, m = shape
+  wg = plgpu.Layout.WGMMA
+  return ([plgpu.ShapeDtypeStruct((n, PLANES * m), BF16, layout=wg)] if joined
+          else [plgpu.ShapeDtypeStruct(shape, BF16, layout=wg)] * PLANES)
+
+
+def plane_arrays(registers, layout, shape, joined: bool) -> list:
+  """The 4 planes' register arrays (each of a [n, m] array) as Mosaic GPU arrays: one each, or `joined` one [n, 4m]
+  array with plane q in columns [q·m, (q + 1)·m) (the layout's 8-column tiles are its registers' second axis), the
+  K-64 operand of Tiling.x_rows."""
+  if joined:
+    registers = [np.concatenate(registers, axis=1)]
+    n, m = shape
+    assert registers[0].shape == layout.registers_shape((n, PLANES * m)), registers[0].shape
+  return [mgpu.FragmentedArray(_registers=r, _layout=layout, _is_signed=None) for r in registers]
+
+
 def decode_planes_prmt(codes, meta_ref, first, levels, *, joined: bool = False) -> list[jax.Array]:
   """decode_planes in wgmma's register layout, compiled (sm_90): in that layout a thread's bytes come in pairs
   (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair reads its meta byte, column
   first + c // 4 of `meta_ref` (a shared-memory tile of meta bytes), makes its 4 values once, two to a register
   (value_pairs_ir: decode_planes' bits), and each plane's two weights are one `prmt` of them by `prmt_selectors`:
-  ~4 instructions per 2 weights, where decode_planes spends ~12 per weight. `joined`: for codes [n, m], one [n, 4m]
-  array, plane q in columns [q·m, (q + 1)·m) (the layout's column tiles are its registers' second axis).
+  ~4 instructions per 2 weights, where decode_planes spends ~12 per weight. `joined`: one array (plane_arrays).
   Not in interpret mode (inline Mosaic GPU code has no interpreter); its planes are decode_planes' bits."""
   wg = plgpu.Layout.WGMMA
   scalars = [first] + [levels[s][k] for s in range(2) for k in range(4)]
 
-  rows, cols = codes.shape
-  out_types = ([plgpu.ShapeDtypeStruct((rows, PLANES * cols), BF16, layout=wg)] if joined
-               else [plgpu.ShapeDtypeStruct(codes.shape, BF16, layout=wg)] * PLANES)
-
-  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()) + (wg,) * len(scalars), return_type=out_types)
+  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()) + (wg,) * len(scalars),
+                     return_type=plane_types(codes.shape, joined))
   def planes(_, code_bytes, meta_smem, *args):
     i16, i32, index = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.IndexType.get()
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -333,10 +349,7 @@ def decode_planes_prmt(codes, meta_ref, first, levels, *, joined: bool = False) 
       table = value_pairs_ir(m, level_pairs)
       for q in range(PLANES):
         out[q][idx] = mgpu.utils.bitcast(mgpu.utils.prmt(table[0], table[1], prmt_selectors_ir(w, q)), pair)
-    if joined:
-      out = [np.concatenate(out, axis=1)]
-      assert out[0].shape == code_bytes.layout.registers_shape((rows, PLANES * cols)), out[0].shape
-    return [mgpu.FragmentedArray(_registers=o, _layout=code_bytes.layout, _is_signed=None) for o in out]
+    return plane_arrays(out, code_bytes.layout, code_bytes.shape, joined)
 
   return planes(codes, meta_ref, *scalars)
 

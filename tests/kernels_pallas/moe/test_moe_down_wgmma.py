@@ -123,12 +123,13 @@ def problem(rng, S, K, *, D, I, mask_every=0, empty=()):
 
 @pytest.mark.parametrize("tiling", [Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=64),
                                     Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128, tile_order="item"),
-                                    TILING])  # the default: 256-row tiles and wgmmas
+                                    TILING,  # the default: 256-row tiles and wgmmas
+                                    Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128, x_rows=True)])
 def test_down_wgmma_matches_reference(rng, tiling):
   # Three experts routed, ~130 rows each (every 7th route masked; expert 5 among the empty ones): items that start
   # inside the previous expert's rows, 64-row blocks with no row of the expert (skipped), several items per expert
   # with the 128-row tile. D = 256: two units per item (an N-tile pair each), on 3 SMs. I = 512: two meta tiles,
-  # four high-bit tiles.
+  # four high-bit tiles. x_rows: h as plane_rows, one K-64 wgmma a step on the joined planes.
   D, I = 256, 512
   h, st, r = problem(rng, 150, 3, D=D, I=I, mask_every=7, empty=(1, 2, 3, 5, 6))
   out = jax.block_until_ready(down_wgmma(h, mix3_stack(st), r, tiling=tiling, num_sms=3, interpret=interpret()))
@@ -151,6 +152,8 @@ def test_down_wgmma_rejects_bad_input(rng):
     down_wgmma(h.astype(jnp.float32), w2, r)
   with pytest.raises(ValueError, match=r"its planes \[4, "):  # planes one row short of the last item's copy
     down_wgmma(row_planes(h, 128)[:, :-1], w2, r, tiling=Tiling(wg_rows=64, block_n=64, mma_rows=64))
+  with pytest.raises(ValueError, match="with x_rows the wgmma down takes h as rows"):
+    down_wgmma(row_planes(h, 128), w2, r, tiling=Tiling(wg_rows=64, block_n=64, mma_rows=128, x_rows=True))
   with pytest.raises(ValueError, match="I a multiple of 256"):
     down_wgmma(h[:, :128], Mix3Stack(*(a[..., :k] for a, k in zip(w2[:3], (32, 16, 8))), *w2[3:]), r)
   with pytest.raises(ValueError, match="block_n 64"):
@@ -170,7 +173,7 @@ def test_down_wgmma_lowers_for_sm90_at_v4_flash_shapes():
     return jax.jit(lambda h, w, r: down_wgmma(h, w, r, tiling=t)).trace(h, w2, r).lower(
         lowering_platforms=("cuda",)).as_text()
 
-  for t in (TILING, TILING_FEW_ROWS):
+  for t in (TILING, TILING_FEW_ROWS, dataclasses.replace(TILING, x_rows=True)):
     assert "mosaic_gpu" in lower(t)
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     lower(dataclasses.replace(TILING, stages=6))
