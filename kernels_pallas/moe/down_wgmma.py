@@ -96,13 +96,18 @@ def mix3_stack(storage: dict) -> Mix3Stack:
 def row_planes(h, block_m: int) -> jax.Array:
   """h [rows, I] (sorted rows) as 4 planes [4, padded_rows, I/4], plane q column i = h column 4i + q. The Mosaic
   gate/up writes this order itself (gate_up_wgmma's `planes_rows`)."""
-  return as_planes(jnp.pad(h, ((0, padded_rows(h.shape[0], block_m) - h.shape[0]), (0, 0))))
+  return as_planes(_padded(h, block_m))
 
 
 def plane_rows(h, block_m: int) -> jax.Array:
   """h [rows, I] as [padded_rows, I] with each 64-column block's planes side by side (as_plane_rows): Tiling.x_rows'
   h, in XLA."""
-  return as_plane_rows(jnp.pad(h, ((0, padded_rows(h.shape[0], block_m) - h.shape[0]), (0, 0))))
+  return as_plane_rows(_padded(h, block_m))
+
+
+def _padded(h, block_m: int) -> jax.Array:
+  """h's rows padded to padded_rows: the last item's copy stays in bounds."""
+  return jnp.pad(h, ((0, padded_rows(h.shape[0], block_m) - h.shape[0]), (0, 0)))
 
 
 def decode_planes3(codes_lo, high_nibbles, meta, levels) -> list[jax.Array]:
