@@ -72,15 +72,14 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
 # shared between the two; or, at fab9549, with the wgmmas in flight while the next step decodes: 6.8 vs 5.1 ms at
 # 8192 tokens) was slower and was removed, as were mma_in_flight 1 (ptxas serializes the wgmmas),
 # issuing the warpgroups' wgmmas in turn (8.42 vs 5.22 ms at 8192 tokens) and two or four K blocks per pipeline step
-# (no faster). Compiled, the planes are made by byte permutes (at e1e8cbf: 6.31 -> 5.22 ms at 8192 tokens).
+# (no faster). Compiled, the planes are made by byte permutes (at e1e8cbf: 6.31 -> 5.22 ms at 8192 tokens). Since
+# session 52 x comes as plane_rows, one K-64 wgmma a step (H100, lhs_w128_s3_r256_c2: 4.49 against 5.06 ms with x as
+# 4 planes of 32-byte rows at 8192 uniform, 13.6 against 16.8 at 32768 Zipf).
 WGMMA_MIX_TILINGS = {
     "lhs_w128_s3_r256": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256),
     "lhs_w128_s3_r64": _T(wg_rows=128, block_n=64, stages=3),
     "lhs_w64_s3_r128": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128),
     "lhs_w128_s3_r256_c2": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2),
-    # x as rows with its planes side by side, one K-64 wgmma a step (Tiling.x_rows; not yet timed)
-    "lhs_w128_s3_r256_c2_xr": _T(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2, x_rows=True),
-    "lhs_w64_s3_r128_xr": _T(wg_rows=64, block_n=64, stages=3, mma_rows=128, x_rows=True),
 }
 # Also measured and dropped (2a804c4): a third warpgroup issuing the copies and decoding both tiles into shared-memory
 # planes, the other two only issuing wgmmas (8192 tokens: 5.85 against 5.17 ms); (6a99a1b) 384-row tiles, three
@@ -96,6 +95,7 @@ WGMMA_MIX_TILINGS = {
 # 8192 uniform).
 # The Mosaic GPU down on rocmfp3_mix W2 (down_wgmma.py), the same structure with one stack, each warpgroup its own
 # N tile; against what the model runs under moe_wgmma_gate_up (W2 decoded by the decode kernel, then the Triton down).
+# h as plane_rows since session 52 (H100, w128_s2_r256: 3.29 against 3.89 ms with h as 4 planes at 8192 uniform).
 WGMMA_DOWN_TILINGS = {
     "w128_s4_r256": _T(wg_rows=128, block_n=64, stages=4, mma_rows=256),
     "w128_s2_r256": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256),
@@ -103,9 +103,6 @@ WGMMA_DOWN_TILINGS = {
     "w128_s4_r128": _T(wg_rows=128, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r128": _T(wg_rows=64, block_n=64, stages=4, mma_rows=128),
     "w64_s4_r64": _T(wg_rows=64, block_n=64, stages=4, mma_rows=64),
-    # h as rows with its planes side by side, one K-64 wgmma a step (Tiling.x_rows; not yet timed)
-    "w128_s2_r256_xr": _T(wg_rows=128, block_n=64, stages=2, mma_rows=256, x_rows=True),
-    "w64_s4_r128_xr": _T(wg_rows=64, block_n=64, stages=4, mma_rows=128, x_rows=True),
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
@@ -244,12 +241,9 @@ def main(argv):
               xs, a, b, r, swiglu_limit=10.0, tiling=t, rows_sorted=True), xs, *ws, r)
           del ws, xs
         measure("wgmma sorted_rows", lambda x, r: gate_up_wgmma.sorted_rows(x, r, 128), x, r)
-        # x's rows for the Mosaic gate/up: XLA's gather (+ transpose into planes) against the Pallas one it runs
-        measure("wgmma sorted_planes", lambda x, r: gate_up_wgmma.sorted_planes(x, r, 256), x, r)
-        for p in (1, 4):
-          measure(f"wgmma gather_planes planes={p}", lambda x, r, p=p: gate_up_wgmma.gather_planes(x, r, 256, planes=p),
-                  x, r)
-        measure("wgmma gather_planes plane_rows", lambda x, r: gate_up_wgmma.gather_planes(x, r, 256, plane_rows=True),
+        # x's rows for the Mosaic gate/up: XLA's gather against the Pallas one it runs (bf16; FP2-MIX: plane_rows)
+        measure("wgmma gather_rows", lambda x, r: gate_up_wgmma.gather_rows(x, r, 256), x, r)
+        measure("wgmma gather_rows plane_rows", lambda x, r: gate_up_wgmma.gather_rows(x, r, 256, plane_rows=True),
                 x, r)
         m1, m3 = (jax.jit(gate_up_wgmma.mix_stack)(q.storage) for q in (q1, q3))  # made once, as weights stationary
         h_mix = jax.jit(gu)(x, q1, q3, r)
@@ -277,7 +271,7 @@ def main(argv):
       if not _SMOKE.value and jax.default_backend() == "gpu":
         m2 = jax.jit(down_wgmma.mix3_stack)(q2.storage)
         out_triton = jax.jit(dn)(h, q2, r)  # the fused Triton down on the same decoded weights
-        measure("wgmma row_planes", lambda h: down_wgmma.row_planes(h, 256), h)
+        measure("wgmma plane_rows", lambda h: down_wgmma.plane_rows(h, 256), h)  # in the timings below
         for tname, t in WGMMA_DOWN_TILINGS.items():
           name = f"ours_wgmma_rocmfp3_mix_down {tname}"
           if not wanted(name):
@@ -306,6 +300,10 @@ def main(argv):
               flops=moe_flops)
       measure("ours_mix_moe dequantize-then-matmul (moe_sparse_gate_up off)", full_moe(dequantize_first=True),
               x, rw, ids, q1, q2, q3, flops=moe_flops)
+      if not _SMOKE.value and jax.default_backend() == "gpu":  # the model's MoE under moe_wgmma_gate_up and _down
+        measure("ours_mix_moe wgmma gate/up + down", full_moe(dataclasses.replace(cfg, gate_up_kernel="wgmma",
+                                                                                  down_kernel="wgmma")),
+                x, rw, ids, q1, q2, q3, flops=moe_flops)
       for switch, change in ABLATIONS.items():  # one switch changed at a time, whole bf16 MoE, same inputs
         measure(f"ours_bf16_moe {switch}", full_moe(dataclasses.replace(cfg, **change)), x, rw, ids, w1, w2, w3,
                 flops=moe_flops)

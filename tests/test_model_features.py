@@ -17,6 +17,7 @@ from ds4jax.quant import policy as quant_policy
 from ds4jax.features import CAPABILITIES, SWITCHES, Features
 from ds4jax.metrics import nmse
 from kernels_pallas import moe as moe_kernels
+from kernels_pallas.moe import down_wgmma, gate_up_wgmma
 
 DEVICE = features.device_class()  # cpu_interpret here; sm_90 when the suite runs on an H200
 TOKENS = np.arange(2, 42)
@@ -213,7 +214,7 @@ WGMMA_NMSE = 1e-9  # two bf16 paths on the same decoded bits: only the order of 
 def test_wgmma_gate_up_and_down_in_the_model(seed):
   """Under moe_wgmma_gate_up and moe_wgmma_down the gate/up and the down are the Mosaic GPU kernels on the FP2-MIX
   and FP3-MIX storage: the logits match dequantize-then-matmul's (the same canonical decode, bf16 operands, the
-  Triton kernels), which the kernels' names show did not run; the gate/up hands h to the down as planes; two bands
+  Triton kernels), which the kernels' names show did not run; the gate/up hands h to the down as plane_rows; two bands
   with weights stationary decode nothing (W2 alone without moe_wgmma_down). Without moe_sparse_gate_up the Mosaic
   gate/up reads W1/W3 decoded beforehand (all three stacks decoded), beside the Triton down."""
   two = config.tiny_window(hidden_size=256, moe_intermediate_size=256)
@@ -228,11 +229,12 @@ def test_wgmma_gate_up_and_down_in_the_model(seed):
   assert {"moe_gate_up_wgmma", "moe_down_wgmma"} <= names(wgmma) and not {"moe_gate_up", "moe_down"} & names(wgmma)
   assert not {"moe_gate_up_wgmma", "moe_down_wgmma"} & names(triton)
   assert {"moe_gate_up_wgmma", "moe_down"} <= names(decoded) and not {"moe_gate_up", "moe_down_wgmma"} & names(decoded)
-  # with both, the gate/up writes h as the down's 4 planes [4, rows, I/4] (no transpose between them)
+  # with both, the gate/up writes h as the down's plane_rows, padded for the down's last copy (no transpose between)
   outs = lambda f: [v.aval.shape for e in features.traced_eqns(lambda t: m(t, features=f), jnp.asarray(TOKENS))
                     if e.params.get("name") == "moe_gate_up_wgmma" for v in e.outvars]
-  assert [len(s) for s in outs(wgmma)] == [3] and outs(wgmma)[0][::2] == (4, 64)
-  assert [len(s) for s in outs(dataclasses.replace(wgmma, moe_wgmma_down=False))] == [2]
+  [(routes, inter)] = outs(dataclasses.replace(wgmma, moe_wgmma_down=False))
+  block_m = down_wgmma.default_tiling(-(-routes // one.n_routed_experts)).block_m
+  assert outs(wgmma) == [(gate_up_wgmma.padded_rows(routes, block_m), inter)] and inter == 256
   logits = lambda f: np.asarray(prefill.prefill(m, TOKENS, f, all_logits=True))
   ref = logits(triton)
   err, err_decoded = nmse(logits(wgmma), ref), nmse(logits(decoded), ref)

@@ -71,7 +71,7 @@ def plan(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, intermed
   kernels = []
   if shared_intermediate is not None:
     kernels += ["moe_shared_gate_up" + suffix, "moe_shared_down" + suffix]
-  if config.gate_up_kernel == "wgmma":  # x's rows gathered (as planes for FP2-MIX) by a Triton kernel first
+  if config.gate_up_kernel == "wgmma":  # x's rows gathered (as plane_rows for FP2-MIX) by a Triton kernel first
     kernels += [gate_up_wgmma.GATHER_NAME, gate_up_wgmma.KERNEL_NAME]
   else:
     kernels.append("moe_gate_up" + suffix)
@@ -220,23 +220,24 @@ def _down_wgmma_tiling(r, w2):
   return down_wgmma.default_tiling(-(-r.num_routes // w2.shape[0]))
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu_limit", "planes_rows", "num_cores", "interpret"))
-def _gate_up_on_wgmma(x, w1, w3, r, *, swiglu_limit, planes_rows, num_cores, interpret):
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "h_plane_rows", "num_cores", "interpret"))
+def _gate_up_on_wgmma(x, w1, w3, r, *, swiglu_limit, h_plane_rows, num_cores, interpret):
   """The Mosaic GPU gate/up on `ExpertWeights` (FP2-MIX storage as it is, or bf16), at its measured tiling; h as the
-  Mosaic down's planes when `planes_rows` is given."""
+  Mosaic down's plane_rows when `h_plane_rows` is given."""
   mix = not isinstance(w1, DenseWeights)
   ws = [gate_up_wgmma.mix_stack(w.storage) if mix else w.w for w in (w1, w3)]
   E = w1.shape[0]
   tiling = gate_up_wgmma.default_tiling(-(-r.num_routes // E), mix)
-  return gate_up_wgmma.gate_up_wgmma(x, *ws, r, swiglu_limit=swiglu_limit, tiling=tiling, planes_rows=planes_rows,
+  return gate_up_wgmma.gate_up_wgmma(x, *ws, r, swiglu_limit=swiglu_limit, tiling=tiling, h_plane_rows=h_plane_rows,
                                      num_sms=_wgmma_programs(num_cores, interpret), interpret=interpret or None)
 
 
-@functools.partial(jax.jit, static_argnames=("num_cores", "interpret"))
-def _down_on_wgmma(h, w2, r, *, num_cores, interpret):
-  """The Mosaic GPU down on FP3-MIX storage as it is, at its measured tiling; h as rows or as its planes."""
+@functools.partial(jax.jit, static_argnames=("h_plane_rows", "num_cores", "interpret"))
+def _down_on_wgmma(h, w2, r, *, h_plane_rows, num_cores, interpret):
+  """The Mosaic GPU down on FP3-MIX storage as it is, at its measured tiling; h as rows or already as plane_rows."""
   return down_wgmma.down_wgmma(h, down_wgmma.mix3_stack(w2.storage), r, tiling=_down_wgmma_tiling(r, w2),
-                               num_sms=_wgmma_programs(num_cores, interpret), interpret=interpret or None)
+                               num_sms=_wgmma_programs(num_cores, interpret), h_plane_rows=h_plane_rows,
+                               interpret=interpret or None)
 
 
 def _wgmma_programs(num_cores: int | None, interpret: bool) -> int:
@@ -260,17 +261,18 @@ def _moe(x, route_weights, route_ids, w1, w2, w3, shared, *, swiglu_limit, confi
   elif shared is not None:
     shared = jnp.asarray(shared, F32)
   r = _route(route_ids, E, bm)
+  # Both Mosaic kernels on FP2-MIX W1/W3: the gate/up writes h in the down's plane_rows order (no transpose between)
+  h_plane_rows = None
+  if config.gate_up_kernel == "wgmma" and config.down_kernel == "wgmma" and not isinstance(w1, DenseWeights):
+    h_plane_rows = gate_up_wgmma.padded_rows(r.num_routes, _down_wgmma_tiling(r, w2).block_m)
   if config.gate_up_kernel == "wgmma":
-    # Both Mosaic kernels on FP2-MIX W1/W3: the gate/up writes h in the down's plane order (no transpose between)
-    planes_rows = None
-    if config.down_kernel == "wgmma" and not isinstance(w1, DenseWeights):
-      planes_rows = gate_up_wgmma.padded_rows(r.num_routes, _down_wgmma_tiling(r, w2).block_m)
-    h = _gate_up_on_wgmma(x, w1, w3, r, swiglu_limit=swiglu_limit, planes_rows=planes_rows,
+    h = _gate_up_on_wgmma(x, w1, w3, r, swiglu_limit=swiglu_limit, h_plane_rows=h_plane_rows,
                           num_cores=config.num_cores, interpret=interpret)
   else:
     h = _gate_up(x, w1, w3, r, swiglu_limit=swiglu_limit, config=kcfg, interpret=interpret)
   if config.down_kernel == "wgmma":
-    out = _down_on_wgmma(h, w2, r, num_cores=config.num_cores, interpret=interpret)
+    out = _down_on_wgmma(h, w2, r, h_plane_rows=h_plane_rows is not None, num_cores=config.num_cores,
+                         interpret=interpret)
   else:
     out = _down(h, w2, r, config=kcfg, interpret=interpret)
   if config.fused_combine:

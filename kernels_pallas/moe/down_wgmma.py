@@ -3,14 +3,14 @@
     out[r] = h[r] · W2_e^T        h [S·K, I] bf16 in sorted-row order → out [S·K, D] f32,  e = expert of row r
 
 Why: without it W2 is decoded to bf16 before the Triton down (down.py), a copy of every expert each prompt (75 ms of
-an 8192-token V4-Flash prefill on the H200, BENCHMARKS.md). Measured (bench_moe, H200, 8192 tokens): 3.45 ms plus
-0.39 for h's planes, against 4.03 for the decode plus the Triton down; at 32768 it loses (10.6 + 1.3 against 8.1),
-since each 256-row item decodes its tiles again. Its decode (~9 instructions a weight) is the limit.
+an 8192-token V4-Flash prefill on the H200, BENCHMARKS.md). Measured (bench_moe, H100, session 52, h laid out by
+XLA included): 3.29 ms at 8192 tokens against 4.59 for the decode plus the Triton down, 9.08 against 8.87 at 32768,
+where each 256-row item decodes its tiles again. Its decode (~9 instructions a weight) is the limit.
 
 This is gate_up_wgmma.py's FP2-MIX kernel with one weight stack: a TMA warpgroup copies each K step's code bytes
 and h's planes into a ring of shared-memory slots, and each of the two compute warpgroups decodes its own N tile of
-W2 (64 output columns) into 4 bf16 planes held in registers as the wgmmas' A operand (out^T = W2 · h^T per tile),
-while the other's wgmmas run. The work list and its row alignment are gate_up_wgmma's (`aligned_items`); a unit is
+W2 (64 output columns) into 4 bf16 planes held in registers side by side as the wgmmas' A operand (out^T = W2 · h^T
+per tile), while the other's wgmmas run. The work list and its row alignment are gate_up_wgmma's (`aligned_items`); a unit is
 (item, pair of N tiles).
 
 FP3-MIX (lucebox_mix's down format, `rocmfp3_mix`): a weight's 3-bit level index is 2 low bits (codes_lo, as
@@ -23,10 +23,10 @@ low and the high 4 values by the low bits (gate_up_wgmma's selectors), then a ma
 `prmt` of the high bits picks between them (`high_bit_mask_ir`). The interpreter runs `decode_planes3` (pure jnp)
 through shared memory. Both give the canonical decode's bits, summed over K in plane order.
 
-h comes as planes too ([4, rows, I/4], plane q column i = h column 4i + q): written so by the Mosaic gate/up
-(its `planes_rows`), or `row_planes`, an XLA transpose of h. With `Tiling.x_rows` (not yet timed), h comes as
-`plane_rows` instead: each 64-column block holds its 4 planes side by side in 128-byte rows, and a warpgroup issues
-one K-64 wgmma a step on its joined planes (gate_up_wgmma's x_rows).
+h comes as `plane_rows` (each 64-column block holds its 4 planes side by side: column 4i + q at 16q + i), so a
+step's h tile has 128-byte rows and a warpgroup issues one K-64 wgmma a step on its joined planes. The Mosaic
+gate/up writes h in that order itself (its `h_plane_rows`); else `plane_rows` lays it out in XLA. (h as 4 planes of
+32-byte rows, one K-16 wgmma each, was 13-25% slower: BENCHMARKS.md, session 52.)
 Each warpgroup stores its f32 output tile [rows, 64] from registers (`store_transposed_rows`); the interpreter
 stages it in shared memory for TMA stores instead. sm_90 only: gfx1151 keeps down.py. `api.moe` runs it for
 `Config.down_kernel` "wgmma" (the model's `moe_wgmma_down`).
@@ -49,9 +49,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ds4jax.quant import rocmfp3, rocmfp3_mix, rocmfp_layout, rocmfp_mix
 from kernels_pallas.moe.gate_up_wgmma import (META_BOX, PLANES, ROW_ALIGN, WGMMA_M, Tiling, _store_rows,
-                                              aligned_items, as_plane_rows, as_planes, expert_levels,
-                                              half_block_values, half_block_values_ir, issue_blocks, padded_rows,
-                                              plane_arrays, plane_types, prmt_selectors_ir, profile_region)
+                                              aligned_items, as_plane_rows, byte_pairs, expert_levels,
+                                              half_block_values, half_block_values_ir, issue_blocks, joined_planes,
+                                              joined_planes_type, padded_rows, prmt_selectors_ir, profile_region)
 from kernels_pallas.moe.routing import Routing
 
 F32 = jnp.float32
@@ -61,9 +61,9 @@ HI_BOX = 16  # high-bit bytes per row of one TMA copy (its minimum row): 128 wei
 HIGH_SELECTOR = 0x9988  # prmt: bytes 0-1 ← the sign of byte 0, bytes 2-3 ← the sign of byte 1 (high_bit_mask)
 KERNEL_NAME = "moe_down_wgmma"
 
-# bench_moe on the H200 (ea4172e, BENCHMARKS.md): a 256-row tile, 2 stages, at 8192 tokens 3.45 ms (4 stages 3.56,
-# 5 stages 3.52, 128-row wgmmas 3.50, 64 rows a warpgroup 4.77) and at 32768 10.6 ms (the others 11.2-14.7). Below
-# 64 rows per expert a 128-row tile (not measured there).
+# bench_moe on the H200 (ea4172e, BENCHMARKS.md; h as 4 planes then): a 256-row tile, 2 stages, at 8192 tokens
+# 3.45 ms (4 stages 3.56, 5 stages 3.52, 128-row wgmmas 3.50, 64 rows a warpgroup 4.77) and at 32768 10.6 ms (the
+# others 11.2-14.7). Below 64 rows per expert a 128-row tile (not measured there).
 TILING = Tiling(wg_rows=128, block_n=64, stages=2, mma_rows=256)
 TILING_FEW_ROWS = Tiling(wg_rows=64, block_n=64, stages=4, mma_rows=128)
 
@@ -93,21 +93,11 @@ def mix3_stack(storage: dict) -> Mix3Stack:
                    expert_levels(storage, rocmfp3.levels(jnp.arange(rocmfp3_mix.LEVELS))))
 
 
-def row_planes(h, block_m: int) -> jax.Array:
-  """h [rows, I] (sorted rows) as 4 planes [4, padded_rows, I/4], plane q column i = h column 4i + q. The Mosaic
-  gate/up writes this order itself (gate_up_wgmma's `planes_rows`)."""
-  return as_planes(_padded(h, block_m))
-
-
 def plane_rows(h, block_m: int) -> jax.Array:
-  """h [rows, I] as [padded_rows, I] with each 64-column block's planes side by side (as_plane_rows): Tiling.x_rows'
-  h, in XLA."""
-  return as_plane_rows(_padded(h, block_m))
-
-
-def _padded(h, block_m: int) -> jax.Array:
-  """h's rows padded to padded_rows: the last item's copy stays in bounds."""
-  return jnp.pad(h, ((0, padded_rows(h.shape[0], block_m) - h.shape[0]), (0, 0)))
+  """h [rows, I] (sorted rows) as this kernel reads it, in XLA: [padded_rows, I] (the last item's copy stays in
+  bounds) with each 64-column block's planes side by side (as_plane_rows). The Mosaic gate/up writes this order
+  itself (gate_up_wgmma's `h_plane_rows`)."""
+  return as_plane_rows(jnp.pad(h, ((0, padded_rows(h.shape[0], block_m) - h.shape[0]), (0, 0))))
 
 
 def decode_planes3(codes_lo, high_nibbles, meta, levels) -> list[jax.Array]:
@@ -133,29 +123,27 @@ def high_bit_mask_ir(spread, q: int):
   return mgpu.utils.prmt(y, y, arith.constant(i32, HIGH_SELECTOR))
 
 
-def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels, *,
-                        joined: bool = False) -> list[jax.Array]:
-  """decode_planes3 in wgmma's register layout, compiled (sm_90). Each code-byte pair (2c, 2c + 1) of a thread
-  reads its high-bit byte (column hi_first + c of `hi_ref`) and its meta byte (column meta_first + c // 2 of
-  `meta_ref`), both shared-memory tiles; makes its 8 values once and packs them in 4 registers; each plane's two
-  weights are two prmts (low and high 4 values) merged by high_bit_mask. `joined`: one array (plane_arrays). Not in
-  interpret mode."""
+def decode_planes3_prmt(lo_ref, hi_ref, hi_first, meta_ref, meta_first, levels) -> jax.Array:
+  """decode_planes3 in wgmma's register layout, joined (gate_up_wgmma.joined_planes), compiled (sm_90). Each
+  code-byte pair (2c, 2c + 1) of `lo_ref` (the step's low-bit bytes in shared memory) reads its high-bit byte (column
+  hi_first + c of `hi_ref`) and its meta byte (column meta_first + c // 2 of `meta_ref`), both shared-memory tiles;
+  makes its 8 values once and packs them in 4 registers; each plane's two weights are two prmts (low and high 4
+  values) merged by high_bit_mask. Not in interpret mode."""
   wg = plgpu.Layout.WGMMA
   scalars = [hi_first, meta_first] + [levels[s][k] for s in range(2) for k in range(8)]
+  shape = tuple(lo_ref.shape)
 
-  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType(), plgpu.RefType()) + (wg,) * len(scalars),
-                     return_type=plane_types(codes_lo.shape, joined))
-  def planes(_, code_bytes, hi_smem, meta_smem, *args):
-    i16, i32, index = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.IndexType.get()
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (wg,) * len(scalars), return_type=joined_planes_type(shape))
+  def planes(_, lo_smem, hi_smem, meta_smem, *args):
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
     const = lambda v, t=i32: arith.constant(t, v)
     args = [a.registers.item() for a in args]  # scalars come as splat arrays
     hi_col, meta_col = (arith.index_cast(index, a) for a in args[:2])
     levels = [args[2:10], args[10:18]]
-    out = [np.empty(code_bytes.registers.shape, object) for _ in range(PLANES)]
-    where = code_bytes.layout.thread_idxs(code_bytes.shape)  # (row, column) of each register's first byte
-    for (idx, reg), (row, col) in zip(np.ndenumerate(code_bytes.registers), where, strict=True):
-      w = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
+    registers_shape = mgpu.WGMMA_LAYOUT.registers_shape(shape)
+    out = [np.empty(registers_shape, object) for _ in range(PLANES)]
+    for idx, ((row, col), w) in zip(np.ndindex(registers_shape), byte_pairs(lo_smem, shape, False), strict=True):
       hb = arith.extui(i32, memref.load(hi_smem, [row, arith.addi(hi_col, arith.divui(col, const(2, index)))]))
       half_block = arith.addi(meta_col, arith.divui(col, const(rocmfp_layout.HALF // PLANES, index)))
       m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
@@ -168,9 +156,9 @@ def decode_planes3_prmt(codes_lo, hi_ref, hi_first, meta_ref, meta_first, levels
         mask = high_bit_mask_ir(spread, q)
         picked = arith.ori(arith.andi(low, arith.xori(mask, const(-1))), arith.andi(high, mask))
         out[q][idx] = mgpu.utils.bitcast(picked, pair)
-    return plane_arrays(out, code_bytes.layout, code_bytes.shape, joined)
+    return joined_planes(out, shape)
 
-  return planes(codes_lo, hi_ref, meta_ref, *scalars)
+  return planes(lo_ref, hi_ref, meta_ref, *scalars)
 
 
 def store_transposed_rows(acc, out_ref, row0, lo, end, col0) -> None:
@@ -200,17 +188,14 @@ def store_transposed_rows(acc, out_ref, row0, lo, end, col0) -> None:
 
 def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, hi_g, meta_g, levels_g, out_g,
             *, t: Tiling, max_items: int, n_pairs: int, k_dim: int, lhs_in_smem: bool):
-  """x_g: h's planes [4, rows, I/4] (or with t.x_rows plane_rows [rows, I]); lo/hi/meta/levels: the Mix3Stack; out_g
-  [R, D] f32."""
-  bk = t.block_k // PLANES  # code bytes (and plane columns) per row per K step
-  swizzle = plgpu.find_swizzle((bk if not t.x_rows else t.block_k) * jnp.dtype(BF16).itemsize * 8)
+  """x_g: h as plane_rows [rows, I]; lo/hi/meta/levels: the Mix3Stack; out_g [R, D] f32."""
+  bk = t.block_k // PLANES  # code bytes per row per K step
+  # a K-64 tile of 128-byte rows holding the 4 planes side by side, as the joined planes
+  swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   per_meta = META_BOX // (t.block_k // rocmfp_layout.HALF)  # K steps covered by one meta tile
   per_hi = HI_BOX // (t.block_k // 8)  # and by one high-bit tile
-  if t.x_rows:  # a K-64 tile of 128-byte rows holding the 4 planes side by side, as the joined planes
-    x_spec = plgpu.BlockSpec((t.block_m, t.block_k), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM)
-  else:
-    x_spec = plgpu.BlockSpec((PLANES, t.block_m, bk), lambda k: (0, 0, k), transforms=tiles, memory_space=plgpu.SMEM)
+  x_spec = plgpu.BlockSpec((t.block_m, t.block_k), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM)
   w_specs = [plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM),
              plgpu.BlockSpec((t.block_n, HI_BOX), lambda k: (0, k // per_hi), memory_space=plgpu.SMEM),
              plgpu.BlockSpec((t.block_n, META_BOX), lambda k: (0, k // per_meta), memory_space=plgpu.SMEM)] * 2
@@ -222,13 +207,12 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
 
   def operands(e, g, x_start):  # h's rows, then each warpgroup's N tile (2g + v) of the three byte arrays
     ws = [a.at[e, pl.ds((2 * g + v) * t.block_n, t.block_n)] for v in range(2) for a in (lo_g, hi_g, meta_g)]
-    return [x_g.at[pl.ds(x_start, t.block_m)] if t.x_rows else x_g.at[:, pl.ds(x_start, t.block_m)]] + ws
+    return [x_g.at[pl.ds(x_start, t.block_m)]] + ws
 
   noop = lambda *_, **__: None
   scratch = {}
   if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
-    scratch = dict(dec=plgpu.SMEM((2, 2, 1, t.block_n, t.block_k) if t.x_rows else (2, 2, PLANES, t.block_n, bk),
-                                  BF16, transforms=tiles),
+    scratch = dict(dec=plgpu.SMEM((2, 2, t.block_n, t.block_k), BF16, transforms=tiles),
                    out_smem=plgpu.SMEM((2, t.block_m, t.block_n), F32))  # untiled: row slices of any size
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
@@ -289,25 +273,18 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
                 odd = lax.broadcasted_iota(I32, hi.shape, 1) % 2
                 meta = jnp.repeat(meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)],
                                   rocmfp_layout.HALF // PLANES, axis=1)
-                planes = decode_planes3(lo_s[...], hi.astype(I32) >> (4 * odd), meta, levels)
-                if t.x_rows:
-                  planes = [jnp.concatenate(planes, axis=1)]
                 buf = idx[0] % 2
-                for q, plane in enumerate(planes):
-                  dec[buf, v, q] = plane
+                dec[buf, v] = jnp.concatenate(decode_planes3(lo_s[...], hi.astype(I32) >> (4 * odd), meta, levels),
+                                              axis=1)
                 plgpu.commit_smem()
-                planes = [dec.at[buf, v, q] for q in range(len(planes))]
+                planes = dec.at[buf, v]
               else:
                 with profile_region("decode", t):
-                  planes = decode_planes3_prmt(lo_s[...], hi_s, hi_col, meta_s, meta_col, levels, joined=t.x_rows)
+                  planes = decode_planes3_prmt(lo_s, hi_s, hi_col, meta_s, meta_col, levels)
               def issue(b):
                 rows = pl.ds(b * t.mma_rows, t.mma_rows)
-                with profile_region("mma", t):
-                  if t.x_rows:  # h's K tile holds the planes side by side, as the joined planes do
-                    plgpu.wgmma(accs[b], planes[0], x_s.at[rows].T)
-                  else:
-                    for q in range(PLANES):
-                      plgpu.wgmma(accs[b], planes[q], x_s.at[q, rows].T)
+                with profile_region("mma", t):  # h's K tile holds the planes side by side, as the joined planes do
+                  plgpu.wgmma(accs[b], planes, x_s.at[rows].T)
 
               # an item has rows in the first block of its tile
               issue_blocks(issue, lambda b: rows_in(x_start + b * t.mma_rows, t.mma_rows)[1], len(blocks), t,
@@ -320,19 +297,15 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def check(h, w2: Mix3Stack, r: Routing, t: Tiling) -> None:
+def check(h, w2: Mix3Stack, r: Routing, t: Tiling, h_plane_rows: bool = False) -> None:
   """What this kernel takes (ValueError otherwise)."""
   if not isinstance(w2, Mix3Stack):
     raise ValueError(f"the wgmma down takes an FP3-MIX Mix3Stack W2, got {type(w2).__name__}")
   E, D, I = w2.shape
-  rows_ok = h.ndim == 2 and h.shape[1] == I
-  planes_ok = h.ndim == 3 and tuple(h.shape) == (PLANES, padded_rows(r.num_routes, t.block_m), I // PLANES)
-  if t.x_rows and planes_ok:
-    raise ValueError("with x_rows the wgmma down takes h as rows [rows, I] (it lays them out as plane_rows), not "
-                     "as row_planes")
-  if jnp.dtype(h.dtype) != jnp.dtype(BF16) or not (rows_ok or planes_ok):
-    n = padded_rows(r.num_routes, t.block_m)
-    raise ValueError(f"the wgmma down takes bf16 h [rows, I] or its planes [4, {n}, I/4] (row_planes) with W2 "
+  rows = padded_rows(r.num_routes, t.block_m) if h_plane_rows else r.num_routes
+  if jnp.dtype(h.dtype) != jnp.dtype(BF16) or tuple(h.shape) != (rows, I):
+    what = "already as plane_rows" if h_plane_rows else "in sorted rows"
+    raise ValueError(f"the wgmma down takes bf16 h [{rows}, {I}] {what} (h_plane_rows={h_plane_rows}) with W2 "
                      f"[E, D, I] = {[E, D, I]}; got h {h.dtype} {tuple(h.shape)}")
   if I % (META_BOX * rocmfp_layout.HALF) or D % (2 * WGMMA_M):
     raise ValueError(f"the wgmma down needs I a multiple of {META_BOX * rocmfp_layout.HALF} (a TMA row of meta "
@@ -346,13 +319,13 @@ def check(h, w2: Mix3Stack, r: Routing, t: Tiling) -> None:
 
 
 def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms: int = 132,
-               interpret=None) -> jax.Array:
+               h_plane_rows: bool = False, interpret=None) -> jax.Array:
   """out [S·K, D] f32 in sorted-row order (rows >= num_rows unspecified), as down.down: h [S·K, I] bf16 in sorted
-  rows (the gate/up's output) or already as row_planes(h, tiling.block_m); W2 an FP3-MIX stack decoded in the
-  kernel (the canonical decode's bits, summed in plane order). `interpret`: None (compiled), True or an
-  InterpretGPUParams."""
+  rows, or with `h_plane_rows` already as plane_rows(h, tiling.block_m) (the Mosaic gate/up's h_plane_rows); W2 an
+  FP3-MIX stack decoded in the kernel (the canonical decode's bits, summed in plane order). `interpret`: None
+  (compiled), True or an InterpretGPUParams."""
   t = tiling
-  check(h, w2, r, t)
+  check(h, w2, r, t, h_plane_rows)
   E, D, I = w2.shape
   if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
     interpret = plgpu.InterpretGPUParams()
@@ -363,6 +336,4 @@ def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms
       out_type=jax.ShapeDtypeStruct((r.num_routes, D), F32), grid=(num_sms,), grid_names=("sm",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  if t.x_rows:
-    return kernel(*items, plane_rows(h, t.block_m), *w2)
-  return kernel(*items, h if h.ndim == 3 else row_planes(h, t.block_m), *w2)
+  return kernel(*items, h if h_plane_rows else plane_rows(h, t.block_m), *w2)

@@ -9,7 +9,7 @@ ring of `stages` shared-memory slots, and two compute warpgroups issue wgmmas on
 row tile. On bf16 weights it is measured against gate_up.py and torch._grouped_mm; on FP2-MIX weights (below) it
 decodes next to the MMAs, not in front of them.
 
-TMA cannot gather rows, so the rows come pre-gathered in sorted-row order (`x_sorted`: `gather_planes`, a
+TMA cannot gather rows, so the rows come pre-gathered in sorted-row order (`x_sorted`: `gather_rows`, a
 Pallas-Triton kernel of S·K rows before this one; XLA's gather was ~1.6× slower). A TMA copy into the swizzled
 shared-memory layout wgmma reads must start at a multiple of 8 rows, so the work list is this kernel's own
 (`aligned_items`): an expert's first tile starts at its first row rounded down to 8, and the up to 7 rows of the
@@ -27,17 +27,17 @@ FP2-MIX weights (`MixStack`: the storage's code and meta bytes as they are; gate
 bytes and a 16-byte-wide tile of meta bytes (a TMA row needs ≥ 16 bytes; it covers 256 weights, i.e. 4 steps of
 64, and is copied again for each). Each compute warpgroup decodes its tile into 4 bf16 planes that stay in registers
 as the wgmmas' A operand (h^T = W · x^T per tile): no shared-memory planes, one decode per weight per tile, and one
-warpgroup's decode runs while the other's wgmmas do. Plane q of a K step holds weights 4i + q (the codes' order), so
-x comes as planes too (`sorted_planes`) and the MMAs sum over K in another order than gate_up.py. With
-`Tiling.x_rows`, x comes as rows whose 64-column blocks hold its 4 planes side by side (`as_plane_rows`): a step's
-tile has 128-byte rows, and one K-64 wgmma on the joined planes replaces the 4 K-16 ones on 32-byte plane rows
-(with no decode, the planes cost 11-18% on the H100: BENCHMARKS.md, session 51). Warpgroup 1 hands
-its accumulators to warpgroup 0 through shared memory for the SwiGLU, which stores h transposed back to rows, or,
-with `planes_rows`, as the Mosaic down's planes: unit (q, c) then reads W1/W3 rows 4i + q, i in [c, c + 64).
+warpgroup's decode runs while the other's wgmmas do. Plane q of a K step holds weights 4i + q (the codes' order);
+the 4 planes sit side by side in one [64, 64] operand, so x comes as `plane_rows` (each 64-column block holds
+columns 4i + q at 16q + i), a step's x tile has 128-byte rows, one K-64 wgmma a step, and the MMAs sum over K in
+another order than gate_up.py. (x as 4 planes of 32-byte rows, one K-16 wgmma each, was 11-18% slower: BENCHMARKS.md,
+sessions 51 and 52.) Warpgroup 1 hands its accumulators to warpgroup 0 through shared memory for the SwiGLU, which
+stores h transposed back to rows; with `h_plane_rows`, in the Mosaic down's plane_rows order: each unit decodes its
+64 weight rows in the order 4i + q ← 16q + i (`rows_by_plane`), so its 64 output columns come out in that order.
 Compiled, the planes come from `decode_planes_prmt` (a byte permute per two weights; each code-byte pair reads its
 meta byte from shared memory); the interpreter runs neither inline code nor wgmmas on register operands, so there
 the planes are decode_planes' and go through shared memory. Both give the canonical decode's bits.
-Tried and removed (BENCHMARKS.md has the figures): planes decoded into shared memory by each warpgroup, or half of
+Tried and removed (BENCHMARKS.md has the figures): x and h as 4 separate planes (session 52); planes decoded into shared memory by each warpgroup, or half of
 them by each (`shared_decode`; 10.7 and 11.5 ms at 8192 tokens against 5.2 now), or with the wgmmas left in flight
 on them while the next step decodes (fab9549: 6.8 against 5.1 ms; no gain in down_wgmma.py either); the meta
 byte repeated per code byte in a copy of the stack (~0.8 GB a V4-Flash layer); issuing the two warpgroups' wgmmas in
@@ -107,10 +107,7 @@ class Tiling:
   x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
   x_stages slots (at least 2 with mma_in_flight) and the weights `stages` slots, the weight copies running
   stages − x_stages steps ahead; there mma_in_flight 1 frees a step's slots one step late, so its wgmmas run while
-  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring).
-  x_rows (FP2-MIX): x comes as rows whose 64-column blocks hold its planes side by side (`as_plane_rows`), a
-  step's x tile has 128-byte rows, and a warpgroup issues one K-64 wgmma a step on its 4 planes joined; without it x
-  comes as 4 planes of 32-byte rows, one K-16 wgmma each (BENCHMARKS.md, session 51: the planes cost 11-18%)."""
+  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring)."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -123,7 +120,6 @@ class Tiling:
   producer_registers: int = 40
   profile_regions: str = "steps"
   x_stages: int = 0
-  x_rows: bool = False
 
   @property
   def block_m(self) -> int:
@@ -132,8 +128,9 @@ class Tiling:
 
 # The measured best tilings at V4-Flash shapes (bench_moe, BENCHMARKS.md): FP2-MIX "lhs r256" with x multicast over
 # clusters of two SMs (c2) above 64 rows per expert: faster than without at 8192 and 32768 tokens, by 14-19% on the
-# H100 (two calls; 5.04 against 6.24 ms at 8192) and 5% / 1% on the H200 (4.85 against 5.10 ms at 8192). "lhs w64
-# r128" at 2048 (48 rows: 3.86 ms on the H200); bf16 w128 n64 (8192: 3.99 ms on the H200).
+# H100 (two calls; 5.04 against 6.24 ms at 8192) and 5% / 1% on the H200 (4.85 against 5.10 ms at 8192); with x as
+# plane_rows 4.49 ms at 8192 on the H100 (session 52). "lhs w64 r128" at 2048 (48 rows: 3.86 ms on the H200); bf16
+# w128 n64 (8192: 3.99 ms on the H200).
 MIX_TILING = Tiling(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2)
 MIX_TILING_FEW_ROWS = Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128)
 BF16_TILING = Tiling(wg_rows=128, block_n=64)
@@ -175,7 +172,7 @@ def aligned_items(r: Routing, block_m: int) -> Items:
 
 def padded_rows(rows: int, block_m: int) -> int:
   """`rows` rounded up to 8 plus one row tile: the last item's copy then stays in bounds (those rows are never
-  stored). The length of sorted_rows, and of h's planes for the down (down_wgmma.row_planes)."""
+  stored). The length of sorted_rows, and of h for the down (down_wgmma.plane_rows)."""
   return -(-rows // ROW_ALIGN) * ROW_ALIGN + block_m
 
 
@@ -302,72 +299,76 @@ def prmt_selectors_ir(code_pairs, q: int):
                     const(offset))
 
 
-def plane_types(shape, joined: bool) -> list:
-  """The return types of a decode into 4 bf16 planes of `shape` [n, m] in wgmma's register layout: one each, or
-  `joined`, one [n, 4m] (see plane_arrays)."""
+def joined_planes_type(shape):
+  """The return type of a decode into 4 bf16 planes of `shape` [n, m] in wgmma's register layout, side by side: one
+  [n, 4m] array (see joined_planes)."""
   n, m = shape
-  wg = plgpu.Layout.WGMMA
-  return ([plgpu.ShapeDtypeStruct((n, PLANES * m), BF16, layout=wg)] if joined
-          else [plgpu.ShapeDtypeStruct(shape, BF16, layout=wg)] * PLANES)
+  return plgpu.ShapeDtypeStruct((n, PLANES * m), BF16, layout=plgpu.Layout.WGMMA)
 
 
-def plane_arrays(registers, layout, shape, joined: bool) -> list:
-  """The 4 planes' register arrays (each of a [n, m] array) as Mosaic GPU arrays: one each, or `joined` one [n, 4m]
-  array with plane q in columns [q·m, (q + 1)·m) (the layout's 8-column tiles are its registers' second axis), the
-  K-64 operand of Tiling.x_rows."""
-  if joined:
-    registers = [np.concatenate(registers, axis=1)]
-    n, m = shape
-    assert registers[0].shape == layout.registers_shape((n, PLANES * m)), registers[0].shape
-  return [mgpu.FragmentedArray(_registers=r, _layout=layout, _is_signed=None) for r in registers]
+def joined_planes(registers, shape):
+  """The 4 planes' register arrays (each of a [n, m] array in wgmma's layout) as one Mosaic GPU [n, 4m] array with
+  plane q in columns [q·m, (q + 1)·m): the layout's 8-column tiles are its registers' second axis. The K-64 operand
+  whose columns match a plane_rows tile."""
+  n, m = shape
+  layout = mgpu.WGMMA_LAYOUT
+  joined = np.concatenate(registers, axis=1)
+  assert joined.shape == layout.registers_shape((n, PLANES * m)), joined.shape
+  return mgpu.FragmentedArray(_registers=joined, _layout=layout, _is_signed=None)
 
 
-def decode_planes_prmt(codes, meta_ref, first, levels, *, joined: bool = False) -> list[jax.Array]:
-  """decode_planes in wgmma's register layout, compiled (sm_90): in that layout a thread's bytes come in pairs
-  (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair reads its meta byte, column
-  first + c // 4 of `meta_ref` (a shared-memory tile of meta bytes), makes its 4 values once, two to a register
-  (value_pairs_ir: decode_planes' bits), and each plane's two weights are one `prmt` of them by `prmt_selectors`:
-  ~4 instructions per 2 weights, where decode_planes spends ~12 per weight. `joined`: one array (plane_arrays).
-  Not in interpret mode (inline Mosaic GPU code has no interpreter); its planes are decode_planes' bits."""
+def byte_pairs(smem, shape, by_plane: bool):
+  """((row, column), code-byte pair as i32) of each register of a [n, m] u8 shared-memory tile in wgmma's layout,
+  loaded by hand (Mosaic GPU IR): the row is the tile's own, or with `by_plane` row 16q + i reads tile row 4i + q
+  (rows_by_plane). Pairs (2c, 2c + 1), byte 2c in bits 0-7."""
+  i8, i16, i32 = (ir.IntegerType.get_signless(w) for w in (8, 16, 32))
+  index = ir.IndexType.get()
+  const = lambda v: arith.constant(index, v)
+  for row, col in mgpu.WGMMA_LAYOUT.thread_idxs(shape):
+    if by_plane:
+      row = arith.addi(arith.muli(arith.remui(row, const(16)), const(PLANES)), arith.divui(row, const(16)))
+    pair = vector.load(ir.VectorType.get((2,), i8), smem, [row, col])
+    yield (row, col), arith.extui(i32, mgpu.utils.bitcast(pair, i16))
+
+
+def decode_planes_prmt(codes_ref, meta_ref, first, levels, *, by_plane: bool = False) -> jax.Array:
+  """decode_planes in wgmma's register layout, joined (joined_planes), compiled (sm_90): in that layout a thread's
+  bytes come in pairs (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair of `codes_ref`
+  (the step's [n, m] code bytes in shared memory) reads its meta byte, column first + c // 4 of `meta_ref`, makes
+  its 4 values once, two to a register (value_pairs_ir: decode_planes' bits), and each plane's two weights are one
+  `prmt` of them by `prmt_selectors`: ~4 instructions per 2 weights, where decode_planes spends ~12 per weight.
+  `by_plane`: the tile's rows in rows_by_plane's order. Not in interpret mode (inline Mosaic GPU code has no
+  interpreter); its planes are decode_planes' bits."""
   wg = plgpu.Layout.WGMMA
   scalars = [first] + [levels[s][k] for s in range(2) for k in range(4)]
+  shape = tuple(codes_ref.shape)
 
-  @plgpu.inline_mgpu(arg_types=(wg, plgpu.RefType()) + (wg,) * len(scalars),
-                     return_type=plane_types(codes.shape, joined))
-  def planes(_, code_bytes, meta_smem, *args):
-    i16, i32, index = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32), ir.IndexType.get()
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()) + (wg,) * len(scalars),
+                     return_type=joined_planes_type(shape))
+  def planes(_, code_smem, meta_smem, *args):
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
     args = [a.registers.item() for a in args]  # scalars come as splat arrays
     first_col = arith.index_cast(index, args[0])
     level_pairs = [[bf16_pair_ir(*args[1 + 4 * s + 2 * h:3 + 4 * s + 2 * h]) for h in range(2)] for s in range(2)]
-    out = [np.empty(code_bytes.registers.shape, object) for _ in range(PLANES)]
-    where = code_bytes.layout.thread_idxs(code_bytes.shape)  # (row, column) of each register's first byte
-    for (idx, reg), (row, col) in zip(np.ndenumerate(code_bytes.registers), where, strict=True):
-      w = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
+    registers_shape = mgpu.WGMMA_LAYOUT.registers_shape(shape)
+    out = [np.empty(registers_shape, object) for _ in range(PLANES)]
+    for idx, ((row, col), w) in zip(np.ndindex(registers_shape), byte_pairs(code_smem, shape, by_plane), strict=True):
       half_block = arith.addi(first_col, arith.divui(col, arith.constant(index, rocmfp_layout.HALF // PLANES)))
       m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
       table = value_pairs_ir(m, level_pairs)
       for q in range(PLANES):
         out[q][idx] = mgpu.utils.bitcast(mgpu.utils.prmt(table[0], table[1], prmt_selectors_ir(w, q)), pair)
-    return plane_arrays(out, code_bytes.layout, code_bytes.shape, joined)
+    return joined_planes(out, shape)
 
-  return planes(codes, meta_ref, *scalars)
-
-
-def as_planes(rows) -> jax.Array:
-  """[n, K] → 4 planes [4, n, K/4]: plane q, column i is column 4i + q (the MIX codes' order)."""
-  return rows.reshape(rows.shape[0], -1, PLANES).transpose(2, 0, 1)
+  return planes(codes_ref, meta_ref, *scalars)
 
 
-def by_plane(a) -> jax.Array:
-  """[E, I, m] → [E, I/4, 4, m]: row 4i + q at [:, i, q] (a reshape, no copy)."""
-  E, I, m = a.shape
-  return a.reshape(E, I // PLANES, PLANES, m)
-
-
-def sorted_planes(x, r: Routing, block_m: int) -> jax.Array:
-  """sorted_rows as planes (`as_planes`), in XLA. The kernel's input is `gather_planes`, the same array."""
-  return as_planes(sorted_rows(x, r, block_m))
+def rows_by_plane(a) -> jax.Array:
+  """[64·t, m] → the same, each 64-row tile reordered so that row 16q + i is row 4i + q: the gate/up's weight rows
+  in this order make its output columns plane_rows' (as_plane_rows of h). Pure jnp."""
+  n, m = a.shape
+  return a.reshape(n // 64, 64 // PLANES, PLANES, m).transpose(0, 2, 1, 3).reshape(n, m)
 
 
 def as_plane_rows(rows, block_k: int = 64) -> jax.Array:
@@ -381,42 +382,42 @@ GATHER_NAME = "moe_gather_rows"
 GATHER_ROWS = 8  # rows per program: padded_rows is a multiple of 8
 
 
-def _gather_kernel(token_ref, x_ref, out_ref, *, cols: int, planes: int, plane_block: int):
+def _gather_kernel(token_ref, x_ref, out_ref, *, cols: int, plane_rows: bool):
   rows = pl.ds(pl.program_id(0) * GATHER_ROWS, GATHER_ROWS)
   tokens = plt.load(token_ref.at[rows])
   c = pl.program_id(1) * cols + jnp.arange(cols, dtype=I32)
-  for q in range(planes):  # stride-4 reads of the same rows: the planes after the first come from L1
-    values = plt.load(x_ref.at[tokens[:, None], (planes * c + q)[None, :]])
-    if plane_block:  # as_plane_rows: plane q's column c at q · plane_block + c within its block of 4 · plane_block
-      dst = c // plane_block * (PLANES * plane_block) + q * plane_block + c % plane_block
-      row_ids = pl.program_id(0) * GATHER_ROWS + jnp.arange(GATHER_ROWS, dtype=I32)
-      plt.store(out_ref.at[row_ids[:, None], dst[None, :]], values)
-    else:
-      plt.store(out_ref.at[pl.ds(q, 1), rows, pl.ds(pl.program_id(1) * cols, cols)], values[None])
+  if not plane_rows:
+    plt.store(out_ref.at[rows, pl.ds(pl.program_id(1) * cols, cols)], plt.load(x_ref.at[tokens[:, None], c[None, :]]))
+    return
+  plane_block = 64 // PLANES
+  cols //= PLANES
+  c = pl.program_id(1) * cols + jnp.arange(cols, dtype=I32)  # plane columns
+  for q in range(PLANES):  # stride-4 reads of the same rows: the planes after the first come from L1
+    values = plt.load(x_ref.at[tokens[:, None], (PLANES * c + q)[None, :]])
+    # as_plane_rows: plane q's column c at q · plane_block + c within its block of 4 · plane_block
+    dst = c // plane_block * (PLANES * plane_block) + q * plane_block + c % plane_block
+    row_ids = pl.program_id(0) * GATHER_ROWS + jnp.arange(GATHER_ROWS, dtype=I32)
+    plt.store(out_ref.at[row_ids[:, None], dst[None, :]], values)
 
 
-def gather_planes(x, r: Routing, block_m: int, *, planes: int = PLANES, cols: int | None = None,
-                  plane_rows: bool = False, interpret: bool = False) -> jax.Array:
-  """sorted_planes (`planes` 4) or sorted_rows[None] (`planes` 1) as one Pallas-Triton kernel: each program reads
-  8 gathered rows of x and writes `cols` columns of each plane (by default 512 columns of x, the fastest measured
-  on the H200: BENCHMARKS.md, "x's rows gathered by a Pallas kernel"), where XLA's gather (+ transpose) writes
-  at ~1 TB/s. `plane_rows`: as_plane_rows(sorted_rows) [rows, D] instead (planes 4, K blocks of 64)."""
+def gather_rows(x, r: Routing, block_m: int, *, plane_rows: bool = False, cols: int | None = None,
+                interpret: bool = False) -> jax.Array:
+  """sorted_rows, or with `plane_rows` as_plane_rows(sorted_rows) (the FP2-MIX kernel's x), as one Pallas-Triton
+  kernel: each program reads 8 gathered rows of x and writes `cols` of its columns (by default 512, the fastest
+  measured on the H200: BENCHMARKS.md, "x's rows gathered by a Pallas kernel"), where XLA's gather writes at
+  ~1 TB/s."""
   n = padded_rows(r.num_routes, block_m)
   S, D = x.shape
-  if cols is None:  # the largest power of two (a Triton block) up to 512 // planes that tiles a plane's columns
-    cols = 512 // planes
-    while (D // planes) % cols:
+  if cols is None:  # the largest power of two (a Triton block) up to 512 that tiles the columns
+    cols = 512
+    while D % cols:
       cols //= 2
-  if D % (planes * cols):
-    raise ValueError(f"gather_planes needs D a multiple of {planes * cols}, got {D}")
-  plane_block = 64 // PLANES if plane_rows else 0
-  if plane_rows and (planes != PLANES or cols % plane_block):
-    raise ValueError(f"plane_rows takes planes={PLANES} and cols a multiple of {plane_block}; got {planes}, {cols}")
+  if D % cols or (plane_rows and cols % 64):
+    raise ValueError(f"gather_rows needs D a multiple of cols={cols} (with plane_rows a multiple of 64), got {D}")
   tokens = jnp.pad(r.token_of_row, (0, n - r.num_routes))
-  shape = (n, D) if plane_rows else (planes, n, D // planes)
   return pl.pallas_call(
-      functools.partial(_gather_kernel, cols=cols, planes=planes, plane_block=plane_block),
-      out_shape=jax.ShapeDtypeStruct(shape, x.dtype), grid=(n // GATHER_ROWS, D // planes // cols),
+      functools.partial(_gather_kernel, cols=cols, plane_rows=plane_rows),
+      out_shape=jax.ShapeDtypeStruct((n, D), x.dtype), grid=(n // GATHER_ROWS, D // cols),
       interpret=interpret, name=GATHER_NAME,
       compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))(tokens, x)
 
@@ -460,61 +461,47 @@ def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: 
 
 
 def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
-            max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool, planes_out: bool,
+            max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool, by_plane: bool,
             step_tiled: bool = False):
-  """x_g is x_sorted [rows, D] (bf16 weights) or its planes [4, rows, D/4] (FP2-MIX). refs: the weight arrays
-  (w1, w3 | w13 | codes, meta, levels of W1 then of W3), then h. With `planes_out` the code and meta
-  arrays come as [E, I/4, 4, ·] and h as planes [4, rows, I/4]: N tile j holds the rows 4i + q of plane q. With
-  `step_tiled` the dense weights come as tile_by_step's [E, N tiles, steps · rows, block_k]."""
+  """x_g is x_sorted [rows, D] (bf16 weights) or as_plane_rows of it (FP2-MIX). refs: the weight arrays (w1, w3 |
+  w13 | codes, meta, levels of W1 then of W3), then h. With `by_plane` each unit decodes its weight rows in
+  rows_by_plane's order, so h comes as plane_rows. With `step_tiled` the dense weights come as tile_by_step's
+  [E, N tiles, steps · rows, block_k]."""
   *w_gs, h_g = refs
   if mix:
     stacks = [w_gs[:3], w_gs[3:]]
-    n_w, w_rows, fused, bk = 2, t.block_n, False, t.block_k // PLANES
+    n_w, w_rows, fused = 2, t.block_n, False
   else:
     n_w = len(w_gs)
     fused = n_w == 1  # one interleaved [E, 2I, D] stack: one wgmma of width 2 · block_n per step
-    w_rows, bk = (2 * t.block_n if fused else t.block_n), t.block_k
-  # wgmma reads swizzled tiles; their row offsets must be multiples of the 8-row tile
-  swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
+    w_rows = 2 * t.block_n if fused else t.block_n
+  # wgmma reads swizzled tiles of K-64 rows (FP2-MIX: x's plane_rows, as the joined planes); their row offsets must
+  # be multiples of the 8-row tile
+  swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   cluster = ("cluster",) if t.cluster > 1 else ()
-  x_planes = mix and not t.x_rows
-  x_block = (PLANES, t.block_m, bk) if x_planes else (t.block_m, t.block_k)
-  row_swizzle = plgpu.find_swizzle(t.block_k * jnp.dtype(BF16).itemsize * 8)
-  row_tiles = (plgpu.TilingTransform((ROW_ALIGN, row_swizzle // jnp.dtype(BF16).itemsize)),
-               plgpu.SwizzleTransform(row_swizzle))  # a K-64 tile of 128-byte rows (x_rows: the joined planes too)
-  x_spec = plgpu.BlockSpec(x_block, lambda k: (0,) * (len(x_block) - 1) + (k,), transforms=tiles if x_planes
-                           else row_tiles, memory_space=plgpu.SMEM, collective_axes=cluster)
+  x_spec = plgpu.BlockSpec((t.block_m, t.block_k), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM,
+                           collective_axes=cluster)
   if mix:  # code and meta bytes: read into registers by the decode, no swizzle needed
     per_box = META_BOX // (t.block_k // rocmfp_layout.HALF)  # K steps covered by one meta tile
-    code_spec = plgpu.BlockSpec((t.block_n, bk), lambda k: (0, k), memory_space=plgpu.SMEM)
+    code_spec = plgpu.BlockSpec((t.block_n, t.block_k // PLANES), lambda k: (0, k), memory_space=plgpu.SMEM)
     meta_spec = plgpu.BlockSpec((t.block_n, META_BOX), lambda k: (0, k // per_box), memory_space=plgpu.SMEM)
     w_specs = [code_spec, meta_spec] * 2
   else:
     at_k = (lambda k: (k, 0)) if step_tiled else (lambda k: (0, k))
-    w_specs = [plgpu.BlockSpec((w_rows, bk), at_k, transforms=tiles, memory_space=plgpu.SMEM)] * n_w
+    w_specs = [plgpu.BlockSpec((w_rows, t.block_k), at_k, transforms=tiles, memory_space=plgpu.SMEM)] * n_w
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(d // t.block_k,), memory_registers=t.producer_registers, in_specs=[x_spec] + w_specs,
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=compute_context)
 
-  per_plane = n_tiles // PLANES
-
-  def tile_of(j):  # (h's plane or None, the N tile's first column in it)
-    if planes_out:
-      return j // per_plane, j % per_plane * t.block_n
-    return None, j * t.block_n
-
   def operands(e, j, x_start):  # the pipeline's arrays for one unit: x rows, then the weight tiles' rows
-    q, first_col = tile_of(j)
-    cols = pl.ds(first_col // t.block_n * w_rows, w_rows)  # an interleaved stack's tile has both projections
-    x = x_g.at[:, pl.ds(x_start, t.block_m)] if x_planes else x_g.at[pl.ds(x_start, t.block_m)]
-    at = (lambda a: a.at[e, cols, q]) if planes_out else (lambda a: a.at[e, cols])
+    at = lambda a: a.at[e, pl.ds(j * w_rows, w_rows)]  # an interleaved stack's tile has both projections
     if step_tiled:  # the N tile's steps, one after the other
-      at = lambda a: a.at[e, first_col // t.block_n]
+      at = lambda a: a.at[e, j]
     ws = [at(a) for c, m, _ in stacks for a in (c, m)] if mix else [at(w) for w in w_gs]
-    return [x] + ws
+    return [x_g.at[pl.ds(x_start, t.block_m)]] + ws
 
   noop = lambda *_, **__: None
   scratch = dict(out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype))  # untiled: row slices of any size
@@ -524,8 +511,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                        plgpu.TilingTransform((ROW_ALIGN, 32)), plgpu.SwizzleTransform(128))),
                    up_ready=plgpu.Barrier(num_arrivals=1), up_free=plgpu.Barrier(num_arrivals=1))
     if lhs_in_smem:  # the interpreter takes wgmma operands from refs only: the planes go through shared memory
-      scratch["dec"] = (plgpu.SMEM((2, PLANES, t.block_n, bk), BF16, transforms=tiles) if x_planes  # a warpgroup's
-                        else plgpu.SMEM((2, 1, t.block_n, t.block_k), BF16, transforms=row_tiles))  # planes (joined)
+      scratch["dec"] = plgpu.SMEM((2, t.block_n, t.block_k), BF16, transforms=tiles)  # a warpgroup's joined planes
 
   @functools.partial(pl.run_scoped, allocs=pipeline(noop, noop).get_allocations(*operands(0, 0, 0)),
                      collective_axes="wg", **scratch)
@@ -549,8 +535,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
       @pl.when(w < count * groups)
       def _():
         e, x_start = item_expert[i], pl.multiple_of(item_x_start[i], ROW_ALIGN)
-        plane, col = tile_of(j)
-        cols, h_out = pl.ds(col, t.block_n), (h_g if plane is None else h_g.at[plane])
+        cols = pl.ds(j * t.block_n, t.block_n)
         lo, end = item_lo[i], item_end[i]
 
         def rows_in(first_row, n):  # (first stored row, count) of rows [first_row, first_row + n)
@@ -595,7 +580,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                     out_smem.at[0, pl.ds(b * t.mma_rows + c, WGMMA_M)].T[...] = h
                 plgpu.barrier_arrive(up_free)
                 plgpu.commit_smem()
-                _store_rows(out_smem, 0, first - x_start, h_out, first, rows, cols, t.block_m)
+                _store_rows(out_smem, 0, first - x_start, h_g, first, rows, cols, t.block_m)
 
         def lhs_mma(idx, x_s, *args):
           *w_ss, accs = args
@@ -606,26 +591,21 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
               codes_s, meta_s = w_ss[2 * v], w_ss[2 * v + 1]
               meta_col = idx[0] % per_box * (t.block_k // rocmfp_layout.HALF)  # this step's first meta column
               if lhs_in_smem:
-                meta = meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)]
+                codes, meta = codes_s[...], meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)]
+                if by_plane:
+                  codes, meta = rows_by_plane(codes), rows_by_plane(meta)
                 meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1)  # one per code byte
-                planes = decode_planes(codes_s[...], meta, levels)
-                if not x_planes:
-                  planes = [jnp.concatenate(planes, axis=1)]
-                for q, plane in enumerate(planes):  # the previous step's wgmmas have read them (its wait)
-                  dec[v, q] = plane
+                # the previous step's wgmmas have read them (its wait)
+                dec[v] = jnp.concatenate(decode_planes(codes, meta, levels), axis=1)
                 plgpu.commit_smem()
-                planes = [dec.at[v, q] for q in range(len(planes))]
+                planes = dec.at[v]
               else:
                 with profile_region("decode", t):
-                  planes = decode_planes_prmt(codes_s[...], meta_s, meta_col, levels, joined=not x_planes)
+                  planes = decode_planes_prmt(codes_s, meta_s, meta_col, levels, by_plane=by_plane)
               def issue(b):
                 rows = pl.ds(b * t.mma_rows, t.mma_rows)
-                with profile_region("mma", t):
-                  if x_planes:
-                    for q in range(PLANES):
-                      plgpu.wgmma(accs[b][0], planes[q], x_s.at[q, rows].T)
-                  else:  # x's K tile holds the planes side by side, as the joined planes do
-                    plgpu.wgmma(accs[b][0], planes[0], x_s.at[rows].T)
+                with profile_region("mma", t):  # x's K tile holds the planes side by side, as the joined planes do
+                  plgpu.wgmma(accs[b][0], planes, x_s.at[rows].T)
 
               # an item has rows in the first block of its tile
               issue_blocks(issue, lambda b: rows_in(x_start + b * t.mma_rows, t.mma_rows)[1], len(blocks), t,
@@ -823,15 +803,15 @@ def tile_by_step(w, rows: int, block_k: int) -> jax.Array:
 
 
 def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling = Tiling(), num_sms: int = 132,
-                  rows_sorted: bool = False, planes_rows: int | None = None, interpret=None) -> jax.Array:
+                  rows_sorted: bool = False, h_plane_rows: int | None = None, interpret=None) -> jax.Array:
   """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up. w1/w3: dense [E, I, D]; or
   w3=None and w1 = interleave(w1, w3, tiling.block_n); either also as tile_by_step(·, its box rows, block_k) (each
   step's box contiguous); or two FP2-MIX `MixStack`s (decoded in the kernel, the
   canonical decode's bits). x [S, D], or with `rows_sorted` already sorted_rows(x, r, tiling.block_m) (dense
-  weights; to time the kernel without the gather). With `planes_rows` (FP2-MIX, I a multiple of 4 · block_n) h
-  comes as the down's planes, [4, planes_rows, I/4] with plane q column i = h column 4i + q (down_wgmma.row_planes
-  without its transpose: each unit reads the weight rows of one plane's columns). The routing's own row tile and
-  work list are not used (see aligned_items). `interpret`: None (compiled), True or an InterpretGPUParams."""
+  weights; to time the kernel without the gather). With `h_plane_rows` (FP2-MIX) h comes as the Mosaic down's
+  input, [h_plane_rows, I] in plane_rows order (down_wgmma.plane_rows without its XLA transpose: each unit decodes
+  its weight rows in rows_by_plane's order). The routing's own row tile and work list are not used (see
+  aligned_items). `interpret`: None (compiled), True or an InterpretGPUParams."""
   t = tiling
   mix = isinstance(w1, MixStack)
   ws = (w1,) if w3 is None else (w1, w3)
@@ -863,8 +843,6 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if t.mma_in_flight and not t.x_stages:
     raise ValueError("mma_in_flight=1 takes the separate x and weight rings (x_stages > 0): in the pipeline a unit's "
                      "last slot is refilled under its last wgmmas (gate_up_wgmma's docstring)")
-  if t.x_rows and not mix:
-    raise ValueError("x_rows (x's planes side by side in rows) takes FP2-MIX weights")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   if t.profile_regions not in ("steps", "units"):
@@ -888,16 +866,16 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if D % t.block_k or I % (t.block_n * t.cluster):
     raise ValueError(f"D={D} / I={I} must be multiples of block_k={t.block_k} / block_n × cluster="
                      f"{t.block_n * t.cluster}")
-  planes_out = planes_rows is not None
-  if planes_out and (not mix or I % (PLANES * t.block_n) or planes_rows < r.num_routes):
-    raise ValueError(f"h as planes takes FP2-MIX weights with I a multiple of {PLANES * t.block_n} and planes_rows "
-                     f">= {r.num_routes} routes; got I={I}, planes_rows={planes_rows}")
+  by_plane = h_plane_rows is not None
+  if by_plane and (not mix or h_plane_rows < r.num_routes):
+    raise ValueError(f"h as plane_rows takes FP2-MIX weights and h_plane_rows >= {r.num_routes} routes; got "
+                     f"mix={mix}, h_plane_rows={h_plane_rows}")
   if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
     interpret = plgpu.InterpretGPUParams()
   items = aligned_items(r, t.block_m)
-  out_shape = (PLANES, planes_rows, I // PLANES) if planes_out else (r.num_routes, I)
+  out_shape = (h_plane_rows if by_plane else r.num_routes, I)
   body = functools.partial(_kernel, max_items=items.expert.shape[0], mix=mix,
-                           lhs_in_smem=interpret not in (None, False), planes_out=planes_out)
+                           lhs_in_smem=interpret not in (None, False), by_plane=by_plane)
   if t.x_stages:
     body = functools.partial(_ring_kernel, interpret=interpret not in (None, False))
   kernel = plgpu.kernel(
@@ -906,9 +884,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
       cluster=(t.cluster,), cluster_names=("cluster",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  gather = functools.partial(gather_planes, x, r, t.block_m, interpret=interpret is not None)
+  gather = functools.partial(gather_rows, x, r, t.block_m, interpret=interpret is not None)
   if mix:
-    if planes_out:  # [E, I/4, 4, ·]: a unit's weight rows 4i + q are then one TMA box (q squeezed)
-      w1, w3 = (w._replace(codes=by_plane(w.codes), meta=by_plane(w.meta)) for w in (w1, w3))
-    return kernel(*items, gather(plane_rows=t.x_rows), *w1, *w3)
-  return kernel(*items, x if rows_sorted else gather(planes=1)[0], *ws)
+    return kernel(*items, gather(plane_rows=True), *w1, *w3)
+  return kernel(*items, x if rows_sorted else gather(), *ws)

@@ -22,7 +22,7 @@ from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, routing
 from kernels_pallas.moe.down import down_reference
 from kernels_pallas.moe.down_wgmma import (HIGH_SELECTOR, TILING, TILING_FEW_ROWS, Mix3Stack, decode_planes3,
-                                           down_wgmma, mix3_stack, row_planes, spread_high_bits)
+                                           down_wgmma, mix3_stack, plane_rows, spread_high_bits)
 from kernels_pallas.moe.gate_up_wgmma import Tiling, prmt_selectors
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -103,12 +103,12 @@ def test_the_eight_level_pick_of_a_byte_pair():
       np.testing.assert_array_equal((picked >> 16 * half) & 0xFFFF, values[code])
 
 
-def test_row_planes(rng):
-  h = jnp.asarray(rng.standard_normal((21, 64)), jnp.bfloat16)
-  p = np.asarray(row_planes(h, 128))
-  assert p.shape == (4, 24 + 128, 16)
-  for q in range(4):
-    np.testing.assert_array_equal(p[q, :21], np.asarray(h)[:, q::4])
+def test_plane_rows(rng):
+  h = jnp.asarray(rng.standard_normal((21, 128)), jnp.bfloat16)
+  p = np.asarray(plane_rows(h, 128))
+  assert p.shape == (24 + 128, 128)
+  for q in range(4):  # in each 64-column block, plane q (columns 4i + q) at columns 16q + i
+    np.testing.assert_array_equal(p[:21].reshape(21, 2, 4, 16)[:, :, q], np.asarray(h)[:, q::4].reshape(21, 2, 16))
 
 
 def problem(rng, S, K, *, D, I, mask_every=0, empty=()):
@@ -123,13 +123,12 @@ def problem(rng, S, K, *, D, I, mask_every=0, empty=()):
 
 @pytest.mark.parametrize("tiling", [Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=64),
                                     Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128, tile_order="item"),
-                                    TILING,  # the default: 256-row tiles and wgmmas
-                                    Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128, x_rows=True)])
+                                    TILING])  # the default: 256-row tiles and wgmmas
 def test_down_wgmma_matches_reference(rng, tiling):
   # Three experts routed, ~130 rows each (every 7th route masked; expert 5 among the empty ones): items that start
   # inside the previous expert's rows, 64-row blocks with no row of the expert (skipped), several items per expert
   # with the 128-row tile. D = 256: two units per item (an N-tile pair each), on 3 SMs. I = 512: two meta tiles,
-  # four high-bit tiles. x_rows: h as plane_rows, one K-64 wgmma a step on the joined planes.
+  # four high-bit tiles. h as plane_rows, one K-64 wgmma a step on the joined planes.
   D, I = 256, 512
   h, st, r = problem(rng, 150, 3, D=D, I=I, mask_every=7, empty=(1, 2, 3, 5, 6))
   out = jax.block_until_ready(down_wgmma(h, mix3_stack(st), r, tiling=tiling, num_sms=3, interpret=interpret()))
@@ -150,10 +149,11 @@ def test_down_wgmma_rejects_bad_input(rng):
     down_wgmma(h, jnp.zeros((E, 128, 256), jnp.bfloat16), r)
   with pytest.raises(ValueError, match="bf16 h"):
     down_wgmma(h.astype(jnp.float32), w2, r)
-  with pytest.raises(ValueError, match=r"its planes \[4, "):  # planes one row short of the last item's copy
-    down_wgmma(row_planes(h, 128)[:, :-1], w2, r, tiling=Tiling(wg_rows=64, block_n=64, mma_rows=64))
-  with pytest.raises(ValueError, match="with x_rows the wgmma down takes h as rows"):
-    down_wgmma(row_planes(h, 128), w2, r, tiling=Tiling(wg_rows=64, block_n=64, mma_rows=128, x_rows=True))
+  t = Tiling(wg_rows=64, block_n=64, mma_rows=64)
+  with pytest.raises(ValueError, match=r"h \[160, 256\] already as plane_rows"):  # one row short of the last copy
+    down_wgmma(plane_rows(h, 128)[:-1], w2, r, tiling=t, h_plane_rows=True)
+  with pytest.raises(ValueError, match=r"h \[32, 256\] in sorted rows"):  # plane_rows given as rows
+    down_wgmma(plane_rows(h, 128), w2, r, tiling=t)
   with pytest.raises(ValueError, match="I a multiple of 256"):
     down_wgmma(h[:, :128], Mix3Stack(*(a[..., :k] for a, k in zip(w2[:3], (32, 16, 8))), *w2[3:]), r)
   with pytest.raises(ValueError, match="block_n 64"):
@@ -173,7 +173,7 @@ def test_down_wgmma_lowers_for_sm90_at_v4_flash_shapes():
     return jax.jit(lambda h, w, r: down_wgmma(h, w, r, tiling=t)).trace(h, w2, r).lower(
         lowering_platforms=("cuda",)).as_text()
 
-  for t in (TILING, TILING_FEW_ROWS, dataclasses.replace(TILING, x_rows=True)):
+  for t in (TILING, TILING_FEW_ROWS):
     assert "mosaic_gpu" in lower(t)
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     lower(dataclasses.replace(TILING, stages=6))

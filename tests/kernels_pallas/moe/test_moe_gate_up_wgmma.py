@@ -28,8 +28,8 @@ from ds4jax.quant import formats, rocmfp2_mix, ue4m3
 from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
 from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, ROW_ALIGN, MixStack, Tiling, aligned_items, as_plane_rows,
-                                              decode_planes, expert_levels, gate_up_wgmma, gather_planes, interleave,
-                                              mix_stack, padded_rows, prmt_selectors, sorted_planes, sorted_rows,
+                                              decode_planes, expert_levels, gate_up_wgmma, gather_rows, interleave,
+                                              mix_stack, padded_rows, prmt_selectors, rows_by_plane, sorted_rows,
                                               tile_by_step)
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -190,7 +190,7 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
 
 @pytest.mark.parametrize("wg_rows,block_n,cluster,weights", [(128, 64, 1, "dense"), (64, 128, 2, "dense"),
                                                              (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
-                                                             (128, 64, 1, "mix planes"), (128, 64, 2, "mix x rows"),
+                                                             (128, 64, 2, "mix h plane_rows"),
                                                              (128, 64, 1, "interleaved step-tiled"),
                                                              (128, 64, 1, "interleaved step-tiled rings"),
                                                              (64, 128, 1, "interleaved step-tiled rings")])
@@ -211,14 +211,13 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
   r = jax.eval_shape(lambda i: routing.route(i, E_, 128), jax.ShapeDtypeStruct((S, K), jnp.int32))
 
   def lower(t):
-    rows = padded_rows(S * K, 256) if weights == "mix planes" else None
-    f = lambda x, a, b, r: gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t, planes_rows=rows)
+    rows = padded_rows(S * K, 256) if weights == "mix h plane_rows" else None
+    f = lambda x, a, b, r: gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t, h_plane_rows=rows)
     with use_abstract_mesh(H200):  # the row gather is a Pallas-Triton kernel: it lowers for a named GPU
       return jax.jit(f).trace(x, *ws, r).lower(lowering_platforms=("cuda",)).as_text()
 
   mix = weights.startswith("mix")
-  t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=3 if mix else 4, mma_rows=256 if mix else 64,
-             x_rows=weights.endswith("x rows"))
+  t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=3 if mix else 4, mma_rows=256 if mix else 64)
   if weights.endswith("rings"):  # the measured best rings (BENCHMARKS.md, session 40): 224 and 208 KiB
     t = dataclasses.replace(t, x_stages=4 if wg_rows == 128 else 3, mma_in_flight=1)
   text = lower(t)
@@ -289,42 +288,47 @@ def test_prmt_selectors_pick_each_plane_of_a_byte_pair():
     assert np.all((sel >> 16) == 0) and np.all(((sel >> np.arange(0, 16, 4)[:, None]) & 8) == 0)  # no sign mode
 
 
-def test_sorted_planes_match_sorted_rows(rng):
-  # and the Pallas gather the kernel's x comes from makes the same array (D = 256: two column blocks of 32)
+def test_gather_rows_matches_sorted_rows(rng):
+  # The Pallas gather the kernel's x comes from makes sorted_rows, or as_plane_rows of it (FP2-MIX): each 64-column
+  # block holds the 16 columns of plane 0 (columns 4i), then of planes 1, 2, 3. D = 256: two column blocks of 128.
   x, _, _, ids = problem(rng, 24, 2, d=256, mask_every=5)
   r = routing.route(ids, E, 32)
-  xs, xp = np.asarray(sorted_rows(x, r, 128)), np.asarray(sorted_planes(x, r, 128))
+  xs = np.asarray(sorted_rows(x, r, 128))
   assert xs.shape == (padded_rows(48, 128), 256)
-  for q in range(4):
-    np.testing.assert_array_equal(xp[q], xs[:, q::4])
-  np.testing.assert_array_equal(np.asarray(gather_planes(x, r, 128, cols=32, interpret=not ON_GPU)), xp)
-  # x_rows' layout: each 64-column block holds the 16 columns of plane 0, then of planes 1, 2, 3
+  np.testing.assert_array_equal(np.asarray(gather_rows(x, r, 128, cols=128, interpret=not ON_GPU)), xs)
   xr = np.asarray(as_plane_rows(jnp.asarray(xs)))
   for q in range(4):
-    np.testing.assert_array_equal(xr.reshape(-1, 4, 4, 16)[:, :, q], xp[q].reshape(-1, 4, 16))
+    np.testing.assert_array_equal(xr.reshape(-1, 4, 4, 16)[:, :, q], xs[:, q::4].reshape(-1, 4, 16))
   np.testing.assert_array_equal(
-      np.asarray(gather_planes(x, r, 128, cols=32, plane_rows=True, interpret=not ON_GPU)), xr)
+      np.asarray(gather_rows(x, r, 128, cols=128, plane_rows=True, interpret=not ON_GPU)), xr)
 
 
-@pytest.mark.parametrize("d, planes", [(768, 4), (576, 1)])
-def test_gather_planes_tiles_any_hidden_size_the_kernels_take(rng, d, planes):
-  """The default column block is the largest power of two up to 512 // planes that divides a plane's columns: D
-  768 (FP2-MIX takes multiples of 256) and 576 (bf16 takes multiples of 64) gather, where a fixed block refused
-  them (and a block of 192 would not compile: Triton blocks are powers of two)."""
+@pytest.mark.parametrize("d, plane_rows", [(768, True), (576, False)])
+def test_gather_rows_tiles_any_hidden_size_the_kernels_take(rng, d, plane_rows):
+  """The default column block is the largest power of two up to 512 that divides D: D 768 (FP2-MIX takes multiples
+  of 256) and 576 (bf16 takes multiples of 64) gather, where a fixed block refused them (and a block of 192 would not
+  compile: Triton blocks are powers of two)."""
   x, _, _, ids = problem(rng, 24, 2, d=d, mask_every=5)
   r = routing.route(ids, E, 32)
-  want = np.asarray(sorted_planes(x, r, 128)) if planes == 4 else np.asarray(sorted_rows(x, r, 128))[None]
-  np.testing.assert_array_equal(np.asarray(gather_planes(x, r, 128, planes=planes, interpret=not ON_GPU)), want)
+  want = sorted_rows(x, r, 128)
+  want = np.asarray(as_plane_rows(want) if plane_rows else want)
+  np.testing.assert_array_equal(np.asarray(gather_rows(x, r, 128, plane_rows=plane_rows, interpret=not ON_GPU)), want)
+
+
+def test_rows_by_plane_makes_the_output_columns_plane_rows():
+  # weight rows in rows_by_plane's order give output columns in as_plane_rows' order, tile by tile
+  w = np.arange(128 * 3).reshape(128, 3)
+  np.testing.assert_array_equal(np.asarray(rows_by_plane(jnp.asarray(w)))[:, 0],
+                                np.asarray(as_plane_rows(jnp.asarray(w[:, 0][None])))[0])
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
-@pytest.mark.parametrize("decode,cluster", [("64-row wgmmas", 1), ("128-row wgmmas", 2), ("128-row wgmmas, x rows", 2)])
+@pytest.mark.parametrize("decode,cluster", [("64-row wgmmas", 1), ("128-row wgmmas", 2)])
 def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
   # ~80 rows per expert (three experts routed, expert 0 among them), a 128-row tile: its second 64-row block is
   # partial. W1/W3 in FP2-MIX (expert 0 uniform), decoded in the kernel, one projection per warpgroup on all 128 rows,
   # two N tiles (with cluster 2, one per SM of a cluster, x multicast: `default_tiling`'s MIX_TILING). D = 512: two
-  # meta tiles (256 weights each), each serving 4 K steps. "x rows": x's planes side by side in 128-byte rows, one
-  # K-64 wgmma a step on the joined planes (Tiling.x_rows). Compared with the reference on the canonically decoded
+  # meta tiles (256 weights each), each serving 4 K steps. Compared with the reference on the canonically decoded
   # weights rounded to bf16 (what the kernel multiplies), so the tolerance is the bf16 rounding of h.
   D_ = 512
   x, w1, w3, ids = problem(rng, 120, 2, inter=128, d=D_, empty=(2, 3, 4, 5, 6))
@@ -332,8 +336,7 @@ def test_gate_up_wgmma_decodes_fp2_mix(rng, decode, cluster):
   q1, q3 = (QuantizedExpertWeights.from_storage("rocmfp2_mix", st, (E, 128, D_)) for st in (st1, st3))
   r = routing.route(ids, E, 32)
   assert int(r.group_sizes[0]) > 64
-  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64, cluster=cluster,
-             x_rows="x rows" in decode)
+  t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128 if "128" in decode else 64, cluster=cluster)
   h = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
                     interpret=interpret())
   assert_no_races(h)
@@ -368,11 +371,11 @@ def test_compiled_decode_gives_every_weight(rng):
   np.testing.assert_allclose(np.asarray(h[:n], np.float32), np.asarray(ref[:n], np.float32), rtol=2**-7, atol=0)
 
 
-def test_gate_up_wgmma_writes_h_in_the_down_planes_order(rng):
-  # With planes_rows, h comes as down_wgmma's planes [4, rows, I/4] (plane q column i = h column 4i + q): each unit
-  # reads the W1/W3 rows of one plane's columns. FP2-MIX, I = 512: two N tiles per plane, taken by the two SMs of a
-  # cluster (x multicast, as the model's MIX_TILING), on 3 clusters. Two experts routed (the others empty): two items
-  # of eight units, each decoded in the interpreter.
+def test_gate_up_wgmma_writes_h_in_the_down_plane_rows_order(rng):
+  # With h_plane_rows, h comes as down_wgmma's plane_rows [rows, I] (each 64-column block holds columns 4i + q at
+  # 16q + i): each unit decodes its W1/W3 rows in rows_by_plane's order. FP2-MIX, I = 512: eight N tiles, taken two
+  # at a time by the two SMs of a cluster (x multicast, as the model's MIX_TILING), on 3 clusters. Two experts routed
+  # (the others empty): two items of eight units, each decoded in the interpreter.
   D_, I_ = 256, 512
   x, w1, w3, ids = problem(rng, 40, 2, inter=I_, d=D_, empty=(1, 2, 3, 5, 6, 7))
   st1, st3 = mix_storage(rng, w1.shape), mix_storage(rng, w3.shape)
@@ -381,16 +384,16 @@ def test_gate_up_wgmma_writes_h_in_the_down_planes_order(rng):
   rows = padded_rows(r.num_routes, 128)
   t = Tiling(wg_rows=64, block_n=64, stages=2, mma_rows=128, cluster=2)
   hp = gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, num_sms=6,
-                     planes_rows=rows, interpret=interpret())
+                     h_plane_rows=rows, interpret=interpret())
   assert_no_races(hp)
-  assert hp.shape == (4, rows, I_ // 4)
+  assert hp.shape == (rows, I_)
   ref = gate_up.gate_up_reference(x, dequantize_to_dense(q1).w, dequantize_to_dense(q3).w, r, swiglu_limit=LIMIT)
   n = int(r.num_rows[0])
   assert float(jnp.mean(jnp.abs(ref[:n]))) > 0.1
-  errs = [float(nmse(hp[q, :n].astype(jnp.float32), ref[:n, q::4])) for q in range(4)]
-  assert max(errs) <= 2e-5, errs
-  with pytest.raises(ValueError, match="planes_rows"):
-    gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, planes_rows=n - 1)
+  err = nmse(hp[:n].astype(jnp.float32), as_plane_rows(ref[:n]))
+  assert err <= 2e-5, err
+  with pytest.raises(ValueError, match="h_plane_rows"):
+    gate_up_wgmma(x, mix_stack(st1), mix_stack(st3), r, swiglu_limit=LIMIT, tiling=t, h_plane_rows=n - 1)
 
 
 def test_moe_runs_it_for_gate_up_kernel_wgmma(rng):
