@@ -26,7 +26,7 @@ through shared memory. Both give the canonical decode's bits, summed over K in p
 h comes as `plane_rows` (each 64-column block holds its 4 planes side by side: column 4i + q at 16q + i), so a
 step's h tile has 128-byte rows and a warpgroup issues one K-64 wgmma a step on its joined planes. The Mosaic
 gate/up writes h in that order itself (its `h_plane_rows`); else `plane_rows` lays it out in XLA. (h as 4 planes of
-32-byte rows, one K-16 wgmma each, was 13-25% slower: BENCHMARKS.md, session 52.)
+32-byte rows, one K-16 wgmma each, took 18-34% longer: BENCHMARKS.md, session 52.)
 Each warpgroup stores its f32 output tile [rows, 64] from registers (`store_transposed_rows`); the interpreter
 stages it in shared memory for TMA stores instead. sm_90 only: gfx1151 keeps down.py. `api.moe` runs it for
 `Config.down_kernel` "wgmma" (the model's `moe_wgmma_down`).

@@ -30,7 +30,7 @@ as the wgmmas' A operand (h^T = W · x^T per tile): no shared-memory planes, one
 warpgroup's decode runs while the other's wgmmas do. Plane q of a K step holds weights 4i + q (the codes' order);
 the 4 planes sit side by side in one [64, 64] operand, so x comes as `plane_rows` (each 64-column block holds
 columns 4i + q at 16q + i), a step's x tile has 128-byte rows, one K-64 wgmma a step, and the MMAs sum over K in
-another order than gate_up.py. (x as 4 planes of 32-byte rows, one K-16 wgmma each, was 11-18% slower: BENCHMARKS.md,
+another order than gate_up.py. (x as 4 planes of 32-byte rows, one K-16 wgmma each, took 13-23% longer: BENCHMARKS.md,
 sessions 51 and 52.) Warpgroup 1 hands its accumulators to warpgroup 0 through shared memory for the SwiGLU, which
 stores h transposed back to rows; with `h_plane_rows`, in the Mosaic down's plane_rows order: each unit decodes its
 64 weight rows in the order 4i + q ← 16q + i (`rows_by_plane`), so its 64 output columns come out in that order.
