@@ -10,8 +10,8 @@ where each 256-row item decodes its tiles again. Its decode (~9 instructions a w
 This is gate_up_wgmma.py's FP2-MIX kernel with one weight stack: a TMA warpgroup copies each K step's code bytes
 and h's planes into a ring of shared-memory slots, and each of the two compute warpgroups decodes its own N tile of
 W2 (64 output columns) into 4 bf16 planes held in registers side by side as the wgmmas' A operand (out^T = W2 · h^T
-per tile), while the other's wgmmas run. The work list and its row alignment are gate_up_wgmma's (`aligned_items`); a unit is
-(item, pair of N tiles).
+per tile), while the other's wgmmas run. The work list and its row alignment are gate_up_wgmma's (`aligned_items`);
+a unit is (item, pair of N tiles).
 
 FP3-MIX (lucebox_mix's down format, `rocmfp3_mix`): a weight's 3-bit level index is 2 low bits (codes_lo, as
 FP2-MIX's codes: weight 4i + q at bits 2q of byte i) and a high bit (codes_hi: weight 8c + b at bit b of byte c), so

@@ -37,23 +37,23 @@ stores h transposed back to rows; with `h_plane_rows`, in the Mosaic down's plan
 Compiled, the planes come from `decode_planes_prmt` (a byte permute per two weights; each code-byte pair reads its
 meta byte from shared memory); the interpreter runs neither inline code nor wgmmas on register operands, so there
 the planes are decode_planes' and go through shared memory. Both give the canonical decode's bits.
-Tried and removed (BENCHMARKS.md has the figures): x and h as 4 separate planes (session 52); planes decoded into shared memory by each warpgroup, or half of
-them by each (`shared_decode`; 10.7 and 11.5 ms at 8192 tokens against 5.2 now), or with the wgmmas left in flight
-on them while the next step decodes (fab9549: 6.8 against 5.1 ms; no gain in down_wgmma.py either); the meta
-byte repeated per code byte in a copy of the stack (~0.8 GB a V4-Flash layer); issuing the two warpgroups' wgmmas in
-turn (8.4 ms); each warpgroup making the SwiGLU of half of the rows (5.5 ms); a third warpgroup that copies and
-decodes both tiles into shared-memory planes while the other two only issue wgmmas (2a804c4: 5.9 ms). Profiled
-(experiments/profile_moe.py), a step is ~1450 cycles against ~1024 of tensor-core work: each warpgroup's slot wait
-(~290), decode (~490), issue (~190) and wait (~320) run one after the other.
-Each step of this pipeline waits for its own wgmmas. Leaving them in flight into the next step (`mma_in_flight`,
-the first version) made ptxas serialize every wgmma of the pipeline ("insufficient register resources for the wgmma
-pipeline", C7511) at every tiling, even with no decode (docs/lowering.md; BENCHMARKS.md has the figures), and it
-raced: emit_pipeline_warp_specialized's `delay_release` never releases the slot of a pipeline's last step, so the
-next unit's prologue copies refilled it under that step's wgmmas (found by the tests' interpreter with late wgmmas,
-tests/async_wgmma.py). Only `_ring_kernel`, which releases a unit's last slots after its final wait, keeps wgmmas in
-flight. An FP2-MIX version of it (e3db26e: two plane sets in registers, steps unrolled in pairs) compiled with the
-wgmmas asynchronous and was no faster than this pipeline at cluster 2. Without wgmmas in flight, in clusters of
-two sharing x (a37cf74), it was within ±5% of it (BENCHMARKS.md, session 51).
+Tried and removed (BENCHMARKS.md has the figures): x and h as 4 separate planes (session 52); planes decoded into
+shared memory by each warpgroup, or half of them by each (`shared_decode`; 10.7 and 11.5 ms at 8192 tokens against
+5.2 now), or with the wgmmas left in flight on them while the next step decodes (fab9549: 6.8 against 5.1 ms; no
+gain in down_wgmma.py either); the meta byte repeated per code byte in a copy of the stack (~0.8 GB a V4-Flash
+layer); issuing the two warpgroups' wgmmas in turn (8.4 ms); each warpgroup making the SwiGLU of half of the rows
+(5.5 ms); a third warpgroup that copies and decodes both tiles into shared-memory planes while the other two only
+issue wgmmas (2a804c4: 5.9 ms). Profiled (experiments/profile_moe.py), a step is ~1450 cycles against ~1024 of
+tensor-core work: each warpgroup's slot wait (~290), decode (~490), issue (~190) and wait (~320) run one after the
+other. Each step of this pipeline waits for its own wgmmas. Leaving them in flight into the next step
+(`mma_in_flight`, the first version) made ptxas serialize every wgmma of the pipeline ("insufficient register
+resources for the wgmma pipeline", C7511) at every tiling, even with no decode (docs/lowering.md; BENCHMARKS.md has
+the figures), and it raced: emit_pipeline_warp_specialized's `delay_release` never releases the slot of a pipeline's
+last step, so the next unit's prologue copies refilled it under that step's wgmmas (found by the tests' interpreter
+with late wgmmas, tests/async_wgmma.py). Only `_ring_kernel`, which releases a unit's last slots after its final
+wait, keeps wgmmas in flight. An FP2-MIX version of it (e3db26e: two plane sets in registers, steps unrolled in
+pairs) compiled with the wgmmas asynchronous and was no faster than this pipeline at cluster 2. Without wgmmas in
+flight, in clusters of two sharing x (a37cf74), it was within ±5% of it (BENCHMARKS.md, session 51).
 
 sm_90 only (Mosaic GPU has no ROCm backend): gfx1151 keeps gate_up.py. bf16 (or f16) operands, f32 accumulation;
 on bf16 weights its h is bit-identical to gate_up.py's on the H200 (FP2-MIX: the same decoded bits, summed over K
