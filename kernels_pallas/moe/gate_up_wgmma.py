@@ -385,19 +385,17 @@ GATHER_ROWS = 8  # rows per program: padded_rows is a multiple of 8
 def _gather_kernel(token_ref, x_ref, out_ref, *, cols: int, plane_rows: bool):
   rows = pl.ds(pl.program_id(0) * GATHER_ROWS, GATHER_ROWS)
   tokens = plt.load(token_ref.at[rows])
-  c = pl.program_id(1) * cols + jnp.arange(cols, dtype=I32)
-  if not plane_rows:
-    plt.store(out_ref.at[rows, pl.ds(pl.program_id(1) * cols, cols)], plt.load(x_ref.at[tokens[:, None], c[None, :]]))
-    return
+  planes = PLANES if plane_rows else 1
+  c = pl.program_id(1) * (cols // planes) + jnp.arange(cols // planes, dtype=I32)  # (plane) columns
+  row_ids = pl.program_id(0) * GATHER_ROWS + jnp.arange(GATHER_ROWS, dtype=I32)
   plane_block = 64 // PLANES
-  cols //= PLANES
-  c = pl.program_id(1) * cols + jnp.arange(cols, dtype=I32)  # plane columns
-  for q in range(PLANES):  # stride-4 reads of the same rows: the planes after the first come from L1
-    values = plt.load(x_ref.at[tokens[:, None], (PLANES * c + q)[None, :]])
-    # as_plane_rows: plane q's column c at q · plane_block + c within its block of 4 · plane_block
-    dst = c // plane_block * (PLANES * plane_block) + q * plane_block + c % plane_block
-    row_ids = pl.program_id(0) * GATHER_ROWS + jnp.arange(GATHER_ROWS, dtype=I32)
-    plt.store(out_ref.at[row_ids[:, None], dst[None, :]], values)
+  for q in range(planes):  # stride-4 reads of the same rows: the planes after the first come from L1
+    values = plt.load(x_ref.at[tokens[:, None], (planes * c + q)[None, :]])
+    if plane_rows:  # as_plane_rows: plane q's column c at q · plane_block + c within its block of 4 · plane_block
+      dst = c // plane_block * (PLANES * plane_block) + q * plane_block + c % plane_block
+      plt.store(out_ref.at[row_ids[:, None], dst[None, :]], values)
+    else:
+      plt.store(out_ref.at[rows, pl.ds(pl.program_id(1) * cols, cols)], values)
 
 
 def gather_rows(x, r: Routing, block_m: int, *, plane_rows: bool = False, cols: int | None = None,
