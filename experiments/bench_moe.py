@@ -260,6 +260,10 @@ def main(argv):
             save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
           measure(name, gm, x, m1, m3, r, nmse_vs_triton=diff)
+          if wanted(name + " h_plane_rows"):  # as the model runs it before the Mosaic down (rows_by_plane's loads)
+            hp = gate_up_wgmma.padded_rows(r.num_routes, 256)
+            measure(name + " h_plane_rows", lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(
+                x, a, b, r, swiglu_limit=10.0, tiling=t, h_plane_rows=hp), x, m1, m3, r)
         del m1, m3, h_mix
 
       down_flops = gate_up_flops // 2
