@@ -8,8 +8,8 @@ Per (tokens, routing): our bf16 gate/up and whole MoE, our rocmfp2_mix gate/up a
 a GPU; timed with the row gather it needs, the gathers alone (XLA's and the Pallas one it runs), and "presorted":
 the kernel alone on rows sorted before, as torch is timed; and on rocmfp2_mix weights decoded in the kernel), the
 decode kernel followed by our bf16 gate/up (what the model runs on sm_90); our bf16 down, W2 decoded then our bf16
-down, and the sm_90 Mosaic GPU FP3-MIX down at a few tilings (with h's planes timed alone); and a dense bf16 GEMM
-with the same FLOPs as the gate/up, all in one run.
+down, and the sm_90 Mosaic GPU FP3-MIX down at a few tilings (with XLA's plane_rows of h timed alone); and a dense
+bf16 GEMM with the same FLOPs as the gate/up, all in one run.
 Every number is also given as a fraction of that dense GEMM. `--only=prefix,...` runs a subset of the contenders.
 `--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
 Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.

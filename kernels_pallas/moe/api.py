@@ -232,11 +232,11 @@ def _gate_up_on_wgmma(x, w1, w3, r, *, swiglu_limit, h_plane_rows, num_cores, in
                                      num_sms=_wgmma_programs(num_cores, interpret), interpret=interpret or None)
 
 
-@functools.partial(jax.jit, static_argnames=("h_plane_rows", "num_cores", "interpret"))
-def _down_on_wgmma(h, w2, r, *, h_plane_rows, num_cores, interpret):
+@functools.partial(jax.jit, static_argnames=("h_as_plane_rows", "num_cores", "interpret"))
+def _down_on_wgmma(h, w2, r, *, h_as_plane_rows, num_cores, interpret):
   """The Mosaic GPU down on FP3-MIX storage as it is, at its measured tiling; h as rows or already as plane_rows."""
   return down_wgmma.down_wgmma(h, down_wgmma.mix3_stack(w2.storage), r, tiling=_down_wgmma_tiling(r, w2),
-                               num_sms=_wgmma_programs(num_cores, interpret), h_plane_rows=h_plane_rows,
+                               num_sms=_wgmma_programs(num_cores, interpret), h_as_plane_rows=h_as_plane_rows,
                                interpret=interpret or None)
 
 
@@ -271,7 +271,7 @@ def _moe(x, route_weights, route_ids, w1, w2, w3, shared, *, swiglu_limit, confi
   else:
     h = _gate_up(x, w1, w3, r, swiglu_limit=swiglu_limit, config=kcfg, interpret=interpret)
   if config.down_kernel == "wgmma":
-    out = _down_on_wgmma(h, w2, r, h_plane_rows=h_plane_rows is not None, num_cores=config.num_cores,
+    out = _down_on_wgmma(h, w2, r, h_as_plane_rows=h_plane_rows is not None, num_cores=config.num_cores,
                          interpret=interpret)
   else:
     out = _down(h, w2, r, config=kcfg, interpret=interpret)

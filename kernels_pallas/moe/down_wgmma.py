@@ -8,7 +8,7 @@ XLA included): 3.29 ms at 8192 tokens against 4.59 for the decode plus the Trito
 where each 256-row item decodes its tiles again. Its decode (~9 instructions a weight) is the limit.
 
 This is gate_up_wgmma.py's FP2-MIX kernel with one weight stack: a TMA warpgroup copies each K step's code bytes
-and h's planes into a ring of shared-memory slots, and each of the two compute warpgroups decodes its own N tile of
+and h's tile into a ring of shared-memory slots, and each of the two compute warpgroups decodes its own N tile of
 W2 (64 output columns) into 4 bf16 planes held in registers side by side as the wgmmas' A operand (out^T = W2 · h^T
 per tile), while the other's wgmmas run. The work list and its row alignment are gate_up_wgmma's (`aligned_items`);
 a unit is (item, pair of N tiles).
@@ -297,15 +297,15 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, lo_g, 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def check(h, w2: Mix3Stack, r: Routing, t: Tiling, h_plane_rows: bool = False) -> None:
+def check(h, w2: Mix3Stack, r: Routing, t: Tiling, h_as_plane_rows: bool = False) -> None:
   """What this kernel takes (ValueError otherwise)."""
   if not isinstance(w2, Mix3Stack):
     raise ValueError(f"the wgmma down takes an FP3-MIX Mix3Stack W2, got {type(w2).__name__}")
   E, D, I = w2.shape
-  rows = padded_rows(r.num_routes, t.block_m) if h_plane_rows else r.num_routes
+  rows = padded_rows(r.num_routes, t.block_m) if h_as_plane_rows else r.num_routes
   if jnp.dtype(h.dtype) != jnp.dtype(BF16) or tuple(h.shape) != (rows, I):
-    what = "already as plane_rows" if h_plane_rows else "in sorted rows"
-    raise ValueError(f"the wgmma down takes bf16 h [{rows}, {I}] {what} (h_plane_rows={h_plane_rows}) with W2 "
+    what = "already as plane_rows" if h_as_plane_rows else "in sorted rows"
+    raise ValueError(f"the wgmma down takes bf16 h [{rows}, {I}] {what} (h_as_plane_rows={h_as_plane_rows}) with W2 "
                      f"[E, D, I] = {[E, D, I]}; got h {h.dtype} {tuple(h.shape)}")
   if I % (META_BOX * rocmfp_layout.HALF) or D % (2 * WGMMA_M):
     raise ValueError(f"the wgmma down needs I a multiple of {META_BOX * rocmfp_layout.HALF} (a TMA row of meta "
@@ -319,13 +319,13 @@ def check(h, w2: Mix3Stack, r: Routing, t: Tiling, h_plane_rows: bool = False) -
 
 
 def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms: int = 132,
-               h_plane_rows: bool = False, interpret=None) -> jax.Array:
+               h_as_plane_rows: bool = False, interpret=None) -> jax.Array:
   """out [S·K, D] f32 in sorted-row order (rows >= num_rows unspecified), as down.down: h [S·K, I] bf16 in sorted
-  rows, or with `h_plane_rows` already as plane_rows(h, tiling.block_m) (the Mosaic gate/up's h_plane_rows); W2 an
+  rows, or with `h_as_plane_rows` already as plane_rows(h, tiling.block_m) (the Mosaic gate/up's h_plane_rows); W2 an
   FP3-MIX stack decoded in the kernel (the canonical decode's bits, summed in plane order). `interpret`: None
   (compiled), True or an InterpretGPUParams."""
   t = tiling
-  check(h, w2, r, t, h_plane_rows)
+  check(h, w2, r, t, h_as_plane_rows)
   E, D, I = w2.shape
   if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
     interpret = plgpu.InterpretGPUParams()
@@ -336,4 +336,4 @@ def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms
       out_type=jax.ShapeDtypeStruct((r.num_routes, D), F32), grid=(num_sms,), grid_names=("sm",),
       num_threads=3, thread_name="wg", interpret=interpret, kernel_name=KERNEL_NAME,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(*items, h if h_plane_rows else plane_rows(h, t.block_m), *w2)
+  return kernel(*items, h if h_as_plane_rows else plane_rows(h, t.block_m), *w2)

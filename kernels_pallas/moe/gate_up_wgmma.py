@@ -33,7 +33,8 @@ columns 4i + q at 16q + i), a step's x tile has 128-byte rows, one K-64 wgmma a 
 another order than gate_up.py. (x as 4 planes of 32-byte rows, one K-16 wgmma each, took 13-23% longer: BENCHMARKS.md,
 sessions 51 and 52.) Warpgroup 1 hands its accumulators to warpgroup 0 through shared memory for the SwiGLU, which
 stores h transposed back to rows; with `h_plane_rows`, in the Mosaic down's plane_rows order: each unit decodes its
-64 weight rows in the order 4i + q ← 16q + i (`rows_by_plane`), so its 64 output columns come out in that order.
+64 weight rows so that register row 16q + i holds tile row 4i + q (`rows_by_plane`): its 64 output columns
+come out in that order.
 Compiled, the planes come from `decode_planes_prmt` (a byte permute per two weights; each code-byte pair reads its
 meta byte from shared memory); the interpreter runs neither inline code nor wgmmas on register operands, so there
 the planes are decode_planes' and go through shared memory. Both give the canonical decode's bits.
@@ -317,27 +318,29 @@ def joined_planes(registers, shape):
   return mgpu.FragmentedArray(_registers=joined, _layout=layout, _is_signed=None)
 
 
-def byte_pairs(smem, shape, by_plane: bool):
+def byte_pairs(smem, shape, plane_ordered_rows: bool):
   """((row, column), code-byte pair as i32) of each register of a [n, m] u8 shared-memory tile in wgmma's layout,
-  loaded by hand (Mosaic GPU IR): the row is the tile's own, or with `by_plane` row 16q + i reads tile row 4i + q
-  (rows_by_plane). Pairs (2c, 2c + 1), byte 2c in bits 0-7."""
+  loaded by hand (Mosaic GPU IR): the row is the tile's own, or with `plane_ordered_rows` (a 64-row tile) register
+  row 16q + i reads tile row 4i + q (rows_by_plane). Pairs (2c, 2c + 1), byte 2c in bits 0-7."""
+  if plane_ordered_rows and shape[0] != 64:
+    raise ValueError(f"plane-ordered rows take a 64-row tile, got {shape}")
   i8, i16, i32 = (ir.IntegerType.get_signless(w) for w in (8, 16, 32))
   index = ir.IndexType.get()
   const = lambda v: arith.constant(index, v)
   for row, col in mgpu.WGMMA_LAYOUT.thread_idxs(shape):
-    if by_plane:
+    if plane_ordered_rows:
       row = arith.addi(arith.muli(arith.remui(row, const(16)), const(PLANES)), arith.divui(row, const(16)))
     pair = vector.load(ir.VectorType.get((2,), i8), smem, [row, col])
     yield (row, col), arith.extui(i32, mgpu.utils.bitcast(pair, i16))
 
 
-def decode_planes_prmt(codes_ref, meta_ref, first, levels, *, by_plane: bool = False) -> jax.Array:
+def decode_planes_prmt(codes_ref, meta_ref, first, levels, *, plane_ordered_rows: bool = False) -> jax.Array:
   """decode_planes in wgmma's register layout, joined (joined_planes), compiled (sm_90): in that layout a thread's
   bytes come in pairs (2c, 2c + 1) of one half-block, which share a scale and a book. So each pair of `codes_ref`
   (the step's [n, m] code bytes in shared memory) reads its meta byte, column first + c // 4 of `meta_ref`, makes
   its 4 values once, two to a register (value_pairs_ir: decode_planes' bits), and each plane's two weights are one
   `prmt` of them by `prmt_selectors`: ~4 instructions per 2 weights, where decode_planes spends ~12 per weight.
-  `by_plane`: the tile's rows in rows_by_plane's order. Not in interpret mode (inline Mosaic GPU code has no
+  `plane_ordered_rows`: the tile's rows in rows_by_plane's order. Not in interpret mode (inline Mosaic GPU code has no
   interpreter); its planes are decode_planes' bits."""
   wg = plgpu.Layout.WGMMA
   scalars = [first] + [levels[s][k] for s in range(2) for k in range(4)]
@@ -353,7 +356,8 @@ def decode_planes_prmt(codes_ref, meta_ref, first, levels, *, by_plane: bool = F
     level_pairs = [[bf16_pair_ir(*args[1 + 4 * s + 2 * h:3 + 4 * s + 2 * h]) for h in range(2)] for s in range(2)]
     registers_shape = mgpu.WGMMA_LAYOUT.registers_shape(shape)
     out = [np.empty(registers_shape, object) for _ in range(PLANES)]
-    for idx, ((row, col), w) in zip(np.ndindex(registers_shape), byte_pairs(code_smem, shape, by_plane), strict=True):
+    for idx, ((row, col), w) in zip(np.ndindex(registers_shape), byte_pairs(code_smem, shape, plane_ordered_rows),
+                                                       strict=True):
       half_block = arith.addi(first_col, arith.divui(col, arith.constant(index, rocmfp_layout.HALF // PLANES)))
       m = arith.extui(i32, memref.load(meta_smem, [row, half_block]))
       table = value_pairs_ir(m, level_pairs)
@@ -410,8 +414,9 @@ def gather_rows(x, r: Routing, block_m: int, *, plane_rows: bool = False, cols: 
     cols = 512
     while D % cols:
       cols //= 2
-  if D % cols or (plane_rows and cols % 64):
-    raise ValueError(f"gather_rows needs D a multiple of cols={cols} (with plane_rows a multiple of 64), got {D}")
+  if D % cols or cols & (cols - 1) or (plane_rows and cols % 64):
+    raise ValueError(f"gather_rows needs cols={cols} a power of two (a Triton block; with plane_rows at least 64) "
+                     f"dividing D={D}")
   tokens = jnp.pad(r.token_of_row, (0, n - r.num_routes))
   return pl.pallas_call(
       functools.partial(_gather_kernel, cols=cols, plane_rows=plane_rows),
@@ -459,10 +464,10 @@ def _store_rows(out_smem, slot, src_row, h_g, first_row, count, cols, max_rows: 
 
 
 def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
-            max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool, by_plane: bool,
+            max_items: int, n_tiles: int, d: int, mix: bool, lhs_in_smem: bool, plane_ordered_rows: bool,
             step_tiled: bool = False):
   """x_g is x_sorted [rows, D] (bf16 weights) or as_plane_rows of it (FP2-MIX). refs: the weight arrays (w1, w3 |
-  w13 | codes, meta, levels of W1 then of W3), then h. With `by_plane` each unit decodes its weight rows in
+  w13 | codes, meta, levels of W1 then of W3), then h. With `plane_ordered_rows` each unit decodes its weight rows in
   rows_by_plane's order, so h comes as plane_rows. With `step_tiled` the dense weights come as tile_by_step's
   [E, N tiles, steps · rows, block_k]."""
   *w_gs, h_g = refs
@@ -590,7 +595,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
               meta_col = idx[0] % per_box * (t.block_k // rocmfp_layout.HALF)  # this step's first meta column
               if lhs_in_smem:
                 codes, meta = codes_s[...], meta_s[:, pl.ds(meta_col, t.block_k // rocmfp_layout.HALF)]
-                if by_plane:
+                if plane_ordered_rows:
                   codes, meta = rows_by_plane(codes), rows_by_plane(meta)
                 meta = jnp.repeat(meta, rocmfp_layout.HALF // PLANES, axis=1)  # one per code byte
                 # the previous step's wgmmas have read them (its wait)
@@ -599,7 +604,8 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
                 planes = dec.at[v]
               else:
                 with profile_region("decode", t):
-                  planes = decode_planes_prmt(codes_s, meta_s, meta_col, levels, by_plane=by_plane)
+                  planes = decode_planes_prmt(codes_s, meta_s, meta_col, levels,
+                                              plane_ordered_rows=plane_ordered_rows)
               def issue(b):
                 rows = pl.ds(b * t.mma_rows, t.mma_rows)
                 with profile_region("mma", t):  # x's K tile holds the planes side by side, as the joined planes do
@@ -864,16 +870,16 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if D % t.block_k or I % (t.block_n * t.cluster):
     raise ValueError(f"D={D} / I={I} must be multiples of block_k={t.block_k} / block_n × cluster="
                      f"{t.block_n * t.cluster}")
-  by_plane = h_plane_rows is not None
-  if by_plane and (not mix or h_plane_rows < r.num_routes):
+  plane_ordered_rows = h_plane_rows is not None
+  if plane_ordered_rows and (not mix or h_plane_rows < r.num_routes):
     raise ValueError(f"h as plane_rows takes FP2-MIX weights and h_plane_rows >= {r.num_routes} routes; got "
                      f"mix={mix}, h_plane_rows={h_plane_rows}")
   if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
     interpret = plgpu.InterpretGPUParams()
   items = aligned_items(r, t.block_m)
-  out_shape = (h_plane_rows if by_plane else r.num_routes, I)
+  out_shape = (h_plane_rows if plane_ordered_rows else r.num_routes, I)
   body = functools.partial(_kernel, max_items=items.expert.shape[0], mix=mix,
-                           lhs_in_smem=interpret not in (None, False), by_plane=by_plane)
+                           lhs_in_smem=interpret not in (None, False), plane_ordered_rows=plane_ordered_rows)
   if t.x_stages:
     body = functools.partial(_ring_kernel, interpret=interpret not in (None, False))
   kernel = plgpu.kernel(

@@ -79,12 +79,12 @@ def test_shipped_kernels_wait_for_their_wgmmas_in_the_branch_that_issues_them(ke
 # Tilings no default picks, with several row blocks a warpgroup: skip_empty issues each count of non-empty blocks in
 # its own branch, with its wait. (kernel, wgmma instructions: a block's issue once per count that includes it)
 SEVERAL_BLOCKS = {
-    # 2 warpgroups (one projection each) x (1 + 2 + 3 + 4) block issues x 4 planes
+    # 2 warpgroups (one projection each) x (1 + 2 + 3 + 4) block issues x 4 k16 instructions (one K-64 wgmma)
     "gate_up FP2-MIX, four 64-row blocks": (lambda: gate_up_kernel(MIX, gate_up.Tiling(
         wg_rows=128, block_n=64, stages=3, mma_rows=64)), 2 * 10 * 4),
     # one code path for both warpgroups: (1 + 2) block issues x 2 weight stacks x 4 k16 instructions
     "gate_up bf16 pipeline (BF16_TILING)": (lambda: gate_up_kernel(BF16, gate_up.BF16_TILING), 3 * 2 * 4),
-    # 2 warpgroups (an N tile each) x (1 + 2) block issues x 4 planes
+    # 2 warpgroups (an N tile each) x (1 + 2) block issues x 4 k16 instructions (one K-64 wgmma)
     "down FP3-MIX, two 128-row blocks": (lambda: down_kernel(gate_up.Tiling(
         wg_rows=128, block_n=64, stages=2, mma_rows=128)), 2 * 3 * 4),
 }

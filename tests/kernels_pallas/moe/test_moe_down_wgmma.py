@@ -151,7 +151,7 @@ def test_down_wgmma_rejects_bad_input(rng):
     down_wgmma(h.astype(jnp.float32), w2, r)
   t = Tiling(wg_rows=64, block_n=64, mma_rows=64)
   with pytest.raises(ValueError, match=r"h \[160, 256\] already as plane_rows"):  # one row short of the last copy
-    down_wgmma(plane_rows(h, 128)[:-1], w2, r, tiling=t, h_plane_rows=True)
+    down_wgmma(plane_rows(h, 128)[:-1], w2, r, tiling=t, h_as_plane_rows=True)
   with pytest.raises(ValueError, match=r"h \[32, 256\] in sorted rows"):  # plane_rows given as rows
     down_wgmma(plane_rows(h, 128), w2, r, tiling=t)
   with pytest.raises(ValueError, match="I a multiple of 256"):

@@ -179,6 +179,8 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     gate_up_wgmma(x.astype(jnp.float32), w1, w3, r, swiglu_limit=LIMIT)
   with pytest.raises(ValueError, match="or be MixStacks"):
     gate_up_wgmma(x, w1.astype(jnp.float32), w3, r, swiglu_limit=LIMIT)
+  with pytest.raises(ValueError, match="h as plane_rows takes FP2-MIX weights"):  # the down's h is FP2-MIX's alone
+    gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, h_plane_rows=padded_rows(r.num_routes, 128))
   stack = mix_stack(mix_storage(rng, w1.shape))
   with pytest.raises(ValueError, match="with D a multiple of 256"):  # D = 128: a meta row shorter than a TMA row
     gate_up_wgmma(x, stack, stack, r, swiglu_limit=LIMIT, tiling=Tiling(block_n=64))
@@ -315,11 +317,12 @@ def test_gather_rows_tiles_any_hidden_size_the_kernels_take(rng, d, plane_rows):
   np.testing.assert_array_equal(np.asarray(gather_rows(x, r, 128, plane_rows=plane_rows, interpret=not ON_GPU)), want)
 
 
-def test_rows_by_plane_makes_the_output_columns_plane_rows():
-  # weight rows in rows_by_plane's order give output columns in as_plane_rows' order, tile by tile
-  w = np.arange(128 * 3).reshape(128, 3)
-  np.testing.assert_array_equal(np.asarray(rows_by_plane(jnp.asarray(w)))[:, 0],
-                                np.asarray(as_plane_rows(jnp.asarray(w[:, 0][None])))[0])
+def test_rows_by_plane_makes_the_output_columns_plane_rows(rng):
+  # weight rows in rows_by_plane's order give output columns in as_plane_rows' order, tile by tile: x · W^T with W's
+  # rows reordered is as_plane_rows of x · W^T (exact: a permutation of the same sums)
+  x, w = rng.integers(-9, 10, (5, 32)), rng.integers(-9, 10, (128, 32))
+  np.testing.assert_array_equal(x @ np.asarray(rows_by_plane(jnp.asarray(w))).T,
+                                np.asarray(as_plane_rows(jnp.asarray(x @ w.T))))
 
 
 # Compiled, the planes come from decode_planes_prmt (meta read from shared memory); the interpreter runs decode_planes
