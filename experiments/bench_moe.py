@@ -56,6 +56,10 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
     # "_x": separate rings for x (x_stages slots) and the weights (stages slots), wgmmas in flight one step (session 40
     # probe, presorted rows: w64_n128 10.7 ms at 32768 tokens uniform, against 11.8 for w128_n64_s4_i)
     "w128_n64_i_t_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), True, True),
+    # more weight copies in flight than x copies (the weights stream from HBM, x from L2): lag = stages − x_stages
+    "w128_n64_i_t_x3_s6": (_T(wg_rows=128, block_n=64, stages=6, x_stages=3, mma_in_flight=1), True, True),
+    "w128_n64_i_t_x2_s8": (_T(wg_rows=128, block_n=64, stages=8, x_stages=2, mma_in_flight=1), True, True),
+    "w128_n64_i_t_x2_s6": (_T(wg_rows=128, block_n=64, stages=6, x_stages=2, mma_in_flight=1), True, True),
     "w64_n128_i_t_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), True, True),
     "w64_n128_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), False, False),  # the model's layout
 }

@@ -326,7 +326,7 @@ def down_wgmma(h, w2: Mix3Stack, r: Routing, *, tiling: Tiling = TILING, num_sms
   (compiled), True or an InterpretGPUParams."""
   t = tiling
   check(h, w2, r, t, h_as_plane_rows)
-  E, D, I = w2.shape
+  _, D, I = w2.shape
   if interpret is True:  # Mosaic GPU's own interpreter (pallas' generic one cannot run its warpgroups)
     interpret = plgpu.InterpretGPUParams()
   items = aligned_items(r, t.block_m)

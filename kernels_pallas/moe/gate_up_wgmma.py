@@ -409,7 +409,7 @@ def gather_rows(x, r: Routing, block_m: int, *, plane_rows: bool = False, cols: 
   measured on the H200: BENCHMARKS.md, "x's rows gathered by a Pallas kernel"), where XLA's gather writes at
   ~1 TB/s."""
   n = padded_rows(r.num_routes, block_m)
-  S, D = x.shape
+  D = x.shape[1]
   if cols is None:  # the largest power of two (a Triton block) up to 512 that tiles the columns
     cols = 512
     while D % cols:
@@ -859,9 +859,9 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
     if D % t.block_k or tuple(w1.shape) != want or (w3 is not None and tuple(w3.shape) != want):
       raise ValueError(f"step-tiled w1 {tuple(w1.shape)} / w3 {None if w3 is None else tuple(w3.shape)} must be "
                        f"tile_by_step(w, {w_rows}, {t.block_k}) of [E, N, {D}]: {want}")
-    E, I, Dw = w1.shape[0], w1.shape[1] * w_rows, D
+    I, Dw = w1.shape[1] * w_rows, D
   else:
-    E, I, Dw = w1.shape
+    _, I, Dw = w1.shape
   if w3 is None:
     I //= 2
   if Dw != D or (w3 is not None and tuple(w3.shape) != tuple(w1.shape)):  # (a step-tiled shape passed above)
