@@ -273,7 +273,7 @@ CAPABILITIES: dict[str, dict[str, Capability]] = {
     # moe_wgmma_down (with moe_wgmma_gate_up) likewise: all_on V4-Flash 10130 vs 9745 tok/s at 8192 tokens, but
     # 9729 vs 10003 at 32768, where W2's once-per-prompt decode serves four bands (trace_prefill, 47a5e97).
     # With x and h as plane_rows (3f88194) the three forced on won at 32768 too, 10811 vs 10669 tok/s (+1.3%, one
-    # call); 122879 is not measured, so the one-band rule stands.
+    # call); at 122879 (15 bands, 02677e5) they lose, 9135 vs 9436 tok/s (-3.2%), so the one-band rule stands.
     # moe_decode_kernel: one V4-Flash layer's MIX experts decoded in 6.3 vs 13.7 ms (XLA), the same bits
     # (bench_decode); all_on V4-Flash at 8192 tokens 7849 vs 6633 tok/s, at 122879 8141 vs 8006 (trace_prefill).
     # mla_wgmma is on for the models it fits: V4-Flash runs faster with it at every length measured (the defaults:

@@ -10,7 +10,9 @@ the kernel alone on rows sorted before, as torch is timed; and on rocmfp2_mix we
 decode kernel followed by our bf16 gate/up (what the model runs on sm_90); our bf16 down, W2 decoded then our bf16
 down, and the sm_90 Mosaic GPU FP3-MIX down at a few tilings (with XLA's plane_rows of h timed alone); and a dense
 bf16 GEMM with the same FLOPs as the gate/up, all in one run.
-Every number is also given as a fraction of that dense GEMM. `--only=prefix,...` runs a subset of the contenders.
+Every number is also given as a fraction of that dense GEMM. Each contender has two times: `seconds`, the median
+wall time of one call waited for (ours) or between CUDA events (torch), and `pipelined_seconds`, taken the same way
+for all (timing.pipelined: calls back to back, host dispatch hidden), the one to compare ours with torch by. `--only=prefix,...` runs a subset of the contenders.
 `--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
 Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.
 """
@@ -56,10 +58,6 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
     # "_x": separate rings for x (x_stages slots) and the weights (stages slots), wgmmas in flight one step (session 40
     # probe, presorted rows: w64_n128 10.7 ms at 32768 tokens uniform, against 11.8 for w128_n64_s4_i)
     "w128_n64_i_t_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), True, True),
-    # more weight copies in flight than x copies (the weights stream from HBM, x from L2): lag = stages − x_stages
-    "w128_n64_i_t_x3_s6": (_T(wg_rows=128, block_n=64, stages=6, x_stages=3, mma_in_flight=1), True, True),
-    "w128_n64_i_t_x2_s8": (_T(wg_rows=128, block_n=64, stages=8, x_stages=2, mma_in_flight=1), True, True),
-    "w128_n64_i_t_x2_s6": (_T(wg_rows=128, block_n=64, stages=6, x_stages=2, mma_in_flight=1), True, True),
     "w64_n128_i_t_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), True, True),
     "w64_n128_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), False, False),  # the model's layout
 }
@@ -70,7 +68,9 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
 # w64_n128 interleaved, one m64n256 wgmma per warpgroup as torch's 128x256 tile (8192 tokens: 4.6-5.3 ms against
 # 3.6-3.9 for w128_n64); (cadd0d7) the rings in clusters of two SMs that split a 2·block_m-row item and multicast
 # each weight tile, torch's 2 x 1 cluster (H100, presorted: w64_n128 4.13 against 4.42 ms at 8192 uniform, 1-6%
-# slower at 8192 Zipf and 32768; w128_n64 6.2 against 3.8 ms at 8192, its second SM mostly idle).
+# slower at 8192 Zipf and 32768; w128_n64 6.2 against 3.8 ms at 8192, its second SM mostly idle); (02677e5)
+# w128_n64 with more weight copies in flight than x copies, x_stages 3 / stages 6 and 2 / 8 (H200, presorted, 8192
+# uniform: 4.25 and 6.63 against 3.85 ms; slower in every cell: x's copies, not the weights', must run ahead).
 # The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, one projection each, the decoded tile as
 # the wgmma's register operand (mma_rows rows of x per wgmma). Decoding into shared-memory planes (per warpgroup or
 # shared between the two; or, at fab9549, with the wgmmas in flight while the next step decodes: 6.8 vs 5.1 ms at
@@ -139,8 +139,18 @@ def timeit(f, *args, n):
   return timing.timeit(f, *args, n=n) / 1e3
 
 
+def pipelined_seconds(call, wait) -> dict:
+  """{"pipelined_seconds": timing.pipelined's figure}, the same measure for every contender (torch's too); or
+  {"pipelined_error": ...} (its n results in flight at once may not fit where one call's did)."""
+  try:
+    return dict(pipelined_seconds=timing.pipelined(call, wait) / 1e3)
+  except Exception as e:  # noqa: BLE001
+    return dict(pipelined_error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
 def torch_grouped_mm_seconds(x_sorted, w13, group_sizes, n):
-  """torch._grouped_mm on the same sorted rows; None where torch/CUDA is missing."""
+  """torch._grouped_mm on the same sorted rows: (median seconds of one call between CUDA events, the
+  pipelined_seconds dict); None where torch/CUDA is missing."""
   try:
     import torch  # pylint: disable=import-outside-toplevel
     if not torch.cuda.is_available():
@@ -161,7 +171,7 @@ def torch_grouped_mm_seconds(x_sorted, w13, group_sizes, n):
     end.record()
     torch.cuda.synchronize()
     ts.append(start.elapsed_time(end) / 1e3)
-  return statistics.median(ts)
+  return statistics.median(ts), pipelined_seconds(f, lambda _: torch.cuda.synchronize())
 
 
 def main(argv):
@@ -208,10 +218,13 @@ def main(argv):
         if not wanted(name):
           return
         try:
-          sec = timeit(jax.jit(f), *args, n=n)
-          save(base | dict(contender=name, seconds=sec, tflops=flops / sec / 1e12, **extra))
+          jf = jax.jit(f)
+          sec = timeit(jf, *args, n=n)
         except Exception as e:  # noqa: BLE001 -- an OOM in one contender must not stop the others
           save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+          return
+        save(base | dict(contender=name, seconds=sec, tflops=flops / sec / 1e12, **extra) | pipelined_seconds(
+            lambda: jf(*args), jax.block_until_ready))
 
       dense_a = jnp.ones((S * K, D), jnp.bfloat16)
       dense_b = jnp.ones((D, 2 * I), jnp.bfloat16)
@@ -320,9 +333,10 @@ def main(argv):
       w13 = jnp.concatenate([w1, w3], axis=1).transpose(0, 2, 1)  # [E, D, 2I]
       measure("jax_ragged_dot_gate_up", lambda a, b, g: jax.lax.ragged_dot(a, b, g), x_sorted, w13, sizes)
       if not _SMOKE.value and wanted("torch_grouped_mm_gate_up"):
-        sec = torch_grouped_mm_seconds(x_sorted, w13, sizes, n)
-        save(base | dict(contender="torch_grouped_mm_gate_up",
-                         **(dict(seconds=sec, tflops=gate_up_flops / sec / 1e12) if sec else dict(error="no torch"))))
+        timed = torch_grouped_mm_seconds(x_sorted, w13, sizes, n)
+        save(base | dict(contender="torch_grouped_mm_gate_up") | (
+            dict(seconds=timed[0], tflops=gate_up_flops / timed[0] / 1e12, **timed[1]) if timed
+            else dict(error="no torch")))
       dense = next((x["tflops"] for x in record["runs"] if x.get("contender") == "dense_bf16_gemm"
                     and x["tokens"] == S and x["routing"] == kind and "tflops" in x), None)
       for x_ in record["runs"]:
