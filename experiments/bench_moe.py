@@ -12,7 +12,8 @@ down, and the sm_90 Mosaic GPU FP3-MIX down at a few tilings (with XLA's plane_r
 bf16 GEMM with the same FLOPs as the gate/up, all in one run.
 Every number is also given as a fraction of that dense GEMM. Each contender has two times: `seconds`, the median
 wall time of one call waited for (ours) or between CUDA events (torch), and `pipelined_seconds`, taken the same way
-for all (timing.pipelined: calls back to back, host dispatch hidden), the one to compare ours with torch by. `--only=prefix,...` runs a subset of the contenders.
+for all (timing.pipelined: calls back to back, host dispatch hidden), the one to compare ours with torch by.
+`--only=prefix,...` runs a subset of the contenders.
 `--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
 Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.
 """
