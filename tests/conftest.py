@@ -11,6 +11,9 @@ DS4JAX_TEST_XLA_OPT=1 keeps the default level. On a GPU the tests compare number
 is off too: it times many candidate kernels for each dot while a program compiles, and XLA's priority fusion is off:
 on the H200 it spent over 60 s on one layer of the 3-layer 64-head model of test_mla_wgmma_in_the_model (every
 feature set, the exact path too; 6.6 s to the logits without it). The CPU pipeline has no pass of that name.
+Each worker on a core of its own from its start (XLA's CPU pools then have one thread) took test_qualification.py
+from 88 to 63 CPU s (2026-12-06), but Mosaic GPU's interpreter then deadlocks: its warpgroup threads block inside
+callbacks that hold the pool's only thread. Pinned after jax starts, the pools' threads share one core: 2x slower.
 """
 
 import os
