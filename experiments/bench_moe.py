@@ -61,23 +61,20 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
     "w128_n64_i_t_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), True, True),
     "w64_n128_i_t_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), True, True),
     "w64_n128_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), False, False),  # the model's layout
-    # K steps of 128: half the barrier round trips and wgmma waits per FLOP, two slots per ring (192 KiB). They lower
-    # at V4-Flash shapes and match the reference interpreted; not yet timed (session 54 got no GPU for them)
-    "w128_n64_k128_i_t_x2": (_T(wg_rows=128, block_n=64, block_k=128, stages=2, x_stages=2, mma_in_flight=1), True,
-                             True),
-    "w64_n128_k128_i_t_x2": (_T(wg_rows=64, block_n=128, block_k=128, stages=2, x_stages=2, mma_in_flight=1), True,
-                             True),
 }
 
-# Also measured and dropped: (c5bb9c6) the rings in clusters of two SMs sharing x (H100: at most 5% faster at 8192
-# tokens, 4-7% slower at 32768; its x slots' cluster barrier could complete with the peer SM's releases of a later
-# step, since with wgmmas in flight a release comes a step late: the interpreter deadlocked in CI); (fab9549)
-# w64_n128 interleaved, one m64n256 wgmma per warpgroup as torch's 128x256 tile (8192 tokens: 4.6-5.3 ms against
-# 3.6-3.9 for w128_n64); (cadd0d7) the rings in clusters of two SMs that split a 2·block_m-row item and multicast
-# each weight tile, torch's 2 x 1 cluster (H100, presorted: w64_n128 4.13 against 4.42 ms at 8192 uniform, 1-6%
-# slower at 8192 Zipf and 32768; w128_n64 6.2 against 3.8 ms at 8192, its second SM mostly idle); (02677e5)
-# w128_n64 with more weight copies in flight than x copies, x_stages 3 / stages 6 and 2 / 8 (H200, presorted, 8192
-# uniform: 4.25 and 6.63 against 3.85 ms; slower in every cell: x's copies, not the weights', must run ahead).
+# Also measured and dropped: (c9ea423) the x4 and w64_n128 rings with K steps of 128 and two slots per ring (H100,
+# presorted: 5.19 and 5.99 against 3.51 ms for x4 at 8192 uniform, 17.96 and 18.43 against 10.83 ms for w64_n128 at
+# 32768 uniform; slower in every cell but w64_n128's at 512 and 2048 tokens, within 3%); (c5bb9c6) the rings in
+# clusters of two SMs sharing x (H100: at most 5% faster at 8192 tokens, 4-7% slower at 32768; its x slots' cluster
+# barrier could complete with the peer SM's releases of a later step, since with wgmmas in flight a release comes a step
+# late: the interpreter deadlocked in CI); (fab9549) w64_n128 interleaved, one m64n256 wgmma per warpgroup as torch's
+# 128x256 tile (8192 tokens: 4.6-5.3 ms against 3.6-3.9 for w128_n64); (cadd0d7) the rings in clusters of two SMs that
+# split a 2·block_m-row item and multicast each weight tile, torch's 2 x 1 cluster (H100, presorted: w64_n128 4.13
+# against 4.42 ms at 8192 uniform, 1-6% slower at 8192 Zipf and 32768; w128_n64 6.2 against 3.8 ms at 8192, its second
+# SM mostly idle); (02677e5) w128_n64 with more weight copies in flight than x copies, x_stages 3 / stages 6 and 2 / 8
+# (H200, presorted, 8192 uniform: 4.25 and 6.63 against 3.85 ms; slower in every cell: x's copies, not the weights',
+# must run ahead).
 # The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, one projection each, the decoded tile as
 # the wgmma's register operand (mma_rows rows of x per wgmma). Decoding into shared-memory planes (per warpgroup or
 # shared between the two; or, at fab9549, with the wgmmas in flight while the next step decodes: 6.8 vs 5.1 ms at
