@@ -301,20 +301,22 @@ def test_speculation_never_rejects_its_pending_token(tiny, monkeypatch):
   """After a partly accepted draft the next token is the replayed state's choice. Chosen from the wide band's
   logits instead, a near-tie that the two bands round apart had the next band reject its own first token, and the
   output took draft tokens no state decoded, 155 logits below a prefill's choice. Planted here: head row 40 is row
-  5 (scaled up) to ~3e-8 (that way, 7 of 28 bands rejected their first token)."""
+  5 (scaled up) to ~3e-8 (that way, a band at length 11 rejected its first token)."""
   m = nnx.clone(tiny)
   w = np.array(m.head.weight[...])
   w[5] *= 40
   w[40] = w[5] * (1 + 3e-8 * np.random.default_rng(0).standard_normal(w.shape[1]))
   m.head.weight[...] = jnp.asarray(w)
-  prompt = np.array([5, 40] * 3 + [5], np.int32)
+  # A prompt of 5 tokens and 31 more: the step programs of a band of 5 and the prefill of `full`'s 36 tokens again
+  prompt = np.array([5, 40] * 2 + [5], np.int32)
+  n = LENGTH - len(prompt)
   verified, verify = [], decode.verify
   monkeypatch.setattr(decode, "verify", lambda *a: verified.append(verify(*a)) or verified[-1])
-  spec = decode.speculate(m, decode.start(m, prompt, capacity=STATES), prompt.tolist(), 40, ngram=2)
+  spec = decode.speculate(m, decode.start(m, prompt, capacity=STATES), prompt.tolist(), n, ngram=2)
   assert len(verified) == spec.bands > 0 and min(v.accepted for v in verified) >= 1
   assert spec.accepted > 0 and any(v.accepted < 5 for v in verified)  # partial acceptances happened
   logits = np.asarray(prefill.prefill(m, np.concatenate([prompt, spec.tokens]), all_logits=True))
-  chosen = logits[len(prompt) - 1:-1][np.arange(40), spec.tokens]
+  chosen = logits[len(prompt) - 1:-1][np.arange(n), spec.tokens]
   assert np.max(logits[len(prompt) - 1:-1].max(axis=1) - chosen) < 1e-4 * np.abs(logits).max()
 
 
@@ -342,9 +344,9 @@ def test_decode_through_every_fast_path():
   not see a switch that decode drops).
 
   Cost: each band width compiles one program per layer kind, ~4 s each in Pallas interpret mode. The prompt goes
-  in bands of 3, the verification band's width; the prefill (39 tokens in bands of 12, no query chunks) has the
-  shapes and features of tests/test_prefill.py's fast-path prefill, so in a full run its programs load from the
-  shared compilation cache (tests/conftest.py)."""
+  in bands of 3, the verification band's width; the reference prefill (39 tokens in bands of 12, no query chunks,
+  its MoE over the bands) has the shapes and features of tests/test_prefill.py's fast-path prefill, so in a full run
+  one of the two loads its programs from the shared compilation cache (tests/conftest.py)."""
   device = features.device_class()
   m = model.init_random(config.tiny_sparse(), seed=5, dtype=jnp.float32)
   # the Mosaic GPU switches need bf16 operands and D, I multiples of 256 (tests/test_model_features.py runs them);
@@ -363,7 +365,7 @@ def test_decode_through_every_fast_path():
     _, state = decode.extend(m, state, tokens[-1:])
     states[state.length] = state
   tokens = np.asarray(tokens, np.int32)
-  full = np.asarray(prefill.prefill(m, tokens, f, all_logits=True))
+  full = np.asarray(prefill.prefill(m, tokens, dataclasses.replace(f, prefill_moe_over_bands=True), all_logits=True))
   got = np.stack([np.asarray(states[p].logits) for p in range(P, P + n + 1)])
   np.testing.assert_allclose(got, full[P - 1:], rtol=1e-5, atol=2e-5)
   assert np.abs(full).max() > 1

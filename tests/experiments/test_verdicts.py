@@ -25,7 +25,7 @@ SUPPORTED = [s for s, cap in features.CAPABILITIES[DEVICE].items()
 @pytest.fixture(scope="module")
 def tiny(module_seed):
   m = model.init_random(config.tiny_sparse(), seed=module_seed, dtype=jnp.float32)
-  return m, np.random.default_rng(module_seed).integers(0, m.cfg.vocab_size, 32)
+  return m, np.random.default_rng(module_seed).integers(0, m.cfg.vocab_size, 24)
 
 
 def exact():
