@@ -13,7 +13,10 @@ bf16 GEMM with the same FLOPs as the gate/up, all in one run.
 Every number is also given as a fraction of that dense GEMM. Each contender has two times: `seconds`, the median
 wall time of one call waited for (ours) or between CUDA events (torch), and `pipelined_seconds`, taken the same way
 for all (timing.pipelined: calls back to back, host dispatch hidden), the one to compare ours with torch by.
-`--only=prefix,...` runs a subset of the contenders.
+`--only=prefix,...` runs a subset of the contenders. `--head_to_head=base,a,b,...` (exact names) times those contenders
+again after a (tokens, routing)'s other measurements, in alternating rounds (timing.rotated_rounds), and records each
+one's rate against the first, round by round, under "head_to_head": back to back at the power limit a contender's
+time also depends on the one before it, and in turns they share that state.
 `--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
 Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.
 """
@@ -40,6 +43,10 @@ _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes, interpret mode (CPU check of the script).")
 _ONLY = flags.DEFINE_list("only", [], "Run only the contenders whose names start with one of these (all if empty); "
                           "one ending in '$' names a contender exactly.")
+_HEAD_TO_HEAD = flags.DEFINE_list("head_to_head", [], "Exact contender names, the base first (e.g. "
+                                  "torch_grouped_mm_gate_up): timed again in alternating rounds after each (tokens, "
+                                  "routing), each one's rate against the base recorded round by round.")
+_ROUNDS = flags.DEFINE_integer("rounds", 15, "Rounds of --head_to_head (each: every contender, one batch of 5).")
 
 # Each entry kills (or turns on, for the experimental persistent queue) one MoE switch of the default config.
 ABLATIONS = {"moe_adaptive_tile off": dict(adaptive_tile=False), "moe_compact_queue off": dict(compact_queue=False),
@@ -152,9 +159,9 @@ def pipelined_seconds(call, wait) -> dict:
     return dict(pipelined_error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-def torch_grouped_mm_seconds(x_sorted, w13, group_sizes, n):
-  """torch._grouped_mm on the same sorted rows: (median seconds of one call between CUDA events, the
-  pipelined_seconds dict); None where torch/CUDA is missing."""
+def torch_grouped_mm(x_sorted, w13, group_sizes):
+  """torch._grouped_mm on the same sorted rows as (call, wait): a call of no arguments and a wait for its result;
+  None where torch/CUDA is missing."""
   try:
     import torch  # pylint: disable=import-outside-toplevel
     if not torch.cuda.is_available():
@@ -164,7 +171,12 @@ def torch_grouped_mm_seconds(x_sorted, w13, group_sizes, n):
   a = torch.from_dlpack(x_sorted)
   b = torch.from_dlpack(w13)  # [E, D, 2I]
   offs = torch.from_dlpack(jnp.cumsum(group_sizes).astype(jnp.int32))
-  f = lambda: torch._grouped_mm(a, b, offs=offs)  # noqa: E731
+  return (lambda: torch._grouped_mm(a, b, offs=offs)), (lambda _: torch.cuda.synchronize())
+
+
+def torch_seconds(f, wait, n):
+  """(median seconds of one call of f between CUDA events, the pipelined_seconds dict)."""
+  import torch  # pylint: disable=import-outside-toplevel
   f()
   torch.cuda.synchronize()
   ts = []
@@ -175,7 +187,18 @@ def torch_grouped_mm_seconds(x_sorted, w13, group_sizes, n):
     end.record()
     torch.cuda.synchronize()
     ts.append(start.elapsed_time(end) / 1e3)
-  return statistics.median(ts), pipelined_seconds(f, lambda _: torch.cuda.synchronize())
+  return statistics.median(ts), pipelined_seconds(f, wait)
+
+
+def head_to_head(kept: dict, names: list[str], rounds: int) -> dict:
+  """The --head_to_head record of one (tokens, routing): `kept` maps the contenders measured there to (call, wait)."""
+  missing = [n for n in names if n not in kept]
+  if missing:
+    return dict(contenders=names, error=f"not measured here (failed or not run): {missing}")
+  ms = timing.rotated_rounds({n: kept[n] for n in names}, rounds=rounds)
+  return dict(contenders=names, base=names[0], rounds_ms=ms,
+              median_ms={n: statistics.median(v) for n, v in ms.items()},
+              rate_vs_base=timing.rate_ratios(ms, names[0]))
 
 
 def main(argv):
@@ -185,12 +208,19 @@ def main(argv):
     raise app.UsageError(f"--routings: unknown {bad}; known: {list(ROUTINGS)}")
   if not _SMOKE.value and not all(t.isdigit() and int(t) > 0 for t in _TOKENS.value):
     raise app.UsageError(f"--tokens must be positive integers, got {_TOKENS.value}")
+  versus = _HEAD_TO_HEAD.value
+  if versus and (len(versus) < 2 or len(set(versus)) < len(versus) or not all(map(wanted, versus))):
+    raise app.UsageError(f"--head_to_head takes two or more distinct contender names, each run (see --only); got "
+                         f"{versus} with --only={_ONLY.value}")
+  if _ROUNDS.value < 1:
+    raise app.UsageError(f"--rounds must be positive, got {_ROUNDS.value}")
   dims = SMOKE if _SMOKE.value else FLASH
   D, I, E, K = dims["D"], dims["I"], dims["E"], dims["K"]
   interpret = _SMOKE.value
   n = 2 if _SMOKE.value else _REPEATS.value
   tokens = [16, 64] if _SMOKE.value else [int(t) for t in _TOKENS.value]
-  record = dict(benchmark="moe", env=run_record.environment(), dims=dims, smoke=_SMOKE.value, runs=[])
+  record = dict(benchmark="moe", env=run_record.environment(), dims=dims, smoke=_SMOKE.value, runs=[],
+                head_to_head=[])
 
   save = run_record.appender(_OUT.value, record)
 
@@ -217,6 +247,7 @@ def main(argv):
       kcfg = api._kernel_config(cfg)  # pylint: disable=protected-access
       record.setdefault("configs", {})[str(S)] = dataclasses.asdict(cfg)  # the defaults each ablation starts from
       r = jax.jit(lambda i, bm=cfg.row_tile(S * K, E): routing.route(i, E, bm))(ids)
+      kept = {}  # the --head_to_head contenders measured here: name -> (call, wait)
 
       def measure(name, f, *args, flops=gate_up_flops, **extra):
         if not wanted(name):
@@ -227,8 +258,11 @@ def main(argv):
         except Exception as e:  # noqa: BLE001 -- an OOM in one contender must not stop the others
           save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
           return
+        call = lambda: jf(*args)  # noqa: E731
         save(base | dict(contender=name, seconds=sec, tflops=flops / sec / 1e12, **extra) | pipelined_seconds(
-            lambda: jf(*args), jax.block_until_ready))
+            call, jax.block_until_ready))
+        if name in versus:
+          kept[name] = (call, jax.block_until_ready)
 
       dense_a = jnp.ones((S * K, D), jnp.bfloat16)
       dense_b = jnp.ones((D, 2 * I), jnp.bfloat16)
@@ -337,15 +371,22 @@ def main(argv):
       w13 = jnp.concatenate([w1, w3], axis=1).transpose(0, 2, 1)  # [E, D, 2I]
       measure("jax_ragged_dot_gate_up", lambda a, b, g: jax.lax.ragged_dot(a, b, g), x_sorted, w13, sizes)
       if not _SMOKE.value and wanted("torch_grouped_mm_gate_up"):
-        timed = torch_grouped_mm_seconds(x_sorted, w13, sizes, n)
+        torch_call = torch_grouped_mm(x_sorted, w13, sizes)
+        timed = torch_call and torch_seconds(*torch_call, n)
         save(base | dict(contender="torch_grouped_mm_gate_up") | (
             dict(seconds=timed[0], tflops=gate_up_flops / timed[0] / 1e12, **timed[1]) if timed
             else dict(error="no torch")))
+        if torch_call and "torch_grouped_mm_gate_up" in versus:
+          kept["torch_grouped_mm_gate_up"] = torch_call
       dense = next((x["tflops"] for x in record["runs"] if x.get("contender") == "dense_bf16_gemm"
                     and x["tokens"] == S and x["routing"] == kind and "tflops" in x), None)
       for x_ in record["runs"]:
         if x_["tokens"] == S and x_["routing"] == kind and "tflops" in x_ and dense:
           x_["fraction_of_dense_gemm"] = x_["tflops"] / dense
+      if versus:
+        record["head_to_head"].append(base | head_to_head(kept, versus, _ROUNDS.value))
+        print(record["head_to_head"][-1], flush=True)
+      kept.clear()
       if _OUT.value:
         run_record.write_json(_OUT.value, record)
 

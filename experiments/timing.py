@@ -33,3 +33,36 @@ def pipelined(call, wait, *, n: int = 5, reps: int = 3) -> float:
     wait(out)
     means.append((time.perf_counter() - t) / n)
   return 1e3 * statistics.median(means)
+
+
+def rotated_rounds(calls: dict, *, rounds: int = 15, n: int = 5) -> dict[str, list[float]]:
+  """Milliseconds a call takes back to back (one batch of `n`, as `pipelined`) for each contender in each of `rounds`
+  rounds, the contenders' order rotated by one every round. `calls`: name -> (call, wait). Run one after the other,
+  a contender's figure also carries the clock and power state the previous one left (a GPU at its power limit);
+  taken in turns, the contenders share it, so their ratio within a round is the fair comparison."""
+  names = list(calls)
+  for call, wait in calls.values():
+    wait(call())
+  out = {name: [] for name in names}
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      call, wait = calls[name]
+      t = time.perf_counter()
+      for _ in range(n):
+        res = call()
+      wait(res)
+      out[name].append(1e3 * (time.perf_counter() - t) / n)
+  return out
+
+
+def rate_ratios(rounds_ms: dict[str, list[float]], base: str) -> dict[str, dict]:
+  """Each contender's rate relative to `base`, round by round (base ms / contender ms: above 1 is faster than base):
+  the median, the lowest and highest, and how many rounds it was faster in."""
+  out = {}
+  for name, ms in rounds_ms.items():
+    if name == base:
+      continue
+    ratios = [b / m for b, m in zip(rounds_ms[base], ms)]
+    out[name] = dict(median=statistics.median(ratios), low=min(ratios), high=max(ratios),
+                     faster_rounds=sum(r > 1 for r in ratios), rounds=len(ratios))
+  return out

@@ -44,6 +44,8 @@ def test_prefill_exits_non_zero_on_a_fail(monkeypatch, results, exits):
 @pytest.mark.parametrize("args, message", [
     (["--routings=bogus"], "--routings: unknown ['bogus']; known: ['uniform', 'zipf']"),
     (["--tokens=abc"], "--tokens must be positive integers, got ['abc']"),
+    (["--only=torch", "--head_to_head=torch_grouped_mm_gate_up,ours_bf16_gate_up"],  # the second one never runs
+     "--head_to_head takes two or more distinct contender names, each run (see --only)"),
 ])
 def test_bench_moe_refuses_bad_input_before_any_work(args, message):
   """An unknown routing was run as Zipf and recorded under its own name; a bad token count raised a traceback."""

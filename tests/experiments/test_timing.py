@@ -15,3 +15,23 @@ def test_pipelined_waits_once_per_batch_on_its_last_call():
   assert len(calls) == 1 + 4 * 3  # one warm-up call, then 3 batches of 4
   assert waited == [0, 4, 8, 12]  # the warm-up, then each batch's last call only
   assert ms >= 0
+
+
+def test_rotated_rounds_takes_the_contenders_in_turns_starting_one_later_each_round():
+  seq, waited = [], []
+
+  def contender(name):
+    return (lambda: seq.append(name) or name), waited.append
+
+  ms = timing.rotated_rounds({n: contender(n) for n in "abc"}, rounds=4, n=2)
+  batches = ["".join(seq[i:i + 2]) for i in range(3, len(seq), 2)]  # after one warm-up call each
+  assert seq[:3] == list("abc") and batches == ["aa", "bb", "cc", "bb", "cc", "aa", "cc", "aa", "bb", "aa", "bb", "cc"]
+  assert waited == list("abc") + [b[0] for b in batches]  # each batch waits once, on its own last call
+  assert list(ms) == list("abc") and all(len(v) == 4 for v in ms.values())
+
+
+def test_rate_ratios_pairs_each_round_with_the_base_s_same_round():
+  # ratios round by round (10/8, 20/16, 10/12.5); the ratio of the medians (10/12.5) would say 0.8
+  ms = {"base": [10.0, 20.0, 10.0], "x": [8.0, 16.0, 12.5]}
+  r = timing.rate_ratios(ms, "base")["x"]
+  assert r == dict(median=1.25, low=0.8, high=1.25, faster_rounds=2, rounds=3)
