@@ -37,7 +37,7 @@ GIB = 2.0 ** 30
 KINDS: dict[str, tuple[str, ...]] = {
     "qualification": ("records", "layers", "verdicts", "noise_floor"),
     "band_sweep": ("records",),
-    "bench_moe": ("runs",),
+    "bench_moe": ("runs", "head_to_head"),
     "bench_attention": ("timings", "accuracy", "speedups"),
     "bench_decode": ("decode",),
     "bench_generate": ("lengths", "kernels"),
@@ -286,7 +286,13 @@ def _bench_moe(path: str, doc: dict):
       t / torch.get((s, r)) if pd.notna(t) and pd.notna(torch.get((s, r))) else None
       for t, s, r in zip(runs.tflops, runs.tokens, runs.routing)]
   meta = dict(env=doc["env"], dims=doc["dims"], smoke=doc.get("smoke"), code_commit=doc.get("code_commit"))
-  return meta, dict(runs=runs)
+  # --head_to_head: one row per contender and cell, its rate against the base taken round by round
+  pairs = [dict(tokens=h["tokens"], routing=h["routing"], base=h["base"], contender=c, median_ms=ms,
+                **{f"rate_{k}": v for k, v in h["rate_vs_base"].get(c, {}).items()})
+           for h in doc.get("head_to_head", []) if "error" not in h for c, ms in h["median_ms"].items()]
+  return meta, dict(runs=runs, head_to_head=pd.DataFrame(pairs, columns=[
+      "tokens", "routing", "base", "contender", "median_ms", "rate_median", "rate_low", "rate_high",
+      "rate_faster_rounds", "rate_rounds"]))
 
 
 def _bench_attention(path: str, doc: dict):

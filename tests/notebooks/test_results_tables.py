@@ -210,6 +210,19 @@ def test_a_failed_trace_run_keeps_its_error(tmp_path):
   assert t.runs.error.iloc[1].startswith("XlaRuntimeError") and pd.isna(t.runs.tok_s.iloc[1])
 
 
+def test_head_to_head_rows_carry_the_round_by_round_rates(tmp_path):
+  h = dict(tokens=8192, routing="zipf", contenders=["torch", "ring"], base="torch",
+           rounds_ms={"torch": [4.0, 4.4], "ring": [3.9, 4.5]}, median_ms={"torch": 4.2, "ring": 4.2},
+           rate_vs_base={"ring": dict(median=1.0145, low=0.978, high=1.026, faster_rounds=1, rounds=2)})
+  doc = dict(benchmark="moe", env={}, dims={}, runs=[dict(tokens=8192, routing="zipf", contender="torch", seconds=4e-3)],
+             head_to_head=[h, dict(tokens=32768, routing="zipf", contenders=["torch", "ring"], error="not measured")])
+  (tmp_path / "moe.json").write_text(json.dumps(doc))
+  pairs = rt.load(tmp_path / "moe.json", expect="bench_moe").head_to_head.set_index("contender")
+  assert list(pairs.index) == ["torch", "ring"] and (pairs.tokens == 8192).all()  # the failed cell has no rows
+  assert pairs.loc["ring"].rate_median == 1.0145 and pairs.loc["ring"].rate_faster_rounds == 1
+  assert pd.isna(pairs.loc["torch"].rate_median) and pairs.loc["torch"].median_ms == 4.2
+
+
 def test_refuses_what_it_cannot_read(tmp_path):
   doc = raw(WAVE2)
   doc["schema"] = "ds4jax.prefill_qualification/3"
