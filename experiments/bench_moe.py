@@ -195,7 +195,10 @@ def head_to_head(kept: dict, names: list[str], rounds: int) -> dict:
   missing = [n for n in names if n not in kept]
   if missing:
     return dict(contenders=names, error=f"not measured here (failed or not run): {missing}")
-  ms = timing.rotated_rounds({n: kept[n] for n in names}, rounds=rounds)
+  try:
+    ms = timing.rotated_rounds({n: kept[n] for n in names}, rounds=rounds)
+  except Exception as e:  # noqa: BLE001 -- e.g. out of memory with every contender's operands held at once
+    return dict(contenders=names, error=f"{type(e).__name__}: {str(e)[:300]}")
   return dict(contenders=names, base=names[0], rounds_ms=ms,
               median_ms={n: statistics.median(v) for n, v in ms.items()},
               rate_vs_base=timing.rate_ratios(ms, names[0]))
