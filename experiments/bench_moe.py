@@ -14,7 +14,7 @@ Every number is also given as a fraction of that dense GEMM. Each contender has 
 wall time of one call waited for (ours) or between CUDA events (torch), and `pipelined_seconds`, taken the same way
 for all (timing.pipelined: calls back to back, host dispatch hidden), the one to compare ours with torch by.
 `--only=prefix,...` runs a subset of the contenders. `--head_to_head=base,a,b,...` (exact names) times those contenders
-again after a (tokens, routing)'s other measurements, in alternating rounds (timing.rotated_rounds), and records each
+again after a (tokens, routing)'s other measurements, in alternating rounds (timing.head_to_head), and records each
 one's rate against the first, round by round, under "head_to_head": back to back at the power limit a contender's
 time also depends on the one before it, and in turns they share that state.
 `--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
@@ -188,20 +188,6 @@ def torch_seconds(f, wait, n):
     torch.cuda.synchronize()
     ts.append(start.elapsed_time(end) / 1e3)
   return statistics.median(ts), pipelined_seconds(f, wait)
-
-
-def head_to_head(kept: dict, names: list[str], rounds: int) -> dict:
-  """The --head_to_head record of one (tokens, routing): `kept` maps the contenders measured there to (call, wait)."""
-  missing = [n for n in names if n not in kept]
-  if missing:
-    return dict(contenders=names, error=f"not measured here (failed or not run): {missing}")
-  try:
-    ms = timing.rotated_rounds({n: kept[n] for n in names}, rounds=rounds)
-  except Exception as e:  # noqa: BLE001 -- e.g. out of memory with every contender's operands held at once
-    return dict(contenders=names, error=f"{type(e).__name__}: {str(e)[:300]}")
-  return dict(contenders=names, base=names[0], rounds_ms=ms,
-              median_ms={n: statistics.median(v) for n, v in ms.items()},
-              rate_vs_base=timing.rate_ratios(ms, names[0]))
 
 
 def main(argv):
@@ -387,7 +373,7 @@ def main(argv):
         if x_["tokens"] == S and x_["routing"] == kind and "tflops" in x_ and dense:
           x_["fraction_of_dense_gemm"] = x_["tflops"] / dense
       if versus:
-        record["head_to_head"].append(base | head_to_head(kept, versus, _ROUNDS.value))
+        record["head_to_head"].append(base | timing.head_to_head(kept, versus, _ROUNDS.value))
         print(record["head_to_head"][-1], flush=True)
       kept.clear()
       if _OUT.value:

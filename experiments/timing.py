@@ -66,3 +66,18 @@ def rate_ratios(rounds_ms: dict[str, list[float]], base: str) -> dict[str, dict]
     out[name] = dict(median=statistics.median(ratios), low=min(ratios), high=max(ratios),
                      faster_rounds=sum(r > 1 for r in ratios), rounds=len(ratios))
   return out
+
+
+def head_to_head(calls: dict, names: list[str], rounds: int) -> dict:
+  """`rotated_rounds` of the contenders `names` (the base first) out of `calls` (name -> (call, wait): those measured
+  here), with each one's `rate_ratios` against the base; or {"error": ...} where one is missing or the rounds fail
+  (e.g. out of memory with every contender's operands held at once), so that a benchmark goes on to its next case."""
+  missing = [n for n in names if n not in calls]
+  if missing:
+    return dict(contenders=names, error=f"not measured here (failed or not run): {missing}")
+  try:
+    ms = rotated_rounds({n: calls[n] for n in names}, rounds=rounds)
+  except Exception as e:  # noqa: BLE001
+    return dict(contenders=names, error=f"{type(e).__name__}: {str(e)[:300]}")
+  return dict(contenders=names, base=names[0], rounds_ms=ms, median_ms={n: statistics.median(v) for n, v in ms.items()},
+              rate_vs_base=rate_ratios(ms, names[0]))

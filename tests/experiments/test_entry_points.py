@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from experiments import bench_moe, device_memory
+from experiments import device_memory
 from experiments import prefill as prefill_command
 from experiments import qualification as q
 
@@ -52,17 +52,3 @@ def test_bench_moe_refuses_bad_input_before_any_work(args, message):
   p = subprocess.run([sys.executable, "-m", "experiments.bench_moe", *args], capture_output=True, text=True,
                      env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
   assert p.returncode == 1 and message in p.stderr, p.stderr[-2000:]
-
-
-def test_bench_moe_head_to_head_keeps_a_failed_cell_as_an_error():
-  """A cell whose contenders cannot all be timed in turns (one not measured there, or out of memory together) is
-  recorded with its error, and the run goes on to the next cell."""
-  def oom():
-    raise MemoryError("all operands at once")
-
-  ok = (lambda: 1, lambda _: None)
-  assert bench_moe.head_to_head({"torch": ok}, ["torch", "ring"], 2)["error"].startswith("not measured here")
-  assert bench_moe.head_to_head({"torch": ok, "ring": (oom, lambda _: None)}, ["torch", "ring"], 2)["error"] == (
-      "MemoryError: all operands at once")
-  done = bench_moe.head_to_head({"torch": ok, "ring": ok}, ["torch", "ring"], 3)
-  assert list(done["rounds_ms"]) == ["torch", "ring"] and done["rate_vs_base"]["ring"]["rounds"] == 3

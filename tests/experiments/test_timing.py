@@ -35,3 +35,17 @@ def test_rate_ratios_pairs_each_round_with_the_base_s_same_round():
   ms = {"base": [10.0, 20.0, 10.0], "x": [8.0, 16.0, 12.5]}
   r = timing.rate_ratios(ms, "base")["x"]
   assert r == dict(median=1.25, low=0.8, high=1.25, faster_rounds=2, rounds=3)
+
+
+def test_head_to_head_keeps_a_failed_case_as_an_error():
+  # a case whose contenders cannot all be timed in turns (one not measured there, or out of memory together) is an
+  # error record, and the benchmark goes on to its next case
+  def oom():
+    raise MemoryError("all operands at once")
+
+  ok = (lambda: 1, lambda _: None)
+  assert timing.head_to_head({"torch": ok}, ["torch", "ring"], 2)["error"].startswith("not measured here")
+  assert timing.head_to_head({"torch": ok, "ring": (oom, lambda _: None)}, ["torch", "ring"], 2)["error"] == (
+      "MemoryError: all operands at once")
+  done = timing.head_to_head({"torch": ok, "ring": ok, "other": ok}, ["torch", "ring"], 3)
+  assert list(done["rounds_ms"]) == ["torch", "ring"] and done["rate_vs_base"]["ring"]["rounds"] == 3
