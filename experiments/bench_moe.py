@@ -81,7 +81,9 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
 # against 4.42 ms at 8192 uniform, 1-6% slower at 8192 Zipf and 32768; w128_n64 6.2 against 3.8 ms at 8192, its second
 # SM mostly idle); (02677e5) w128_n64 with more weight copies in flight than x copies, x_stages 3 / stages 6 and 2 / 8
 # (H200, presorted, 8192 uniform: 4.25 and 6.63 against 3.85 ms; slower in every cell: x's copies, not the weights',
-# must run ahead).
+# must run ahead); (session 57, in turns with torch on an H100) x4 with the weights as the wgmma's left operand, one
+# projection per warpgroup (0.82-0.94 against x4's 0.89-0.98 of torch's rate), and the rings' units dealt to the SMs by
+# cost (x4 level at 8192 uniform, 0.974 against 0.976; w64_n128 10-20% slower).
 # The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, one projection each, the decoded tile as
 # the wgmma's register operand (mma_rows rows of x per wgmma). Decoding into shared-memory planes (per warpgroup or
 # shared between the two; or, at fab9549, with the wgmmas in flight while the next step decodes: 6.8 vs 5.1 ms at
