@@ -108,7 +108,9 @@ class Tiling:
   x_stages > 0 (bf16 weights, cluster 1, tile_order "n"): `_ring_kernel`, where x gets a ring of its own of
   x_stages slots (at least 2 with mma_in_flight) and the weights `stages` slots, the weight copies running
   stages − x_stages steps ahead; there mma_in_flight 1 frees a step's slots one step late, so its wgmmas run while
-  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring)."""
+  the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring). Their copy loop (bench-only
+  switches, BENCHMARKS.md session 59): copy_warp issues it from one warp of the producer warpgroup, not all four;
+  carried_units carries each copy's (item, N tile, K step) from step to step, with no integer division per step."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -121,6 +123,8 @@ class Tiling:
   producer_registers: int = 40
   profile_regions: str = "steps"
   x_stages: int = 0
+  copy_warp: bool = False
+  carried_units: bool = False
 
   @property
   def block_m(self) -> int:
@@ -691,35 +695,63 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
       u = sm + num_sms * (g // steps)
       return u // n_tiles, u % n_tiles, g % steps
 
-    @pl.when(wg == 2)
-    def _():
-      if not interpret:
-        plgpu.set_max_registers(t.producer_registers, action="decrease")
+    def copy_step(g, w_unit, x_unit):  # step g's weight copy and step g - lag's x copy
+      @pl.when(g < local_steps)
+      def _():
+        i, j, k = w_unit
+        e, s = item_expert[i], g % sw
+        plgpu.barrier_wait(w_free.at[s])
+        for w_g, ring in zip(w_gs, w_s):
+          src = (w_g.at[e, j, pl.ds(k * w_rows, w_rows)] if step_tiled
+                 else w_g.at[e, pl.ds(j * w_rows, w_rows), pl.ds(k * bk, bk)])
+          plgpu.copy_gmem_to_smem(src, ring.at[s], w_full.at[s])
 
-      @pl.loop(0, local_steps + lag)
-      def _(g):
-        @pl.when(g < local_steps)
-        def _():
-          i, j, k = unit_of(g)
-          e, s = item_expert[i], g % sw
-          plgpu.barrier_wait(w_free.at[s])
-          for w_g, ring in zip(w_gs, w_s):
-            src = (w_g.at[e, j, pl.ds(k * w_rows, w_rows)] if step_tiled
-                   else w_g.at[e, pl.ds(j * w_rows, w_rows), pl.ds(k * bk, bk)])
-            plgpu.copy_gmem_to_smem(src, ring.at[s], w_full.at[s])
+      @pl.when(g >= lag)
+      def _():
+        i, _, k = x_unit
+        s = (g - lag) % sx
+        plgpu.barrier_wait(x_free.at[s])
+        x_start = item_x_start[i] // ROW_ALIGN * ROW_ALIGN  # a multiple the lowering can see (no multiple_of)
+        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s])
 
-        @pl.when(g >= lag)
-        def _():
-          i, _, k = unit_of(g - lag)
-          s = (g - lag) % sx
-          plgpu.barrier_wait(x_free.at[s])
-          x_start = pl.multiple_of(item_x_start[i], ROW_ALIGN)
-          plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s])
+    di, dj = divmod(num_sms, n_tiles)
+
+    def advance(unit):  # the (item, N tile, K step) after `unit` on this SM, without a division
+      i, j, k = unit
+      j1 = j + dj
+      carry = j1 >= n_tiles
+      at_end = k + 1 == steps
+      j1 = jnp.where(carry, j1 - n_tiles, j1)
+      return jnp.where(at_end, i + di + carry.astype(I32), i), jnp.where(at_end, j1, j), jnp.where(at_end, 0, k + 1)
+
+    def copies():
+      if t.carried_units:
+        def body(g, units):
+          w_unit, x_unit = units
+          copy_step(g, w_unit, x_unit)
+          x_next = advance(x_unit)
+          return advance(w_unit), tuple(jnp.where(g >= lag, a, b) for a, b in zip(x_next, x_unit))
+
+        first = (sm // n_tiles, sm % n_tiles, jnp.int32(0))
+        lax.fori_loop(0, local_steps + lag, body, (first, first))
+      else:
+        @pl.loop(0, local_steps + lag)
+        def _(g):
+          copy_step(g, unit_of(g), unit_of(g - lag))
 
       for s in range(sw):  # the consumers' last releases
         plgpu.barrier_wait(w_free.at[s])
       for s in range(sx):
         plgpu.barrier_wait(x_free.at[s])
+
+    @pl.when(wg == 2)
+    def _():
+      if not interpret:
+        plgpu.set_max_registers(t.producer_registers, action="decrease")
+      if t.copy_warp:
+        plgpu.warp_map(lambda warp: pl.when(warp == 0)(copies))
+      else:
+        copies()
 
     @pl.when(wg < 2)
     def _():
@@ -847,6 +879,9 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if t.mma_in_flight and not t.x_stages:
     raise ValueError("mma_in_flight=1 takes the separate x and weight rings (x_stages > 0): in the pipeline a unit's "
                      "last slot is refilled under its last wgmmas (gate_up_wgmma's docstring)")
+  if (t.copy_warp or t.carried_units) and not t.x_stages:
+    raise ValueError("copy_warp and carried_units shape the copy loop of the separate x and weight rings "
+                     "(x_stages > 0)")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   if t.profile_regions not in ("steps", "units"):
