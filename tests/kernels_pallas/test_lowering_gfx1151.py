@@ -413,6 +413,28 @@ def test_contraction_bounds():
   assert found == {"%c": True, "%z": False, "%v": False, "%h": False, "%e": False}
 
 
+# The sm_90 compiles of the V4-Flash MLA kernels below (~4 s of ptxas each), kept like COMPILES: under the digest of
+# what they depend on (lowering.job_digest), so a kernel whose IR changed is compiled again and added. The matmul
+# tests above run compile_cuda and sass_cuda uncached. DS4JAX_LOWERING_FRESH=1 compiles anew.
+SM90 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_compiles.json")
+
+
+def sm90_cached(kernel, what: str, compute):
+  """compute() (a JSON dict about `kernel` on sm_90) from SM90 if there, else computed and added (errors are not)."""
+  key = f"{what}:{lowering.job_digest((kernel, 'sm_90'))}"
+  stored = {}
+  if os.path.exists(SM90) and os.environ.get("DS4JAX_LOWERING_FRESH") != "1":
+    with open(SM90, encoding="utf-8") as f:
+      stored = json.load(f)
+  if key in stored:
+    return stored[key]
+  value = compute()
+  if "error" not in value:
+    with open(SM90, "w", encoding="utf-8") as f:
+      json.dump(dict(sorted((stored | {key: value}).items())), f, indent=0)
+  return value
+
+
 def test_cuda_mla_unstaged_tiles_fit_sm90_shared_memory():
   """The CUDA configs of the unstaged streaming MLA kernel, bf16 and f32 q/KV, at V4-Flash shapes fit the H200's
   shared memory (compiled for sm_90 without a GPU; the staged kernels ran on the H200). The unstaged kernel loads the
@@ -422,7 +444,7 @@ def test_cuda_mla_unstaged_tiles_fit_sm90_shared_memory():
   assert len(cases) == 2, [c.label for c in cases]
   for case in cases:
     (kernel,) = lowering.lower_case(case)
-    stats = lowering.compile_kernel(kernel, "sm_90")
+    stats = sm90_cached(kernel, "stats", lambda: lowering.compile_kernel(kernel, "sm_90"))
     assert "error" not in stats, stats.get("error")
     assert stats["smem_bytes"] <= lowering.SMEM_LIMIT_SM90, (case.label, stats["smem_bytes"])
 
@@ -437,5 +459,6 @@ def test_cuda_mla_split_value_passes_share_one_mma_layout():
   label, fn, args = mla.lowering_cases("cuda", precision="split")[0]
   assert label.startswith("mla csa stream f32stage fastexp bf16"), label
   (kern,) = lowering.lower_case(lowering.KernelCase("mla", label, "cuda", fn, tuple(args)))
-  loop = lowering.sass_loops(lowering.sass_cuda(kern.ttir, 90, kern.num_warps, kern.num_stages))[0]
+  loop = sm90_cached(kern, "sass_loop", lambda: lowering.sass_loops(
+      lowering.sass_cuda(kern.ttir, 90, kern.num_warps, kern.num_stages))[0])
   assert loop["BAR.SYNC"] <= 32 and loop["HGMMA"] <= 128, loop
