@@ -41,10 +41,11 @@ SHARDED = {
     # Bands of 12 after the first start at s0 = 12 (a cache to attend to); 6 queries per device are not a whole
     # number of 4-query chunks, so each device attends in chunks of gcd(6, 4) = 2.
     "exact_bands_of_12_in_chunks_of_4/query=2": ({"prefill_band_tokens": 12, "long_context_chunk": 4}, "query=2"),
-    "stationary_decoded/expert=4": ({"moe_compact_queue": True, "moe_decode_kernel": True,
-                                     "prefill_weights_stationary": True, "prefill_band_tokens": 8}, "expert=4"),
-    # and with its MoE over both bands at once (the sm_90 default): the experts decoded once per layer, kept split,
-    # and the sharded MoE on the joined tokens.
+    # Weights stationary with its MoE over both bands at once (the sm_90 default): the experts decoded once per
+    # layer, kept split, and the sharded MoE on the joined tokens. (Stationary with a MoE per band, a compile of its
+    # own, was dropped: its sharded MoE on decoded experts is this one's, and that both orders compute the same is
+    # tests/test_prefill.py's test_moe_over_bands_matches_the_layer_step_per_band and
+    # test_weights_stationary_decodes_each_layers_experts_once.)
     "stationary_decoded_moe_over_bands/expert=4": ({"moe_compact_queue": True, "moe_decode_kernel": True,
                                                     "prefill_weights_stationary": True,
                                                     "prefill_moe_over_bands": True, "prefill_band_tokens": 8},
