@@ -229,7 +229,7 @@ def test_layer_verdicts_command_on_a_mesh_in_bands(tmp_path):
   assert not carry["passed"] and carry["bands"] == 2 and carry["update_nmse"] > 1e3 * carry["bound"]
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     # a planted carry bug would pass a run of one band from position 0: refused unless its runs are banded
     (["--mutations=kv_tail_dropped"], "layer_verdicts: --mutations ['kv_tail_dropped'] plant bugs in what a layer "
                                       "carries between bands"),
@@ -237,11 +237,31 @@ def test_layer_verdicts_command_on_a_mesh_in_bands(tmp_path):
                                            "kind ['compressed_sparse_attention']; tiny_window has none"),
     (["--mutations=dropped_sink", "--mutation_layer=7"], "layer_verdicts: --mutation_layer must lie in [0, 2)"),
     (["--moe_persistent"], "layer_verdicts: invalid feature set: --moe_persistent requires --moe_compact_queue"),
-])
-def test_layer_verdicts_refuses_bad_input_in_one_line(args, message):
-  p = subprocess.run([sys.executable, "-m", "experiments.layer_verdicts", "--preset=tiny_window", *args],
+]
+# The entry point's main on each command line in one subprocess (its flags are module-level; a process each cost
+# ~2.5 s of start-up): what each ends with, SystemExit's message (a one-line exit, status 1) or the exception.
+REFUSALS = """
+import json, sys
+from absl import flags
+from experiments import layer_verdicts
+for args in json.loads(sys.argv[1]):
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["layer_verdicts", "--preset=tiny_window", *args])
+  try:
+    layer_verdicts.main([])
+    print("ENDED " + json.dumps(None), flush=True)
+  except SystemExit as e:
+    print("ENDED " + json.dumps(e.code if isinstance(e.code, str) else f"exit status {e.code}"), flush=True)
+"""
+
+
+def test_layer_verdicts_refuses_bad_input_in_one_line():
+  p = subprocess.run([sys.executable, "-c", REFUSALS, json.dumps([args for args, _ in BAD_INPUT])],
                      capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith(message), p.stderr[-2000:]
+  ended = [json.loads(ln.removeprefix("ENDED ")) for ln in p.stdout.splitlines() if ln.startswith("ENDED ")]
+  assert p.returncode == 0 and len(ended) == len(BAD_INPUT), p.stderr[-3000:]
+  for (args, message), got in zip(BAD_INPUT, ended):
+    assert isinstance(got, str) and "\n" not in got and got.startswith(message), (args, got)
 
 
 def test_a_reference_kl_on_file_is_used_not_measured(tiny, monkeypatch):
