@@ -711,7 +711,9 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
         i, _, k = x_unit
         s = (g - lag) % sx
         plgpu.barrier_wait(x_free.at[s])
-        x_start = item_x_start[i] // ROW_ALIGN * ROW_ALIGN  # a multiple the lowering can see (no multiple_of)
+        # one warp's semantics lower no multiple_of (jax 0.11.2); the rounding shows the lowering the same fact
+        x_start = (item_x_start[i] // ROW_ALIGN * ROW_ALIGN if t.copy_warp
+                   else pl.multiple_of(item_x_start[i], ROW_ALIGN))
         plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s])
 
     di, dj = divmod(num_sms, n_tiles)
