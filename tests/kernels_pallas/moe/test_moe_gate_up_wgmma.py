@@ -120,7 +120,8 @@ def test_gate_up_wgmma_with_separate_x_and_weight_rings(rng, x_stages, stages, i
   # _ring_kernel. Skewed routes (expert 0 ~340 rows, the others ~50-190), so with 128-row warpgroups a warpgroup
   # has 0, 1 or 2 non-empty 64-row blocks in an item (each count runs its own loop), and expert 0 two items. Two N
   # tiles; fewer SMs than units: each SM's rings run on across units. The wgmmas in flight and the late releases
-  # are checked by the race detector with the wgmmas run as late as the GPU may (tests/async_wgmma.py).
+  # are checked by the race detector with the wgmmas run as late as the GPU may (tests/async_wgmma.py). With
+  # x_blocks the x blocks without an item's rows are not copied: their stale rows must feed no wgmma.
   x, w1, w3, _ = problem(rng, 400, 3, inter=128)
   p = np.array([12, 4, 3, 2, 1, 1, 1, 1]) / 25
   ids = np.stack([rng.choice(E, 3, replace=False, p=p) for _ in range(400)]).astype(np.int32)
@@ -199,7 +200,8 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     (128, 64, 1, "dense"), (64, 128, 2, "dense"), (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
     (128, 64, 2, "mix h plane_rows"), (128, 64, 1, "interleaved step-tiled"),
     (128, 64, 1, "interleaved step-tiled rings"),
-    (64, 128, 1, "interleaved step-tiled rings"), (128, 64, 1, "interleaved step-tiled rings copy_warp carried x_blocks")])
+    (64, 128, 1, "interleaved step-tiled rings"),
+    (128, 64, 1, "interleaved step-tiled rings copy_warp carried x_blocks")])
 def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
