@@ -170,7 +170,8 @@ def aligned_items(r: Routing, block_m: int) -> Items:
   tile_ends = jnp.cumsum(tiles, dtype=I32)
   T = max(1, (R + E * (block_m + ROW_ALIGN - 2)) // block_m)  # Σ ceil((c_e + 7) / bm) over non-empty experts
   i = jnp.arange(T, dtype=I32)
-  e = jnp.minimum(jnp.searchsorted(tile_ends, i, side="right").astype(I32), E - 1)
+  # compare_all: one fused kernel; the default 'scan' is a while loop, a chain of small launches before each kernel
+  e = jnp.minimum(jnp.searchsorted(tile_ends, i, side="right", method="compare_all").astype(I32), E - 1)
   ok = i < tile_ends[E - 1]
   x_start = first[e] + (i - (tile_ends[e] - tiles[e])) * block_m
   lo = jnp.maximum(x_start, offsets[e])

@@ -108,7 +108,8 @@ def route(route_ids: jax.Array, num_experts: int, block_m: int) -> Routing:
   num_items = tile_ends[E - 1]
   T = max_work_items(R, E, block_m)
   i = jnp.arange(T, dtype=I32)
-  e = jnp.searchsorted(tile_ends, i, side="right").astype(I32)      # expert whose tile range holds item i
+  # expert whose tile range holds item i; compare_all fuses (the default 'scan' is a while loop of small launches)
+  e = jnp.searchsorted(tile_ends, i, side="right", method="compare_all").astype(I32)
   item_ok = i < num_items
   e_c = jnp.minimum(e, E - 1)
   tile_in_expert = i - (tile_ends[e_c] - tiles[e_c])

@@ -172,6 +172,12 @@ def test_aligned_items_cover_each_row_once(rng, block_m):
   np.testing.assert_array_equal(np.asarray(xs[:n]), np.asarray(x)[np.asarray(r.token_of_row)[:n]])
 
 
+def test_aligned_items_lower_without_a_loop(rng):
+  # on a GPU a while loop runs as a chain of small launches before every gate/up and down
+  r = routing.route(problem(rng, 70, 3)[3], E, 64)
+  assert "stablehlo.while" not in jax.jit(aligned_items, static_argnums=1).lower(r, 128).as_text()
+
+
 def test_gate_up_wgmma_rejects_bad_input(rng):
   x, w1, w3, ids = problem(rng, 16, 2)
   r = routing.route(ids, E, 128)

@@ -103,6 +103,12 @@ def test_max_work_items_bound_is_reached():
   assert int(r.num_items[0]) == (E - 1) + 4 == routing.max_work_items(R, E, bm)
 
 
+def test_route_lowers_without_a_loop():
+  # on a GPU a while loop (searchsorted's default method) runs as a chain of small launches before every MoE kernel
+  ids = jnp.zeros((64, 2), jnp.int32)
+  assert "stablehlo.while" not in jax.jit(lambda i: routing.route(i, 16, 8)).lower(ids).as_text()
+
+
 def test_check_routes():
   routing.check_routes(np.array([[0, 3], [-1, 2]]), 4)
   with pytest.raises(ValueError, match=r"route_ids\[1, 0\] = 4 is out of range"):
