@@ -110,9 +110,7 @@ class Tiling:
   stages − x_stages steps ahead; there mma_in_flight 1 frees a step's slots one step late, so its wgmmas run while
   the next step's are issued (the pipeline of x_stages 0 refuses it: module docstring). Their copy loop (bench-only
   switches, BENCHMARKS.md session 59): copy_warp issues it from one warp of the producer warpgroup, not all four;
-  carried_units carries each copy's (item, N tile, K step) from step to step, with no integer division per step;
-  x_block_copies copies x in 64-row blocks and skips those that hold none of the item's rows (their wgmmas are
-  skipped already), so a part-filled item reads fewer x bytes from L2 (BENCHMARKS.md, session 60)."""
+  carried_units carries each copy's (item, N tile, K step) from step to step, with no integer division per step."""
   wg_rows: int = 64
   block_n: int = 128
   block_k: int = 64
@@ -127,7 +125,6 @@ class Tiling:
   x_stages: int = 0
   copy_warp: bool = False
   carried_units: bool = False
-  x_block_copies: bool = False
 
   @property
   def block_m(self) -> int:
@@ -681,11 +678,10 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   blocks = range(t.wg_rows // WGMMA_M)
-  x_copies = t.block_m // WGMMA_M if t.x_block_copies else 1  # every block copy arrives, with its bytes or none
   scratch = dict(x_s=plgpu.SMEM((sx, t.block_m, bk), x_g.dtype, transforms=tiles),
                  w_s=[plgpu.SMEM((sw, w_rows, bk), x_g.dtype, transforms=tiles) for _ in w_gs],
                  out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype),
-                 x_full=plgpu.Barrier(num_arrivals=x_copies, num_barriers=sx),
+                 x_full=plgpu.Barrier(num_arrivals=1, num_barriers=sx),
                  x_free=plgpu.Barrier(num_arrivals=2, num_barriers=sx),
                  w_full=plgpu.Barrier(num_arrivals=n_w, num_barriers=sw),
                  w_free=plgpu.Barrier(num_arrivals=2, num_barriers=sw))
@@ -719,18 +715,7 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
         # one warp's semantics lower no multiple_of (jax 0.11.2); the rounding shows the lowering the same fact
         x_start = (item_x_start[i] // ROW_ALIGN * ROW_ALIGN if t.copy_warp
                    else pl.multiple_of(item_x_start[i], ROW_ALIGN))
-        if t.x_block_copies:
-          lo, end = item_lo[i], item_end[i]
-          for b in range(x_copies):  # a block is copied iff it holds rows of [lo, end): the consumers' rows_in test
-            first = x_start + b * WGMMA_M
-            # branches, not copy_gmem_to_smem's predicate, which the interpreter does not take; and no `~`, which
-            # one warp's semantics do not lower (jax 0.11.2)
-            pl.when((first < end) & (first + WGMMA_M > lo))(lambda first=first, b=b: plgpu.copy_gmem_to_smem(
-                x_g.at[pl.ds(first, WGMMA_M), pl.ds(k * bk, bk)], x_s.at[s, pl.ds(b * WGMMA_M, WGMMA_M)],
-                x_full.at[s]))
-            pl.when((first >= end) | (first + WGMMA_M <= lo))(lambda: plgpu.barrier_arrive(x_full.at[s]))
-        else:
-          plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s])
+        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(x_start, t.block_m), pl.ds(k * bk, bk)], x_s.at[s], x_full.at[s])
 
     di, dj = divmod(num_sms, n_tiles)
 
@@ -897,9 +882,9 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   if t.mma_in_flight and not t.x_stages:
     raise ValueError("mma_in_flight=1 takes the separate x and weight rings (x_stages > 0): in the pipeline a unit's "
                      "last slot is refilled under its last wgmmas (gate_up_wgmma's docstring)")
-  if (t.copy_warp or t.carried_units or t.x_block_copies) and not t.x_stages:
-    raise ValueError("copy_warp, carried_units and x_block_copies shape the copy loop of the separate x and weight "
-                     "rings (x_stages > 0)")
+  if (t.copy_warp or t.carried_units) and not t.x_stages:
+    raise ValueError("copy_warp and carried_units shape the copy loop of the separate x and weight rings "
+                     "(x_stages > 0)")
   if t.tile_order not in ("n", "item"):
     raise ValueError(f"tile_order must be 'n' or 'item', got {t.tile_order!r}")
   if t.profile_regions not in ("steps", "units"):

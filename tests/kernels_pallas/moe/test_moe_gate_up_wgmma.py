@@ -112,30 +112,27 @@ def test_gate_up_wgmma_reads_step_tiled_weights(rng, interleaved, cluster, order
                   swiglu_limit=LIMIT, tiling=t, interpret=interpret())
 
 
-@pytest.mark.parametrize("x_stages,stages,in_flight,interleaved,step_tiled,copy_warp,carried_units,x_blocks", [
-    (2, 3, 1, True, True, False, False, False), (2, 3, 1, True, True, False, False, True),
-    (1, 2, 0, False, False, True, True, True)])
+@pytest.mark.parametrize("x_stages,stages,in_flight,interleaved,step_tiled,copy_warp,carried_units", [
+    (2, 3, 1, True, True, False, False), (1, 2, 0, False, False, True, True)])
 def test_gate_up_wgmma_with_separate_x_and_weight_rings(rng, x_stages, stages, in_flight, interleaved, step_tiled,
-                                                         copy_warp, carried_units, x_blocks):
+                                                         copy_warp, carried_units):
   # _ring_kernel. Skewed routes (expert 0 ~340 rows, the others ~50-190), so with 128-row warpgroups a warpgroup
   # has 0, 1 or 2 non-empty 64-row blocks in an item (each count runs its own loop), and expert 0 two items. Two N
   # tiles; fewer SMs than units: each SM's rings run on across units. The wgmmas in flight and the late releases
-  # are checked by the race detector with the wgmmas run as late as the GPU may (tests/async_wgmma.py). With
-  # x_blocks the x blocks without an item's rows are not copied: their stale rows must feed no wgmma.
+  # are checked by the race detector with the wgmmas run as late as the GPU may (tests/async_wgmma.py).
   x, w1, w3, _ = problem(rng, 400, 3, inter=128)
   p = np.array([12, 4, 3, 2, 1, 1, 1, 1]) / 25
   ids = np.stack([rng.choice(E, 3, replace=False, p=p) for _ in range(400)]).astype(np.int32)
   ids.reshape(-1)[8::9] = -1
   t = Tiling(wg_rows=128, block_n=64, stages=stages, x_stages=x_stages, mma_in_flight=in_flight,
-             copy_warp=copy_warp, carried_units=carried_units, x_block_copies=x_blocks)
+             copy_warp=copy_warp, carried_units=carried_units)
   r = check(x, w1, w3, jnp.asarray(ids), t, num_sms=3, interleaved=interleaved, step_tiled=step_tiled)
   items = aligned_items(r, t.block_m)
   n = int(items.count[0])
   rows = np.minimum(np.asarray(items.end - items.x_start)[:n, None], t.block_m) - [0, t.wg_rows]
   assert set(np.clip(-(-rows // 64), 0, 2).ravel()) == {0, 1, 2} and n > E
   for bad in (dict(cluster=2), dict(x_stages=stages + 1), dict(tile_order="item"), dict(x_stages=1, mma_in_flight=1),
-              dict(x_stages=0, mma_in_flight=0, copy_warp=True), dict(x_stages=0, mma_in_flight=0, carried_units=True),
-              dict(x_stages=0, mma_in_flight=0, x_block_copies=True)):
+              dict(x_stages=0, mma_in_flight=0, copy_warp=True), dict(x_stages=0, mma_in_flight=0, carried_units=True)):
     with pytest.raises(ValueError, match="separate x and weight rings"):
       gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=dataclasses.replace(t, **bad), interpret=interpret())
 
@@ -206,8 +203,7 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     (128, 64, 1, "dense"), (64, 128, 2, "dense"), (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
     (128, 64, 2, "mix h plane_rows"), (128, 64, 1, "interleaved step-tiled"),
     (128, 64, 1, "interleaved step-tiled rings"),
-    (64, 128, 1, "interleaved step-tiled rings"),
-    (128, 64, 1, "interleaved step-tiled rings copy_warp carried x_blocks")])
+    (64, 128, 1, "interleaved step-tiled rings"), (128, 64, 1, "interleaved step-tiled rings copy_warp carried")])
 def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
@@ -234,7 +230,7 @@ def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, clus
   t = Tiling(wg_rows=wg_rows, block_n=block_n, cluster=cluster, stages=3 if mix else 4, mma_rows=256 if mix else 64)
   if "rings" in weights:  # the measured best rings (BENCHMARKS.md, session 40): 224 and 208 KiB
     t = dataclasses.replace(t, x_stages=4 if wg_rows == 128 else 3, mma_in_flight=1, copy_warp="copy_warp" in weights,
-                            carried_units="carried" in weights, x_block_copies="x_blocks" in weights)
+                            carried_units="carried" in weights)
   text = lower(t)
   assert "mosaic_gpu" in text and "xla.gpu.triton" in text  # the kernel and the row gather in front of it
   with pytest.raises(ValueError, match="exceeds available shared memory"):
