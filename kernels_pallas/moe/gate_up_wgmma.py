@@ -670,16 +670,19 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
   With mma_in_flight a step's wgmmas run on until the next step's are issued; its slots are released one step
   late. A unit's non-empty 64-row blocks are a prefix of its blocks (an item's rows start at most 7 rows into its
   tile), so each count runs its own loop with a static wait and no branch around a wgmma: with such a branch
-  ptxas serializes every wgmma (C7511)."""
+  ptxas serializes every wgmma (C7511). A weight slot holds W1's and W3's tiles side by side, as interleave's stack
+  does: two separate stacks (the model's dense W1 / W3) are two copies into one slot, and each 64-row block is one
+  wgmma of width 2 · block_n either way."""
   *w_gs, h_g = refs
-  n_w, fused = len(w_gs), len(w_gs) == 1
-  w_rows, bk, sx, sw = (2 if fused else 1) * t.block_n, t.block_k, t.x_stages, t.stages
+  n_w = len(w_gs)
+  w_rows, bk, sx, sw = 2 * t.block_n, t.block_k, t.x_stages, t.stages
+  copy_rows = w_rows // n_w  # rows of one copy: both projections from an interleaved stack, else one
   steps, lag = d // bk, t.stages - t.x_stages
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
   blocks = range(t.wg_rows // WGMMA_M)
   scratch = dict(x_s=plgpu.SMEM((sx, t.block_m, bk), x_g.dtype, transforms=tiles),
-                 w_s=[plgpu.SMEM((sw, w_rows, bk), x_g.dtype, transforms=tiles) for _ in w_gs],
+                 w_s=plgpu.SMEM((sw, w_rows, bk), x_g.dtype, transforms=tiles),
                  out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype),
                  x_full=plgpu.Barrier(num_arrivals=1, num_barriers=sx),
                  x_free=plgpu.Barrier(num_arrivals=2, num_barriers=sx),
@@ -702,10 +705,10 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
         i, j, k = w_unit
         e, s = item_expert[i], g % sw
         plgpu.barrier_wait(w_free.at[s])
-        for w_g, ring in zip(w_gs, w_s):
-          src = (w_g.at[e, j, pl.ds(k * w_rows, w_rows)] if step_tiled
-                 else w_g.at[e, pl.ds(j * w_rows, w_rows), pl.ds(k * bk, bk)])
-          plgpu.copy_gmem_to_smem(src, ring.at[s], w_full.at[s])
+        for p, w_g in enumerate(w_gs):
+          src = (w_g.at[e, j, pl.ds(k * copy_rows, copy_rows)] if step_tiled
+                 else w_g.at[e, pl.ds(j * copy_rows, copy_rows), pl.ds(k * bk, bk)])
+          plgpu.copy_gmem_to_smem(src, w_s.at[s, pl.ds(p * copy_rows, copy_rows)], w_full.at[s])
 
       @pl.when(g >= lag)
       def _():
@@ -781,7 +784,7 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
 
         nonempty = sum((rows_in(wg_first + b * WGMMA_M, WGMMA_M)[1] > 0).astype(I32) for b in blocks)
 
-        @functools.partial(pl.run_scoped, accs=[[plgpu.ACC((WGMMA_M, w_rows), F32) for _ in w_gs] for _ in blocks])
+        @functools.partial(pl.run_scoped, accs=[plgpu.ACC((WGMMA_M, w_rows), F32) for _ in blocks])
         def _acc(accs):
           with profile_region("unit", t, "units"):
             for nb in range(len(blocks) + 1) if t.skip_empty else (len(blocks),):
@@ -795,10 +798,9 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
                   with profile_region("mma", t):
                     for b in range(nb):
                       row0 = pl.multiple_of(wg * t.wg_rows + b * WGMMA_M, WGMMA_M)
-                      for acc, ring in zip(accs[b], w_s):
-                        plgpu.wgmma(acc, x_s.at[g % sx, pl.ds(row0, WGMMA_M)], ring.at[g % sw].T)
+                      plgpu.wgmma(accs[b], x_s.at[g % sx, pl.ds(row0, WGMMA_M)], w_s.at[g % sw].T)
                   with profile_region("wait", t):  # in flight: step g − 1's wgmmas are done, its slots free
-                    plgpu.wgmma_wait(nb * n_w * t.mma_in_flight)
+                    plgpu.wgmma_wait(nb * t.mma_in_flight)
                   if t.mma_in_flight:
                     pl.when(k > 0)(lambda: release(g - 1))
                   else:
@@ -812,9 +814,9 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
               first, rows = rows_in(wg_first, t.wg_rows)
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's store has left out_smem
               for b in blocks:
-                a = [acc[...] for acc in accs[b]]
-                gate, up = (a[0][:, :t.block_n], a[0][:, t.block_n:]) if fused else a
-                out_smem[wg, pl.ds(b * WGMMA_M, WGMMA_M)] = clamped_swiglu(gate, up, limit).astype(h_g.dtype)
+                a = accs[b][...]
+                out_smem[wg, pl.ds(b * WGMMA_M, WGMMA_M)] = clamped_swiglu(
+                    a[:, :t.block_n], a[:, t.block_n:], limit).astype(h_g.dtype)
               plgpu.commit_smem()
               _store_rows(out_smem, wg, first - wg_first, h_g, first, rows, pl.ds(j * t.block_n, t.block_n),
                           t.wg_rows)

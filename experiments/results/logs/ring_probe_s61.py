@@ -1,6 +1,7 @@
 # session 61 (#18): the bf16 rings against torch._grouped_mm on the same sorted rows, in turns, at several cells in one
 # process: python ring_probe_s61.py 8192:uniform,32768:zipf VARIANTS ROUNDS. Suffixes: _scan puts back searchsorted's
-# while loop in the work list (before 8debe8e) for the timed call; _pre computes the work list before the timed call;
+# while loop in the work list (before 8debe8e) for the timed call; _il / _st (session 62) one half of the layout;
+# _pre computes the work list before the timed call;
 # _dense runs the ring on dense w1 / w3 (the model's layout) instead of interleaved step-tiled weights; "model" is
 # BF16_TILING (what api.moe runs, no rings) on dense w1 / w3. Session 61's "_xb" variants ran at 8debe8e with
 # dataclasses.replace(V[n], x_block_copies=True), a switch since removed.
@@ -26,11 +27,17 @@ V.update({n + "_pre": V[n] for n in list(V)})  # session 61: the work list (alig
 V.update({n + "_scan": V[n] for n in list(V) if not n.endswith("_pre")})  # session 61: searchsorted's while loop
 V["model"] = G.BF16_TILING  # session 61: what api.moe runs today (no rings), on dense w1 / w3
 V.update({n + "_dense": V[n] for n in ("x4", "w64_x3", "x4_cwcu", "w64_x3_cwcu")})  # the rings on dense w1 / w3
+# session 62: which half of the layout matters: _il interleaved but not step-tiled, _st w1 / w3 each step-tiled
+V.update({n + sfx: V[n] for n in ("x4", "w64_x3") for sfx in ("_il", "_st")})
 want = sys.argv[2].split(",")
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 15
 b = torch.cat([torch.from_dlpack(w1), torch.from_dlpack(w3)], 1).transpose(1, 2).contiguous()
 layouts = {bn: jax.block_until_ready(G.tile_by_step(G.interleave(w1, w3, bn), 2 * bn, 64))
            for bn in sorted({V[n].block_n for n in want})}
+il = {bn: jax.block_until_ready(G.interleave(w1, w3, bn))
+      for bn in sorted({V[n].block_n for n in want if n.endswith("_il")})}
+st = {bn: jax.block_until_ready((G.tile_by_step(w1, bn, 64), G.tile_by_step(w3, bn, 64)))
+      for bn in sorted({V[n].block_n for n in want if n.endswith("_st")})}
 if not any(n == "model" or n.endswith("_dense") for n in want):
   del w1, w3
 for S, kind in cells:
@@ -47,7 +54,7 @@ for S, kind in cells:
     t = V[name]
     xs = G.sorted_rows(x, r, t.block_m)
     f = jax.jit(lambda xs, w, r, t=t: G.gate_up_wgmma(xs, w, None, r, swiglu_limit=10.0, tiling=t, rows_sorted=True))
-    if name == "model" or name.endswith("_dense"):
+    if name == "model" or name.endswith(("_dense", "_st")):
       f = jax.jit(lambda xs, w, r, t=t: G.gate_up_wgmma(xs, *w, r, swiglu_limit=10.0, tiling=t, rows_sorted=True))
     if name.endswith("_pre"):
       items = jax.block_until_ready(jax.jit(G.aligned_items, static_argnums=1)(r, t.block_m))
@@ -70,7 +77,8 @@ for S, kind in cells:
           jnp.searchsorted = keep
       f = jax.jit(scan)
     try:
-      wt = (w1, w3) if name == "model" or name.endswith("_dense") else layouts[t.block_n]
+      wt = ((w1, w3) if name == "model" or name.endswith("_dense") else il[t.block_n] if name.endswith("_il")
+            else st[t.block_n] if name.endswith("_st") else layouts[t.block_n])
       h = f(xs, wt, r)
       rows = int(r.num_rows[0])
       hh = h[:rows].astype(jnp.float32)

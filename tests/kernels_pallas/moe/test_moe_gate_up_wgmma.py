@@ -203,7 +203,8 @@ def test_gate_up_wgmma_rejects_bad_input(rng):
     (128, 64, 1, "dense"), (64, 128, 2, "dense"), (128, 64, 2, "interleaved"), (128, 64, 1, "mix"),
     (128, 64, 2, "mix h plane_rows"), (128, 64, 1, "interleaved step-tiled"),
     (128, 64, 1, "interleaved step-tiled rings"),
-    (64, 128, 1, "interleaved step-tiled rings"), (128, 64, 1, "interleaved step-tiled rings copy_warp carried")])
+    (64, 128, 1, "interleaved step-tiled rings"), (128, 64, 1, "interleaved step-tiled rings copy_warp carried"),
+    (128, 64, 1, "dense rings"), (64, 128, 1, "dense rings")])
 def test_gate_up_wgmma_lowers_for_sm90_at_v4_flash_shapes(wg_rows, block_n, cluster, weights):
   # Offline (no GPU): Mosaic GPU's layout inference and its 227 KiB shared-memory check run in the lowering.
   S, K, E_, D_, I_ = 8192, 6, 256, 4096, 2048
