@@ -68,7 +68,9 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
     "w128_n64_i_t_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), True, True),
     "w64_n128_i_t_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), True, True),
     "w64_n128_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), False, False),  # the model's layout
+    "w128_n64_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), False, False),
 }
+# "default": what api.moe runs on bf16 W1/W3 (gate_up_wgmma.default_tiling at the mean rows per expert, dense stacks)
 
 # Also measured and dropped: (c9ea423) the x4 and w64_n128 rings with K steps of 128 and two slots per ring (H100,
 # presorted: 5.19 and 5.99 against 3.51 ms for x4 at 8192 uniform, 17.96 and 18.43 against 10.83 ms for w64_n128 at
@@ -130,9 +132,9 @@ def wanted(name: str) -> bool:
   return not _ONLY.value or any(name == o[:-1] if o.endswith("$") else name.startswith(o) for o in _ONLY.value)
 
 
-def wgmma_weights(tiling: str, w1, w3) -> tuple:
-  """(w1, w3) in the layout of the WGMMA_TILINGS entry `tiling` (copies made before timing, as weights stationary)."""
-  t, interleaved, step_tiled = WGMMA_TILINGS[tiling]
+def wgmma_weights(entry: tuple, w1, w3) -> tuple:
+  """(w1, w3) in the layout of a WGMMA_TILINGS entry (copies made before timing, as weights stationary)."""
+  t, interleaved, step_tiled = entry
   ws = (jax.jit(gate_up_wgmma.interleave, static_argnums=2)(w1, w3, t.block_n), None) if interleaved else (w1, w3)
   if step_tiled:
     ws = tuple(w if w is None else jax.jit(gate_up_wgmma.tile_by_step, static_argnums=(1, 2))(
@@ -268,11 +270,13 @@ def main(argv):
       measure("ours_rocmfp2_mix decode kernel + bf16 gate_up", lambda x, a, b, r: gu(x, dq(a), dq(b), r), x, q1, q3, r)
       if not _SMOKE.value and jax.default_backend() == "gpu":
         h_triton = jax.jit(gu)(x, w1, w3, r)
-        for tname, (t, _, _) in WGMMA_TILINGS.items():
+        default = (gate_up_wgmma.default_tiling(-(-S * K // E), False, I), False, False)
+        for tname, entry in {**WGMMA_TILINGS, "default": default}.items():
+          t = entry[0]
           name = f"ours_wgmma_bf16_gate_up {tname}"
           if not (wanted(name) or wanted(name + " presorted")):
             continue
-          ws = wgmma_weights(tname, w1, w3)
+          ws = wgmma_weights(entry, w1, w3)
           gw = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
           try:  # parity against our Triton gate/up on the valid rows (both bf16 h, f32 accumulation)
             rows = int(r.num_rows[0])

@@ -75,7 +75,8 @@ def main(argv):
       elif fmt == "mix":
         t, args = bench_moe.WGMMA_MIX_TILINGS[name], (x, m1, m3, r)
       else:
-        t, args = bench_moe.WGMMA_TILINGS[name][0], (x, *bench_moe.wgmma_weights(name, w1, w3), r)
+        entry = bench_moe.WGMMA_TILINGS[name]
+        t, args = entry[0], (x, *bench_moe.wgmma_weights(entry, w1, w3), r)
       if fmt != "down":
         call = lambda x, a, b, r, t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
       t = dataclasses.replace(t, stages=int(stages) or t.stages)

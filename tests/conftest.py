@@ -14,6 +14,8 @@ feature set, the exact path too; 6.6 s to the logits without it). The CPU pipeli
 Each worker on a core of its own from its start (XLA's CPU pools then have one thread) took test_qualification.py
 from 88 to 63 CPU s (2026-12-06), but Mosaic GPU's interpreter then deadlocks: its warpgroup threads block inside
 callbacks that hold the pool's only thread. Pinned after jax starts, the pools' threads share one core: 2x slower.
+The same deadlock hit the bf16 rings under an outer jit on 2 cores (2026-12-07): the thread running the kernel's
+callback and one warpgroup's barrier wait held both threads of the CPU client's pool, so PJRT_NPROC gives it 8 at least.
 """
 
 import os
@@ -26,6 +28,7 @@ if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 if "xla_disable_hlo_passes" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=priority-fusion").strip()
+os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))  # read when jax starts its CPU client
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

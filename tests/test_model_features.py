@@ -206,6 +206,7 @@ def test_quantized_model_fused_and_dequantize_first_paths(policy, seed):
     assert dtypes == {"float32", "int32"}, f"{kernel} reads {dtypes} with the weights dequantized first"
 
 
+WGMMA_ROWS = 64  # a wgmma's rows: one register accumulator per 64-row block
 WGMMA_NMSE = 1e-9  # two bf16 paths on the same decoded bits: only the order of the K sums and h's rounding differ
 
 
@@ -235,6 +236,13 @@ def test_wgmma_gate_up_and_down_in_the_model(seed):
   [(routes, inter)] = outs(dataclasses.replace(wgmma, moe_wgmma_down=False))
   block_m = down_wgmma.default_tiling(-(-routes // one.n_routed_experts)).block_m
   assert outs(wgmma) == [(gate_up_wgmma.padded_rows(routes, block_m), inter)] and inter == 256
+  # on bf16 W1/W3 it runs a ring (default_tiling): one register accumulator of 64 x 2·block_n per 64-row block (the
+  # pipeline without rings holds two of 64 x block_n); the down is Triton's there, so these are the gate/up's
+  ring = gate_up_wgmma.default_tiling(-(-routes // one.n_routed_experts), False, inter)
+  accumulators = [v.aval.shape for e in features.traced_eqns(lambda t: m(t, features=decoded), jnp.asarray(TOKENS))
+                  if e.primitive.name == "run_scoped" for v in e.params["jaxpr"].invars
+                  if str(v.aval.memory_space) == "regs"]
+  assert ring.x_stages and accumulators == [(WGMMA_ROWS, 2 * ring.block_n)] * (ring.wg_rows // WGMMA_ROWS)
   logits = lambda f: np.asarray(prefill.prefill(m, TOKENS, f, all_logits=True))
   ref = logits(triton)
   err, err_decoded = nmse(logits(wgmma), ref), nmse(logits(decoded), ref)

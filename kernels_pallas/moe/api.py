@@ -226,8 +226,8 @@ def _gate_up_on_wgmma(x, w1, w3, r, *, swiglu_limit, h_plane_rows, num_cores, in
   Mosaic down's plane_rows when `h_plane_rows` is given."""
   mix = not isinstance(w1, DenseWeights)
   ws = [gate_up_wgmma.mix_stack(w.storage) if mix else w.w for w in (w1, w3)]
-  E = w1.shape[0]
-  tiling = gate_up_wgmma.default_tiling(-(-r.num_routes // E), mix)
+  E, I, _ = w1.shape
+  tiling = gate_up_wgmma.default_tiling(-(-r.num_routes // E), mix, I)
   return gate_up_wgmma.gate_up_wgmma(x, *ws, r, swiglu_limit=swiglu_limit, tiling=tiling, h_plane_rows=h_plane_rows,
                                      num_sms=_wgmma_programs(num_cores, interpret), interpret=interpret or None)
 

@@ -40,7 +40,7 @@ class Config:
                 tiles of an item run together, so its activation tile is read once) measured 14% faster than
                 "item" on the H200 at V4-Flash shapes (8192 tokens: 6.8 vs 8.0 ms; down 2.3 vs 3.2 ms).
   gate_up_kernel "triton" (gate_up.py, every platform) or "wgmma" (gate_up_wgmma.py: Mosaic GPU, sm_90; bf16
-                x, W1/W3 bf16 or FP2-MIX, at its own tiling `gate_up_wgmma.default_tiling`).
+                x, W1/W3 bf16 or FP2-MIX, at its own tiling `gate_up_wgmma.default_tiling`: on bf16 a ring).
   down_kernel   "triton" (down.py) or "wgmma" (down_wgmma.py: Mosaic GPU, sm_90; bf16 h, FP3-MIX W2, at
                 `down_wgmma.default_tiling`). The combine and the shared expert are Triton's either way.
   """

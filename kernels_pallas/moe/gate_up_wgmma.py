@@ -138,15 +138,23 @@ class Tiling:
 # w128 n64 (8192: 3.99 ms on the H200).
 MIX_TILING = Tiling(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2)
 MIX_TILING_FEW_ROWS = Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128)
+# bf16 on the model's dense W1 / W3: the separate x and weight rings, timed in turns with torch._grouped_mm on H100s
+# (BENCHMARKS.md, sessions 56-63). RING_X4 won at about 192 rows per expert (8192 tokens, uniform routing), RING_W64
+# at more (32768) and fewer (512, 2048); both beat BF16_TILING, the pipeline without rings, at 32768 tokens.
+RING_X4 = Tiling(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1)
+RING_W64 = Tiling(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1)
 BF16_TILING = Tiling(wg_rows=128, block_n=64)
 KERNEL_NAME = "moe_gate_up_wgmma"
 
 
-def default_tiling(rows_per_expert: int, mix: bool) -> Tiling:
-  """The tiling `api.moe` runs this kernel at, by the mean rows per expert and the weights' format."""
-  if not mix:
-    return BF16_TILING
-  return MIX_TILING if rows_per_expert > 64 else MIX_TILING_FEW_ROWS
+def default_tiling(rows_per_expert: int, mix: bool, intermediate: int) -> Tiling:
+  """The tiling `api.moe` runs this kernel at, by the mean rows per expert, the weights' format and I (RING_W64's
+  N tile takes I a multiple of 128)."""
+  if mix:
+    return MIX_TILING if rows_per_expert > 64 else MIX_TILING_FEW_ROWS
+  if 128 < rows_per_expert <= 256 or intermediate % RING_W64.block_n:
+    return RING_X4
+  return RING_W64
 
 
 class Items(NamedTuple):

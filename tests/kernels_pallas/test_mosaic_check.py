@@ -26,7 +26,6 @@ SDS = jax.ShapeDtypeStruct
 ROUTES = jax.eval_shape(lambda i: routing.route(i, E, 128), SDS((S, K), jnp.int32))
 MIX = gate_up.MixStack(SDS((E, I, D // 4), jnp.uint8), SDS((E, I, D // 16), jnp.uint8), SDS((E, 2, 4), jnp.float32))
 BF16 = SDS((E, I, D), jnp.bfloat16)
-RING = gate_up.Tiling(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1)  # bench_moe's w64_n128_x3
 
 
 def modules(fn, *args) -> list[bytes]:
@@ -61,7 +60,8 @@ def mla_kernel(precision) -> bytes:
 SHIPPED = {
     "gate_up FP2-MIX (default_tiling, > 64 rows an expert)": lambda: gate_up_kernel(MIX, gate_up.MIX_TILING),
     "gate_up FP2-MIX (default_tiling, few rows)": lambda: gate_up_kernel(MIX, gate_up.MIX_TILING_FEW_ROWS),
-    "gate_up bf16 rings (w64_n128_x3)": lambda: gate_up_kernel(BF16, RING),
+    "gate_up bf16 rings (default_tiling, RING_W64)": lambda: gate_up_kernel(BF16, gate_up.RING_W64),
+    "gate_up bf16 rings (default_tiling, RING_X4)": lambda: gate_up_kernel(BF16, gate_up.RING_X4),
     "down FP3-MIX (TILING)": lambda: down_kernel(down.TILING),
     "down FP3-MIX (TILING_FEW_ROWS)": lambda: down_kernel(down.TILING_FEW_ROWS),
     "MLA bf16": lambda: mla_kernel("bf16"),

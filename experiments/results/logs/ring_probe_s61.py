@@ -32,8 +32,9 @@ V.update({n + sfx: V[n] for n in ("x4", "w64_x3") for sfx in ("_il", "_st")})
 want = sys.argv[2].split(",")
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 15
 b = torch.cat([torch.from_dlpack(w1), torch.from_dlpack(w3)], 1).transpose(1, 2).contiguous()
+dense = lambda n: n == "model" or n.endswith("_dense")  # session 63: no step-tiled copy for these
 layouts = {bn: jax.block_until_ready(G.tile_by_step(G.interleave(w1, w3, bn), 2 * bn, 64))
-           for bn in sorted({V[n].block_n for n in want})}
+           for bn in sorted({V[n].block_n for n in want if not dense(n) and not n.endswith(("_il", "_st"))})}
 il = {bn: jax.block_until_ready(G.interleave(w1, w3, bn))
       for bn in sorted({V[n].block_n for n in want if n.endswith("_il")})}
 st = {bn: jax.block_until_ready((G.tile_by_step(w1, bn, 64), G.tile_by_step(w3, bn, 64)))

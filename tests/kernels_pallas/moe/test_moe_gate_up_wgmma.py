@@ -27,10 +27,10 @@ from ds4jax.metrics import nmse
 from ds4jax.quant import formats, rocmfp2_mix, ue4m3
 from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
-from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, ROW_ALIGN, MixStack, Tiling, aligned_items, as_plane_rows,
-                                              decode_planes, expert_levels, gate_up_wgmma, gather_rows, interleave,
-                                              mix_stack, padded_rows, prmt_selectors, rows_by_plane, sorted_rows,
-                                              tile_by_step)
+from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, RING_W64, RING_X4, ROW_ALIGN, MixStack, Tiling,
+                                              aligned_items, as_plane_rows, decode_planes, default_tiling,
+                                              expert_levels, gate_up_wgmma, gather_rows, interleave, mix_stack,
+                                              padded_rows, prmt_selectors, rows_by_plane, sorted_rows, tile_by_step)
 
 ON_GPU = jax.default_backend() == "gpu"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
@@ -113,7 +113,8 @@ def test_gate_up_wgmma_reads_step_tiled_weights(rng, interleaved, cluster, order
 
 
 @pytest.mark.parametrize("x_stages,stages,in_flight,interleaved,step_tiled,copy_warp,carried_units", [
-    (2, 3, 1, True, True, False, False), (1, 2, 0, False, False, True, True)])
+    (2, 3, 1, True, True, False, False), (1, 2, 0, False, False, True, True),
+    (4, 4, 1, False, False, False, False)])  # the last: RING_X4 on dense stacks, as default_tiling picks it
 def test_gate_up_wgmma_with_separate_x_and_weight_rings(rng, x_stages, stages, in_flight, interleaved, step_tiled,
                                                          copy_warp, carried_units):
   # _ring_kernel. Skewed routes (expert 0 ~340 rows, the others ~50-190), so with 128-row warpgroups a warpgroup
@@ -135,6 +136,16 @@ def test_gate_up_wgmma_with_separate_x_and_weight_rings(rng, x_stages, stages, i
               dict(x_stages=0, mma_in_flight=0, copy_warp=True), dict(x_stages=0, mma_in_flight=0, carried_units=True)):
     with pytest.raises(ValueError, match="separate x and weight rings"):
       gate_up_wgmma(x, w1, w3, r, swiglu_limit=LIMIT, tiling=dataclasses.replace(t, **bad), interpret=interpret())
+
+
+def test_default_tiling_picks_a_ring_on_bf16_weights():
+  # the H100 measurements in turns with torch._grouped_mm (BENCHMARKS.md, session 63): RING_X4 at about 192 rows per
+  # expert (8192 tokens of V4-Flash), RING_W64 at 12, 48 and 768 (512, 2048, 32768 tokens) unless I is not a multiple
+  # of its 128-column N tile; FP2-MIX weights keep their own tilings
+  assert default_tiling(192, False, 2048) == RING_X4 and RING_X4.x_stages
+  assert [default_tiling(rows, False, 2048) for rows in (12, 48, 768)] == [RING_W64] * 3 and RING_W64.x_stages
+  assert default_tiling(768, False, 192) == RING_X4
+  assert default_tiling(768, True, 2048) == MIX_TILING
 
 
 def test_gate_up_wgmma_keeps_a_nan_weight(rng):
