@@ -358,6 +358,9 @@ def main(argv):
         measure("ours_mix_moe wgmma gate/up + down", full_moe(dataclasses.replace(cfg, gate_up_kernel="wgmma",
                                                                                   down_kernel="wgmma")),
                 x, rw, ids, q1, q2, q3, flops=moe_flops)
+        # under moe_wgmma_gate_up without moe_sparse_gate_up: W1/W3 decoded beforehand, the Mosaic gate/up's ring
+        measure("ours_bf16_moe wgmma gate/up", full_moe(dataclasses.replace(cfg, gate_up_kernel="wgmma")),
+                x, rw, ids, w1, w2, w3, flops=moe_flops)
       for switch, change in ABLATIONS.items():  # one switch changed at a time, whole bf16 MoE, same inputs
         measure(f"ours_bf16_moe {switch}", full_moe(dataclasses.replace(cfg, **change)), x, rw, ids, w1, w2, w3,
                 flops=moe_flops)
