@@ -68,7 +68,6 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
     "w128_n64_i_t_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), True, True),
     "w64_n128_i_t_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), True, True),
     "w64_n128_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), False, False),  # the model's layout
-    "w128_n64_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), False, False),
 }
 # "default": what api.moe runs on bf16 W1/W3 (gate_up_wgmma.default_tiling at the mean rows per expert, dense stacks)
 

@@ -140,7 +140,7 @@ MIX_TILING = Tiling(wg_rows=128, block_n=64, stages=3, mma_rows=256, cluster=2)
 MIX_TILING_FEW_ROWS = Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128)
 # bf16 on the model's dense W1 / W3: the separate x and weight rings, timed in turns with torch._grouped_mm on H100s
 # (BENCHMARKS.md, sessions 56-63). RING_X4 won at about 192 rows per expert (8192 tokens, uniform routing), RING_W64
-# at more (32768) and fewer (512, 2048); both beat BF16_TILING, the pipeline without rings, at 32768 tokens.
+# at more (32768) and fewer (512, 2048); the one picked beat BF16_TILING (the pipeline without rings) in every cell.
 RING_X4 = Tiling(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1)
 RING_W64 = Tiling(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1)
 BF16_TILING = Tiling(wg_rows=128, block_n=64)
