@@ -16,6 +16,7 @@ bottleneck. Results are rewritten after each run, and a run that fails (out of m
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -43,6 +44,8 @@ _WITHOUT = flags.DEFINE_list("without", [], "Also run with each of these switche
 _PRECOMPILE = flags.DEFINE_integer("precompile_workers", 0, "> 0: compile every layer program first, this many at "
                                    "a time (as the qualification does).")
 _TRACE = flags.DEFINE_boolean("trace", True, "Trace one prefill per run and sum its kernels.")
+_LAYERS = flags.DEFINE_integer("layers", 0, "> 0: the preset's first this many layers only (V4-Flash on a GPU it "
+                               "does not fit whole; each layer as in the full model).")
 _OUT = flags.DEFINE_string("out", None, "Results JSON.")
 flags_lib.define_quant_policy_flag()
 flags_lib.define_feature_flags()
@@ -54,6 +57,9 @@ def main(argv):
   device_memory.claim()  # before JAX starts its backend
   fv = flags.FLAGS
   cfg = config_lib.preset(_PRESET.value)
+  if _LAYERS.value:
+    layers = min(_LAYERS.value, cfg.num_layers)
+    cfg = dataclasses.replace(cfg, attention=cfg.attention[:layers], routing=cfg.routing[:layers])
   lengths = [int(t) for t in _TOKENS.value]
   # The defaults may differ by length (one-band prompts: features.Capability.when), so each length has its own.
   by_length = {n: flags_lib.features_from_flags(fv, cfg=cfg, policy=fv.quant_policy, tokens=n) for n in lengths}
@@ -67,7 +73,7 @@ def main(argv):
   rng = np.random.default_rng(_SEED.value)
   tokens = rng.integers(0, cfg.vocab_size, max(lengths))
   record = dict(run_record.environment(), what="prefill device time by kernel (experiments/trace_prefill.py)",
-                preset=cfg.name, quant_policy=fv.quant_policy,
+                preset=cfg.name, layers=cfg.num_layers, quant_policy=fv.quant_policy,
                 variants={name: f.on() for name, f in variants[lengths[0]].items()},
                 switch_states={name: features_lib.switch_states(f) for name, f in variants[lengths[0]].items()},
                 runs=[])

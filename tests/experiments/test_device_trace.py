@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from ds4jax import config
 from experiments import device_trace
 
 
@@ -59,16 +60,16 @@ def test_read_trace_finds_the_one_trace_file(tmp_path):
 
 def test_trace_prefill_times_each_feature_set_and_records_it(tmp_path):
   """The entry point on a CPU: one run per feature set (the flags', then each --without), written to --out; on a
-  mesh of one device (the sharded MoE's code path)."""
+  mesh of one device (the sharded MoE's code path); the preset's first layer only (--layers)."""
   out = tmp_path / "trace.json"
   subprocess.run([sys.executable, "-m", "experiments.trace_prefill", "--preset=tiny_window", "--quant_policy=bf16",
                   "--tokens=16", "--repeats=1", "--prefill_band_tokens=8", "--prefill_weights_stationary",
-                  "--without=prefill_weights_stationary", "--mesh=expert=1", f"--out={out}"], check=True,
+                  "--without=prefill_weights_stationary", "--mesh=expert=1", "--layers=1", f"--out={out}"], check=True,
                  capture_output=True,
                  env={**os.environ, "JAX_PLATFORMS": "cpu"})
   record = json.loads(out.read_text())
   assert record["variants"] == {"flags": ["prefill_weights_stationary"], "without_prefill_weights_stationary": []}
-  assert record["mesh"] == "expert=1"
+  assert record["mesh"] == "expert=1" and record["layers"] == 1 < config.tiny_window().num_layers
   runs = {r["variant"]: r for r in record["runs"]}
   assert set(runs) == {"flags", "without_prefill_weights_stationary"}
   for r in runs.values():
