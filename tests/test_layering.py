@@ -5,7 +5,10 @@ between them. A `from P import N` counts as an import of P.N when that is a modu
 """
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -139,3 +142,15 @@ def test_the_checks_catch_planted_violations(modules):
   assert check_local_imports(g) == ["ds4jax.moe:7 imports kernels_pallas.moe inside a function"]
   tree = ast.parse("def f():\n  from ds4jax import model\n")
   assert imports(tree, modules) == [("ds4jax.model", 2, False)]
+
+
+def test_importing_the_kernels_widens_the_interpreters_thread_pool():
+  """kernels_pallas (imported by every kernel and by the model) sets PJRT_NPROC (≥ 8) before jax starts its CPU
+  client, so Mosaic GPU's interpreter cannot deadlock on a 2-core machine (docs/lowering.md §2) whatever entry point
+  runs it; a value the user set is kept."""
+  code = "import os, kernels_pallas; print(os.environ.get('PJRT_NPROC'))"
+  env = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"} | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+  run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120,
+                                 check=True).stdout.split()[-1]
+  assert int(run(env)) >= 8
+  assert run(env | {"PJRT_NPROC": "3"}) == "3"
