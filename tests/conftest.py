@@ -16,6 +16,14 @@ from 88 to 63 CPU s (2026-12-06), but Mosaic GPU's interpreter then deadlocks: i
 callbacks that hold the pool's only thread. Pinned after jax starts, the pools' threads share one core: 2x slower.
 The same deadlock hit the bf16 rings under an outer jit on 2 cores (2026-12-07): the thread running the kernel's
 callback and one warpgroup's barrier wait held both threads of the CPU client's pool, so PJRT_NPROC gives it 8 at least.
+2026-12-07 (937-950 s on 2 cores, 1823 worker-s): XLA's backend compile is 71% of test_prefill.py alone; perf puts
+about two thirds of XLA CPU's fusion compile in making an MLIR context per fusion (loading every dialect, building
+the canonicalizer's patterns). No setting cut it: emitter verification 0, LLVM's expensive passes off, one codegen
+split, the xtile lowering either way, platform-dependent math off, larger gc thresholds, PJRT_NPROC 1 / 2 / 3 / 8,
+each worker pinned to a core (test_qualification.py 104 CPU s either way now), and caching every compile however
+short (990 s). Cutting the suite further means fewer distinct programs, or smaller ones: a Pallas kernel in
+interpret mode is a large program (each case of test_every_supported_switch_matches_the_reference compiles one in
+3-5 s).
 """
 
 import os
