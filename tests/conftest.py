@@ -15,7 +15,8 @@ Each worker on a core of its own from its start (XLA's CPU pools then have one t
 from 88 to 63 CPU s (2026-12-06), but Mosaic GPU's interpreter then deadlocks: its warpgroup threads block inside
 callbacks that hold the pool's only thread. Pinned after jax starts, the pools' threads share one core: 2x slower.
 The same deadlock hit the bf16 rings under an outer jit on 2 cores (2026-12-07): the thread running the kernel's
-callback and one warpgroup's barrier wait held both threads of the CPU client's pool, so PJRT_NPROC gives it 8 at least.
+callback and one warpgroup's barrier wait held both threads of the CPU client's pool, so PJRT_NPROC gives it 8 at least
+(kernels_pallas sets it on import; imported here, before any test module can start jax's CPU client).
 2026-12-07 (937-950 s on 2 cores, 1823 worker-s): XLA's backend compile is 71% of test_prefill.py alone; perf puts
 about two thirds of XLA CPU's fusion compile in making an MLIR context per fusion (loading every dialect, building
 the canonicalizer's patterns). No setting cut it: emitter verification 0, LLVM's expensive passes off, one codegen
@@ -36,11 +37,11 @@ if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 if "xla_disable_hlo_passes" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=priority-fusion").strip()
-os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))  # read when jax starts its CPU client
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import kernels_pallas  # noqa: E402,F401  (PJRT_NPROC)
 from tests import async_wgmma  # noqa: E402
 
 async_wgmma.install()  # the Mosaic GPU kernels' wgmmas run as late as on the GPU (tests/async_wgmma.py)
