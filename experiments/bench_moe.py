@@ -22,6 +22,7 @@ Results are rewritten after every measurement, so a crash or OOM loses nothing a
 """
 
 import dataclasses
+import functools
 import statistics
 
 import jax
@@ -56,7 +57,7 @@ ABLATIONS = {"moe_adaptive_tile off": dict(adaptive_tile=False), "moe_compact_qu
 # "_t": that stack stored step by step (tile_by_step: each step's weight box one contiguous 16 KB, where a strided box
 # reads 128 pieces of 128 bytes; made before timing too). It runs where a Hopper GPU is (not in --smoke).
 _T = gate_up_wgmma.Tiling
-WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
+WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled: True, False or "ring")
     "w128_n64_s4": (_T(wg_rows=128, block_n=64), False, False),
     "w128_n64_s4_i": (_T(wg_rows=128, block_n=64), True, False),
     "w128_n64_s4_i_t": (_T(wg_rows=128, block_n=64), True, True),
@@ -68,8 +69,12 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled)
     "w128_n64_i_t_x4": (_T(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1), True, True),
     "w64_n128_i_t_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), True, True),
     "w64_n128_x3": (_T(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1), False, False),  # the model's layout
+    # "ring": separate W1 / W3 stacks in gate_up_wgmma.ring_layout (64-row step boxes), which both rings read
+    "x4_ring_layout": (gate_up_wgmma.RING_X4, False, "ring"),
+    "w64_ring_layout": (gate_up_wgmma.RING_W64, False, "ring"),
 }
-# "default": what api.moe runs on bf16 W1/W3 (gate_up_wgmma.default_tiling at the mean rows per expert, dense stacks)
+# "default": what api.moe runs on bf16 W1/W3 (gate_up_wgmma.default_tiling at the mean rows per expert, dense stacks);
+# "default_ring_layout": the same tiling on ring_layout's stacks
 
 # Also measured and dropped: (c9ea423) the x4 and w64_n128 rings with K steps of 128 and two slots per ring (H100,
 # presorted: 5.19 and 5.99 against 3.51 ms for x4 at 8192 uniform, 17.96 and 18.43 against 10.83 ms for w64_n128 at
@@ -126,6 +131,18 @@ FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
 
 
+BY_LOAD = "by_load"  # a contender's tiling: gate_up_wgmma.gate_up_ring_by_load's pick between the two rings
+
+
+def bf16_wgmma_gate_up(t):
+  """The Mosaic gate/up on bf16 weights at tiling t (or BY_LOAD) as f(x, a, b, r, rows_sorted=False)."""
+  if t == BY_LOAD:
+    return lambda x, a, b, r, rows_sorted=False: gate_up_wgmma.gate_up_ring_by_load(
+        x, a, b, r, swiglu_limit=10.0, rows_sorted=rows_sorted)
+  return lambda x, a, b, r, rows_sorted=False: gate_up_wgmma.gate_up_wgmma(
+      x, a, b, r, swiglu_limit=10.0, tiling=t, rows_sorted=rows_sorted)
+
+
 def wanted(name: str) -> bool:
   """Whether --only picks the contender `name`."""
   return not _ONLY.value or any(name == o[:-1] if o.endswith("$") else name.startswith(o) for o in _ONLY.value)
@@ -134,6 +151,8 @@ def wanted(name: str) -> bool:
 def wgmma_weights(entry: tuple, w1, w3) -> tuple:
   """(w1, w3) in the layout of a WGMMA_TILINGS entry (copies made before timing, as weights stationary)."""
   t, interleaved, step_tiled = entry
+  if step_tiled == "ring":
+    return tuple(jax.jit(gate_up_wgmma.ring_layout)(w) for w in (w1, w3))
   ws = (jax.jit(gate_up_wgmma.interleave, static_argnums=2)(w1, w3, t.block_n), None) if interleaved else (w1, w3)
   if step_tiled:
     ws = tuple(w if w is None else jax.jit(gate_up_wgmma.tile_by_step, static_argnums=(1, 2))(
@@ -269,14 +288,20 @@ def main(argv):
       measure("ours_rocmfp2_mix decode kernel + bf16 gate_up", lambda x, a, b, r: gu(x, dq(a), dq(b), r), x, q1, q3, r)
       if not _SMOKE.value and jax.default_backend() == "gpu":
         h_triton = jax.jit(gu)(x, w1, w3, r)
-        default = (gate_up_wgmma.default_tiling(-(-S * K // E), False, I), False, False)
-        for tname, entry in {**WGMMA_TILINGS, "default": default}.items():
+        picked = gate_up_wgmma.default_tiling(-(-S * K // E), False, I)
+        defaults = {"default": (picked, False, False), "default_ring_layout": (picked, False, "ring"),
+                    "by_load": (BY_LOAD, False, False), "by_load_ring_layout": (BY_LOAD, False, "ring")}
+        ring_ws = None  # one ring_layout copy for every contender that reads it (GPU memory)
+        for tname, entry in {**WGMMA_TILINGS, **defaults}.items():
           t = entry[0]
           name = f"ours_wgmma_bf16_gate_up {tname}"
           if not (wanted(name) or wanted(name + " presorted")):
             continue
-          ws = wgmma_weights(entry, w1, w3)
-          gw = lambda x, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(x, a, b, r, swiglu_limit=10.0, tiling=t)
+          if entry[2] == "ring":
+            ring_ws = ws = ring_ws or wgmma_weights(entry, w1, w3)
+          else:
+            ws = wgmma_weights(entry, w1, w3)
+          gw = bf16_wgmma_gate_up(t)
           try:  # parity against our Triton gate/up on the valid rows (both bf16 h, f32 accumulation)
             rows = int(r.num_rows[0])
             diff = float(nmse(jax.jit(gw)(x, *ws, r)[:rows].astype(jnp.float32),
@@ -285,9 +310,9 @@ def main(argv):
             save(base | dict(contender=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
           measure(name, gw, x, *ws, r, nmse_vs_triton=diff)
-          xs = gate_up_wgmma.sorted_rows(x, r, t.block_m)  # the kernel alone, as torch is timed: rows sorted before
-          measure(name + " presorted", lambda xs, a, b, r, t=t: gate_up_wgmma.gate_up_wgmma(
-              xs, a, b, r, swiglu_limit=10.0, tiling=t, rows_sorted=True), xs, *ws, r)
+          # the kernel alone, as torch is timed: rows sorted before
+          xs = gate_up_wgmma.sorted_rows(x, r, (gate_up_wgmma.RING_X4 if t == BY_LOAD else t).block_m)
+          measure(name + " presorted", functools.partial(gw, rows_sorted=True), xs, *ws, r)
           del ws, xs
         measure("wgmma sorted_rows", lambda x, r: gate_up_wgmma.sorted_rows(x, r, 128), x, r)
         # x's rows for the Mosaic gate/up: XLA's gather against the Pallas one it runs (bf16; FP2-MIX: plane_rows)

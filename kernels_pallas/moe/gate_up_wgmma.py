@@ -144,6 +144,9 @@ MIX_TILING_FEW_ROWS = Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128)
 RING_X4 = Tiling(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1)
 RING_W64 = Tiling(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1)
 BF16_TILING = Tiling(wg_rows=128, block_n=64)
+# Separate W1 / W3 stacks step-tiled in boxes of 64 rows (ring_layout): each step's box one contiguous 8 KB, read by
+# RING_X4 as one copy per projection and by RING_W64 as two, so one copy of the weights serves either ring.
+RING_BOX_ROWS = 64
 KERNEL_NAME = "moe_gate_up_wgmma"
 
 
@@ -669,7 +672,7 @@ def _kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs,
 
 
 def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *refs, t: Tiling, limit: float,
-                 n_tiles: int, d: int, step_tiled: bool, interpret: bool):
+                 n_tiles: int, d: int, step_tiled: bool, box_rows: int, interpret: bool):
   """The bf16 gate/up over two rings of shared-memory slots, one for x tiles and one for weight tiles, where _kernel
   has one ring of (x, W) slots. The weights stream from HBM and x from L2, and the weight stream was the slower
   (BENCHMARKS.md, session 40), so the copy warpgroup issues step g's weight copies with step g − lag's x copies,
@@ -680,11 +683,13 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
   tile), so each count runs its own loop with a static wait and no branch around a wgmma: with such a branch
   ptxas serializes every wgmma (C7511). A weight slot holds W1's and W3's tiles side by side, as interleave's stack
   does: two separate stacks (the model's dense W1 / W3) are two copies into one slot, and each 64-row block is one
-  wgmma of width 2 · block_n either way."""
+  wgmma of width 2 · block_n either way. Step-tiled stacks may hold boxes of fewer rows (box_rows) than a slot's
+  share: then each projection is block_n / box_rows copies of neighbouring N tiles (one layout for both rings)."""
   *w_gs, h_g = refs
   n_w = len(w_gs)
   w_rows, bk, sx, sw = 2 * t.block_n, t.block_k, t.x_stages, t.stages
-  copy_rows = w_rows // n_w  # rows of one copy: both projections from an interleaved stack, else one
+  copy_rows = w_rows // n_w  # a stack's rows in a slot: both projections from an interleaved stack, else one
+  boxes = copy_rows // box_rows if step_tiled else 1  # copies per stack and step
   steps, lag = d // bk, t.stages - t.x_stages
   swizzle = plgpu.find_swizzle(bk * jnp.dtype(BF16).itemsize * 8)
   tiles = (plgpu.TilingTransform((ROW_ALIGN, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle))
@@ -694,7 +699,7 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
                  out_smem=plgpu.SMEM((2, t.wg_rows, t.block_n), h_g.dtype),
                  x_full=plgpu.Barrier(num_arrivals=1, num_barriers=sx),
                  x_free=plgpu.Barrier(num_arrivals=2, num_barriers=sx),
-                 w_full=plgpu.Barrier(num_arrivals=n_w, num_barriers=sw),
+                 w_full=plgpu.Barrier(num_arrivals=n_w * boxes, num_barriers=sw),
                  w_free=plgpu.Barrier(num_arrivals=2, num_barriers=sw))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
@@ -714,9 +719,13 @@ def _ring_kernel(item_expert, item_x_start, item_lo, item_end, num_items, x_g, *
         e, s = item_expert[i], g % sw
         plgpu.barrier_wait(w_free.at[s])
         for p, w_g in enumerate(w_gs):
-          src = (w_g.at[e, j, pl.ds(k * copy_rows, copy_rows)] if step_tiled
-                 else w_g.at[e, pl.ds(j * copy_rows, copy_rows), pl.ds(k * bk, bk)])
-          plgpu.copy_gmem_to_smem(src, w_s.at[s, pl.ds(p * copy_rows, copy_rows)], w_full.at[s])
+          if step_tiled:
+            for q in range(boxes):
+              plgpu.copy_gmem_to_smem(w_g.at[e, j * boxes + q, pl.ds(k * box_rows, box_rows)],
+                                      w_s.at[s, pl.ds(p * copy_rows + q * box_rows, box_rows)], w_full.at[s])
+          else:
+            plgpu.copy_gmem_to_smem(w_g.at[e, pl.ds(j * copy_rows, copy_rows), pl.ds(k * bk, bk)],
+                                    w_s.at[s, pl.ds(p * copy_rows, copy_rows)], w_full.at[s])
 
       @pl.when(g >= lag)
       def _():
@@ -851,6 +860,33 @@ def tile_by_step(w, rows: int, block_k: int) -> jax.Array:
       E, N // rows, D // block_k * rows, block_k)
 
 
+# RING_X4 loses to RING_W64 where the load is skewed (BENCHMARKS.md, session 63: 8192 Zipf), as its 256-row items
+# pad small experts to more rows; the mean rows per expert cannot tell (192 in both routings at 8192 tokens).
+X4_MAX_PADDING = 1.1  # RING_X4 while its items' padded rows are at most this many times RING_W64's
+
+
+def x4_pads_little(r: Routing) -> jax.Array:
+  """Whether RING_X4's items pad the routes to at most X4_MAX_PADDING × RING_W64's rows (a device bool)."""
+  padded = lambda bm: jnp.sum(-(-r.group_sizes // bm) * bm)
+  return padded(RING_X4.block_m) <= X4_MAX_PADDING * padded(RING_W64.block_m)
+
+
+def gate_up_ring_by_load(x, w1, w3, r: Routing, *, swiglu_limit: float, num_sms: int = 132,
+                         rows_sorted: bool = False, interpret=None) -> jax.Array:
+  """gate_up_wgmma at RING_X4 or RING_W64, picked on the device by x4_pads_little (a conditional: both kernels are
+  compiled, one runs). Both read the same sorted rows (padded for RING_X4's larger row tile) and the same weights
+  (dense stacks, or ring_layout's). x as gate_up_wgmma's, with `rows_sorted` sorted_rows(x, r, RING_X4.block_m)."""
+  xs = x if rows_sorted else gather_rows(x, r, RING_X4.block_m, interpret=interpret is not None)
+  run = lambda t: lambda: gate_up_wgmma(xs, w1, w3, r, swiglu_limit=swiglu_limit, tiling=t, num_sms=num_sms,
+                                        rows_sorted=True, interpret=interpret)
+  return lax.cond(x4_pads_little(r), run(RING_X4), run(RING_W64))
+
+
+def ring_layout(w) -> jax.Array:
+  """A dense stack [E, N, D] as both rings read it contiguously: tile_by_step(w, RING_BOX_ROWS, 64)."""
+  return tile_by_step(w, RING_BOX_ROWS, Tiling.block_k)
+
+
 def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling = Tiling(), num_sms: int = 132,
                   rows_sorted: bool = False, h_plane_rows: int | None = None, interpret=None) -> jax.Array:
   """h [S·K, I] in sorted-row order (rows >= num_rows unspecified), as gate_up.gate_up. w1/w3: dense [E, I, D]; or
@@ -902,12 +938,18 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   D = x.shape[1]
   step_tiled = not mix and w1.ndim == 4  # tile_by_step's layout
   w_rows = t.block_n * (2 if w3 is None else 1)
+  box_rows = w_rows
   if step_tiled:
-    want = (w1.shape[0], w1.shape[1], D // t.block_k * w_rows, t.block_k)
+    # the rings also take separate stacks in boxes of fewer rows (RING_BOX_ROWS: one layout for both rings)
+    if t.x_stages and w3 is not None and D % t.block_k == 0 and w1.shape[2] % (D // t.block_k) == 0:
+      fewer = w1.shape[2] // (D // t.block_k)
+      box_rows = fewer if fewer % ROW_ALIGN == 0 and w_rows % fewer == 0 else w_rows
+    want = (w1.shape[0], w1.shape[1], D // t.block_k * box_rows, t.block_k)
     if D % t.block_k or tuple(w1.shape) != want or (w3 is not None and tuple(w3.shape) != want):
       raise ValueError(f"step-tiled w1 {tuple(w1.shape)} / w3 {None if w3 is None else tuple(w3.shape)} must be "
-                       f"tile_by_step(w, {w_rows}, {t.block_k}) of [E, N, {D}]: {want}")
-    I, Dw = w1.shape[1] * w_rows, D
+                       f"tile_by_step(w, {w_rows}, {t.block_k}) of [E, N, {D}]: {want} (the rings also take "
+                       f"separate stacks in boxes of a divisor of {w_rows} rows, a multiple of {ROW_ALIGN})")
+    I, Dw = w1.shape[1] * box_rows, D
   else:
     _, I, Dw = w1.shape
   if w3 is None:
@@ -929,7 +971,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   body = functools.partial(_kernel, max_items=items.expert.shape[0], mix=mix,
                            lhs_in_smem=interpret not in (None, False), plane_ordered_rows=plane_ordered_rows)
   if t.x_stages:
-    body = functools.partial(_ring_kernel, interpret=interpret not in (None, False))
+    body = functools.partial(_ring_kernel, box_rows=box_rows, interpret=interpret not in (None, False))
   kernel = plgpu.kernel(
       functools.partial(body, t=t, limit=float(swiglu_limit), n_tiles=I // t.block_n, d=D, step_tiled=step_tiled),
       out_type=jax.ShapeDtypeStruct(out_shape, x.dtype), grid=(num_sms // t.cluster,), grid_names=("sm",),

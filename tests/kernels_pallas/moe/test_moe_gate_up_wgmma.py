@@ -27,10 +27,13 @@ from ds4jax.metrics import nmse
 from ds4jax.quant import formats, rocmfp2_mix, ue4m3
 from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
+from kernels_pallas.moe import gate_up_wgmma as gate_up_wgmma_module
 from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, RING_W64, RING_X4, ROW_ALIGN, MixStack, Tiling,
                                               aligned_items, as_plane_rows, decode_planes, default_tiling,
-                                              expert_levels, gate_up_wgmma, gather_rows, interleave, mix_stack,
-                                              padded_rows, prmt_selectors, rows_by_plane, sorted_rows, tile_by_step)
+                                              expert_levels, gate_up_ring_by_load, gate_up_wgmma, gather_rows,
+                                              interleave, mix_stack,
+                                              padded_rows, prmt_selectors, ring_layout, rows_by_plane, sorted_rows,
+                                              tile_by_step)
 
 ON_GPU = jax.default_backend() == "gpu"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
@@ -63,10 +66,12 @@ def problem(rng, S, K, *, mask_every=0, empty=(), inter=I, d=D):
 
 
 def check(x, w1, w3, ids, t: Tiling, num_sms: int, interleaved=False, step_tiled=False):
+  """step_tiled: True (boxes of a slot's rows) or a layout function of one stack."""
   r = routing.route(ids, E, 32)  # the kernel builds its own work list; the routing's row tile does not matter
   ws = (interleave(w1, w3, t.block_n), None) if interleaved else (w1, w3)
   if step_tiled:
-    ws = tuple(w if w is None else tile_by_step(w, t.block_n * (1 + interleaved), t.block_k) for w in ws)
+    tiled = step_tiled if callable(step_tiled) else lambda w: tile_by_step(w, t.block_n * (1 + interleaved), t.block_k)
+    ws = tuple(w if w is None else tiled(w) for w in ws)
   h = gate_up_wgmma(x, *ws, r, swiglu_limit=LIMIT, tiling=t, num_sms=num_sms, interpret=interpret())
   assert_no_races(h)
   ref = gate_up.gate_up_reference(x, w1, w3, r, swiglu_limit=LIMIT)
@@ -110,6 +115,36 @@ def test_gate_up_wgmma_reads_step_tiled_weights(rng, interleaved, cluster, order
   with pytest.raises(ValueError, match="step-tiled w1"):
     gate_up_wgmma(x, tile_by_step(w1, 32, 64), tile_by_step(w3, 32, 64), routing.route(ids, E, 32),
                   swiglu_limit=LIMIT, tiling=t, interpret=interpret())
+
+
+def test_both_rings_read_ring_layout(rng):
+  # RING_W64's 128-row N tiles from 64-row boxes: two copies per projection per step, into one slot (a wrong box
+  # order swaps N tiles: h's columns move). The race detector checks the slot's barrier takes all four arrivals.
+  x, w1, w3, ids = problem(rng, 200, 3, mask_every=7)
+  assert I // RING_W64.block_n == 2 and ring_layout(w1).shape == (E, I // 64, D, 64)
+  check(x, w1, w3, ids, dataclasses.replace(RING_W64, stages=3, x_stages=2), num_sms=3, step_tiled=ring_layout)
+
+
+def test_ring_by_load_takes_x4_for_an_even_load_and_w64_for_a_skewed_one(rng, monkeypatch):
+  # 8 experts with 135 rows each (x4's 256-row items pad no more than w64's 128-row ones) against experts 0 and 1
+  # with 360 and the others ~60 (x4 pads to 2560 rows, w64 to 1536). W64's h comes back negated, so h shows which
+  # kernel ran. One compile: the routing is the conditional's operand.
+  S, K = 360, 3
+  x, w1, w3, _ = problem(rng, S, K)
+  kernel = gate_up_wgmma_module.gate_up_wgmma
+  monkeypatch.setattr(gate_up_wgmma_module, "gate_up_wgmma",
+                      lambda *a, tiling, **k: kernel(*a, tiling=tiling, **k) * (1 if tiling == RING_X4 else -1))
+  run = jax.jit(lambda x, a, b, r: gate_up_ring_by_load(x, a, b, r, swiglu_limit=LIMIT, num_sms=3,
+                                                        interpret=interpret()))
+  even = (np.arange(S)[:, None] + np.arange(K)) % E
+  skewed = np.stack([np.zeros(S, int), np.ones(S, int), 2 + rng.integers(0, E - 2, S)], axis=1)
+  for ids, sign in ((even, 1), (skewed, -1)):
+    r = routing.route(jnp.asarray(ids, jnp.int32), E, 32)
+    h = run(x, w1, w3, r)
+    assert_no_races(h)
+    ref = gate_up.gate_up_reference(x, w1, w3, r, swiglu_limit=LIMIT)
+    assert nmse(sign * h[:S * K].astype(jnp.float32), ref[:S * K]) <= 2e-5
+    assert bool(gate_up_wgmma_module.x4_pads_little(r)) == (sign == 1)
 
 
 @pytest.mark.parametrize("x_stages,stages,in_flight,interleaved,step_tiled,copy_warp,carried_units", [
