@@ -89,7 +89,10 @@ WGMMA_TILINGS = {  # name: (tiling, interleaved, step-tiled: True, False or "rin
 # (H200, presorted, 8192 uniform: 4.25 and 6.63 against 3.85 ms; slower in every cell: x's copies, not the weights',
 # must run ahead); (session 57, in turns with torch on an H100) x4 with the weights as the wgmma's left operand, one
 # projection per warpgroup (0.82-0.94 against x4's 0.89-0.98 of torch's rate), and the rings' units dealt to the SMs by
-# cost (x4 level at 8192 uniform, 0.974 against 0.976; w64_n128 10-20% slower).
+# cost (x4 level at 8192 uniform, 0.974 against 0.976; w64_n128 10-20% slower); (ead3341, session 65) the two rings
+# behind a lax.cond on how much each pads the routes, x4 where its 256-row items pad at most 1.1x w64's (H100, rate
+# against torch at 8192 uniform / Zipf: 0.976 / 1.023 on dense stacks against the default's 1.002 / 0.967, 1.021 /
+# 1.059 on ring_layout against 1.039 / 1.007): the conditional's host round trip cost ~2.5% where x4 ran anyway.
 # The same kernel on rocmfp2_mix W1/W3 decoded in its compute warpgroups, one projection each, the decoded tile as
 # the wgmma's register operand (mma_rows rows of x per wgmma). Decoding into shared-memory planes (per warpgroup or
 # shared between the two; or, at fab9549, with the wgmmas in flight while the next step decodes: 6.8 vs 5.1 ms at
@@ -129,18 +132,6 @@ WGMMA_DOWN_TILINGS = {
 }
 FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
-
-
-BY_LOAD = "by_load"  # a contender's tiling: gate_up_wgmma.gate_up_ring_by_load's pick between the two rings
-
-
-def bf16_wgmma_gate_up(t):
-  """The Mosaic gate/up on bf16 weights at tiling t (or BY_LOAD) as f(x, a, b, r, rows_sorted=False)."""
-  if t == BY_LOAD:
-    return lambda x, a, b, r, rows_sorted=False: gate_up_wgmma.gate_up_ring_by_load(
-        x, a, b, r, swiglu_limit=10.0, rows_sorted=rows_sorted)
-  return lambda x, a, b, r, rows_sorted=False: gate_up_wgmma.gate_up_wgmma(
-      x, a, b, r, swiglu_limit=10.0, tiling=t, rows_sorted=rows_sorted)
 
 
 def wanted(name: str) -> bool:
@@ -289,8 +280,7 @@ def main(argv):
       if not _SMOKE.value and jax.default_backend() == "gpu":
         h_triton = jax.jit(gu)(x, w1, w3, r)
         picked = gate_up_wgmma.default_tiling(-(-S * K // E), False, I)
-        defaults = {"default": (picked, False, False), "default_ring_layout": (picked, False, "ring"),
-                    "by_load": (BY_LOAD, False, False), "by_load_ring_layout": (BY_LOAD, False, "ring")}
+        defaults = {"default": (picked, False, False), "default_ring_layout": (picked, False, "ring")}
         ring_ws = None  # one ring_layout copy for every contender that reads it (GPU memory)
         for tname, entry in {**WGMMA_TILINGS, **defaults}.items():
           t = entry[0]
@@ -301,7 +291,8 @@ def main(argv):
             ring_ws = ws = ring_ws or wgmma_weights(entry, w1, w3)
           else:
             ws = wgmma_weights(entry, w1, w3)
-          gw = bf16_wgmma_gate_up(t)
+          gw = lambda x, a, b, r, rows_sorted=False, t=t: gate_up_wgmma.gate_up_wgmma(
+              x, a, b, r, swiglu_limit=10.0, tiling=t, rows_sorted=rows_sorted)
           try:  # parity against our Triton gate/up on the valid rows (both bf16 h, f32 accumulation)
             rows = int(r.num_rows[0])
             diff = float(nmse(jax.jit(gw)(x, *ws, r)[:rows].astype(jnp.float32),
@@ -311,7 +302,7 @@ def main(argv):
             continue
           measure(name, gw, x, *ws, r, nmse_vs_triton=diff)
           # the kernel alone, as torch is timed: rows sorted before
-          xs = gate_up_wgmma.sorted_rows(x, r, (gate_up_wgmma.RING_X4 if t == BY_LOAD else t).block_m)
+          xs = gate_up_wgmma.sorted_rows(x, r, t.block_m)
           measure(name + " presorted", functools.partial(gw, rows_sorted=True), xs, *ws, r)
           del ws, xs
         measure("wgmma sorted_rows", lambda x, r: gate_up_wgmma.sorted_rows(x, r, 128), x, r)

@@ -860,28 +860,6 @@ def tile_by_step(w, rows: int, block_k: int) -> jax.Array:
       E, N // rows, D // block_k * rows, block_k)
 
 
-# RING_X4 loses to RING_W64 where the load is skewed (BENCHMARKS.md, session 63: 8192 Zipf), as its 256-row items
-# pad small experts to more rows; the mean rows per expert cannot tell (192 in both routings at 8192 tokens).
-X4_MAX_PADDING = 1.1  # RING_X4 while its items' padded rows are at most this many times RING_W64's
-
-
-def x4_pads_little(r: Routing) -> jax.Array:
-  """Whether RING_X4's items pad the routes to at most X4_MAX_PADDING × RING_W64's rows (a device bool)."""
-  padded = lambda bm: jnp.sum(-(-r.group_sizes // bm) * bm)
-  return padded(RING_X4.block_m) <= X4_MAX_PADDING * padded(RING_W64.block_m)
-
-
-def gate_up_ring_by_load(x, w1, w3, r: Routing, *, swiglu_limit: float, num_sms: int = 132,
-                         rows_sorted: bool = False, interpret=None) -> jax.Array:
-  """gate_up_wgmma at RING_X4 or RING_W64, picked on the device by x4_pads_little (a conditional: both kernels are
-  compiled, one runs). Both read the same sorted rows (padded for RING_X4's larger row tile) and the same weights
-  (dense stacks, or ring_layout's). x as gate_up_wgmma's, with `rows_sorted` sorted_rows(x, r, RING_X4.block_m)."""
-  xs = x if rows_sorted else gather_rows(x, r, RING_X4.block_m, interpret=interpret is not None)
-  run = lambda t: lambda: gate_up_wgmma(xs, w1, w3, r, swiglu_limit=swiglu_limit, tiling=t, num_sms=num_sms,
-                                        rows_sorted=True, interpret=interpret)
-  return lax.cond(x4_pads_little(r), run(RING_X4), run(RING_W64))
-
-
 def ring_layout(w) -> jax.Array:
   """A dense stack [E, N, D] as both rings read it contiguously: tile_by_step(w, RING_BOX_ROWS, 64)."""
   return tile_by_step(w, RING_BOX_ROWS, Tiling.block_k)
