@@ -51,6 +51,7 @@ BEST = {"rocmfp2_mix": Tiling(8, 512, 2), "rocmfp3_mix": Tiling(8, 512, 2)}
 # (gate/up 1.66 vs 1.83 ms a stack with the tree at its best tiles; down 2.05 vs 2.68).
 BEST_PRMT4 = Tiling(8, 1024, 4, select="prmt4")
 WEIGHTS_PER_WARP = 2048
+RING_BOX = 64  # gate_up_wgmma.ring_layout's step boxes: 64 rows × 64 columns
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -132,7 +133,7 @@ def prmt_codes(fmt_name: str, planes, scales, books, mode) -> jax.Array:
   return out
 
 
-def _mix_kernel(*refs, fmt_name: str, block_n: int, block_k: int, dtype, select: str):
+def _mix_kernel(*refs, fmt_name: str, block_n: int, block_k: int, dtype, select: str, ring: bool):
   fmt = HALF_BLOCK_FORMATS[fmt_name]
   *plane_refs, scales_ref, books_ref, mode_ref, out_ref = refs
   e, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -147,15 +148,27 @@ def _mix_kernel(*refs, fmt_name: str, block_n: int, block_k: int, dtype, select:
     w = prmt_codes(fmt_name, planes, scales, books, mode_ref[e])
   else:
     w = fmt.dequantize_halves(*planes, scales, books, mode_ref[e], dtype)
-  plt.store(out_ref.at[e, rows, halves], w)
+  if ring:  # the tile's rows of RING_BOX-wide steps, each into its box: [steps, block_n, RING_BOX]
+    steps = block_k // RING_BOX
+    w = w.reshape(block_n, steps, RING_BOX).transpose(1, 0, 2)
+    plt.store(out_ref.at[e, n0 // RING_BOX, pl.ds(j * steps, steps), pl.ds(n0 % RING_BOX, block_n)], w)
+  else:
+    plt.store(out_ref.at[e, rows, halves], w)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "tiling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dtype", "tiling", "ring_layout", "interpret"))
 def decode_stack(w: QuantizedExpertWeights, dtype=jnp.bfloat16, *, tiling: Tiling | None = None,
-                 interpret: bool = False) -> jax.Array:
-  """[E, N, K] of `dtype`, equal bit for bit to the canonical decode of `w` cast to `dtype`."""
+                 ring_layout: bool = False, interpret: bool = False) -> jax.Array:
+  """[E, N, K] of `dtype`, equal bit for bit to the canonical decode of `w` cast to `dtype`. With `ring_layout`
+  (MIX formats) written as gate_up_wgmma.ring_layout of it, [E, N/64, K, 64]: each 64 × 64 step box contiguous, as
+  the Mosaic gate/up's rings read W1 / W3 fastest (BENCHMARKS.md, session 65)."""
   tiling = tiling or default_tiling(w.fmt_name, w.shape, default_select(w.fmt_name, dtype, interpret))
   bn, bk = tiling.block_n, tiling.block_k
+  E, N, K = w.shape
+  if ring_layout and (w.fmt_name not in HALF_BLOCK_FORMATS or RING_BOX % bn or bk % RING_BOX or N % RING_BOX):
+    raise ValueError(f"decode_stack: ring_layout takes a MIX format, N={N} a multiple of {RING_BOX} and tiles of "
+                     f"block_n dividing {RING_BOX} and block_k a multiple of it; got {w.fmt_name}, block_n={bn}, "
+                     f"block_k={bk}")
   if tiling.select not in ("tree", "prmt4"):
     raise ValueError(f"decode_stack: select must be 'tree' or 'prmt4', got {tiling.select!r}")
   if tiling.select != "tree" and (w.fmt_name not in HALF_BLOCK_FORMATS or jnp.dtype(dtype) != jnp.bfloat16
@@ -166,14 +179,15 @@ def decode_stack(w: QuantizedExpertWeights, dtype=jnp.bfloat16, *, tiling: Tilin
   dtype = jnp.dtype(dtype)
   if w.fmt_name not in HALF_BLOCK_FORMATS:
     return dequantize_tiles(w, block_n=bn, block_k=bk, dtype=dtype, num_warps=tiling.num_warps, interpret=interpret)
-  E, N, K = w.shape
   fmt = HALF_BLOCK_FORMATS[w.fmt_name]
   s = half_views(w.fmt_name, w.storage)
+  out_shape = (E, N // RING_BOX, K // RING_BOX, RING_BOX, RING_BOX) if ring_layout else (E, N, K // HALF,
+                                                                                          *fmt.HALF_WEIGHTS)
   out = pl.pallas_call(
       functools.partial(_mix_kernel, fmt_name=w.fmt_name, block_n=bn, block_k=bk, dtype=dtype,
-                        select=tiling.select),
-      out_shape=jax.ShapeDtypeStruct((E, N, K // HALF, *fmt.HALF_WEIGHTS), dtype), grid=(E, N // bn, K // bk),
+                        select=tiling.select, ring=ring_layout),
+      out_shape=jax.ShapeDtypeStruct(out_shape, dtype), grid=(E, N // bn, K // bk),
       interpret=interpret, name=f"moe_decode_{w.fmt_name}",
       compiler_params=plt.CompilerParams(num_warps=tiling.num_warps, num_stages=1),
   )(*(s[n] for n in fmt.HALF_VIEWS), s["scales"], s["books"], s["mode"])
-  return out.reshape(E, N, K)
+  return out.reshape(E, N // RING_BOX, K, RING_BOX) if ring_layout else out.reshape(E, N, K)

@@ -11,6 +11,7 @@ from test_moe_quantized import INTERPRET, adversarial_storage
 from ds4jax import features
 from ds4jax.quant import formats
 from kernels_pallas.moe import decode
+from kernels_pallas.moe.gate_up_wgmma import ring_layout
 from kernels_pallas.moe.quantized_weights import HALF_BLOCK_FORMATS, QuantizedExpertWeights, half_views
 
 SHAPE = (3, 64, 256)  # three experts: modes 0, 1 and 255
@@ -45,6 +46,22 @@ def test_prmt_decode_is_bit_identical_to_the_canonical_decode(rng, fmt):
   want = formats.get(fmt).dequantize(**st).astype(jnp.bfloat16)
   got = decode.decode_stack(w, jnp.bfloat16, tiling=decode.Tiling(32, 128, 4, select="prmt4"))
   np.testing.assert_array_equal(bits(got), bits(want))
+  got = decode.decode_stack(w, jnp.bfloat16, tiling=decode.Tiling(8, 128, 4, select="prmt4"), ring_layout=True)
+  np.testing.assert_array_equal(bits(got), bits(ring_layout(want)))
+
+
+@pytest.mark.parametrize("fmt", ["rocmfp2_mix", "rocmfp3_mix"])
+def test_decode_writes_the_rings_layout(rng, fmt):
+  """ring_layout: each tile's rows go to their 64 x 64 step boxes (a tile of 32 rows x 128 columns is half of two
+  boxes), the same bits as gate_up_wgmma.ring_layout of the canonical decode."""
+  st = adversarial_storage(fmt, SHAPE, rng)
+  w = QuantizedExpertWeights.from_storage(fmt, st, SHAPE)
+  want = ring_layout(formats.get(fmt).dequantize(**st).astype(jnp.bfloat16))
+  got = decode.decode_stack(w, jnp.bfloat16, tiling=TILING, ring_layout=True, interpret=INTERPRET)
+  assert got.shape == (3, 1, 256, 64)
+  np.testing.assert_array_equal(bits(got), bits(want))
+  with pytest.raises(ValueError, match="ring_layout takes a MIX format"):
+    decode.decode_stack(w, tiling=decode.Tiling(128, 128, 4), ring_layout=True, interpret=True)
 
 
 def prmt(a, b, sel) -> np.ndarray:
