@@ -95,11 +95,15 @@ class Experts(nnx.Module):
     first = decoded_beforehand(features)
 
     def one(name, w, s):
-      if not isinstance(w, QuantizedWeight):  # f32 operands read the stored dtype as is
-        return moe_kernels.DenseWeights(s if dtype == F32 else s.astype(dtype))
+      if not isinstance(w, QuantizedWeight):
+        if s.ndim == 4:  # decoded beforehand as ring_layout (decode_quantized)
+          return moe_kernels.RingLayoutWeights(s)
+        return moe_kernels.DenseWeights(s if dtype == F32 else s.astype(dtype))  # f32 operands: the stored dtype
       if name not in first:
         return _quantized(w, s)
-      return moe_kernels.DenseWeights(decode_stack(w.format, s, w.logical_shape[1:], dtype, features))
+      ring = ring_laid(name, features)
+      stack = decode_stack(w.format, s, w.logical_shape[1:], dtype, features, ring)
+      return (moe_kernels.RingLayoutWeights if ring else moe_kernels.DenseWeights)(stack)
     return tuple(one(n, w, s) for n, w, s in zip(("w1", "w2", "w3"), (self.w1, self.w2, self.w3),
                                                    self.stacks() if stacks is None else stacks))
 
@@ -113,11 +117,13 @@ class Experts(nnx.Module):
     ws = [getattr(self, n) for n in names]
     dtype = features.matmul_dtype
     where = mesh_lib.expert_sharding(self.mesh) if self.mesh else None
+    rings = tuple(ring_laid(n, features) for n in names)
     if abstract:
-      dense = [jax.ShapeDtypeStruct(w.logical_shape, dtype, sharding=where) for w in ws]
+      dense = [jax.ShapeDtypeStruct(ring_shape(w.logical_shape) if ring else w.logical_shape, dtype, sharding=where)
+               for w, ring in zip(ws, rings)]
     else:  # one program for all of them, as when the decode sits inside the layer step (XLA fuses them alike)
       decode = functools.partial(_decoded, tuple(w.format for w in ws), tuple(w.logical_shape[1:] for w in ws),
-                                 features=features)
+                                 rings, features=features)
       storages = tuple(w.storage() for w in ws)
       axis = mesh_lib.axis_of(self.mesh, mesh_lib.EXPERT) if self.mesh else None
       if axis is not None:  # the kernel decodes what it is given: run it where each device's experts live
@@ -181,20 +187,38 @@ def on_local_experts(spec: str, run, stacks: tuple, x, weights, idx) -> jnp.ndar
                        out_specs=P(), check_vma=False)(stacks, x, weights, idx)
 
 
-def decode_stack(fmt: str, storage: dict, shape, dtype, features: Features) -> jax.Array:
+def decode_stack(fmt: str, storage: dict, shape, dtype, features: Features, ring: bool = False) -> jax.Array:
   """A quantized stack (storage of [n, *shape]) decoded to dense `dtype`: by the Pallas kernel under
-  `moe_decode_kernel` (kernels_pallas/moe/decode.py), else by XLA's canonical decode. The same bits either way."""
+  `moe_decode_kernel` (kernels_pallas/moe/decode.py), else by XLA's canonical decode. The same bits either way;
+  with `ring` laid out as moe_kernels.ring_layout (the decode kernel writes it, XLA's fuses the transpose in)."""
   if features.moe_decode_kernel:
     n = storage[next(iter(storage))].shape[0]
     w = moe_kernels.QuantizedExpertWeights.from_storage(fmt, storage, (n, *shape))
-    return moe_kernels.decode_stack(w, dtype, interpret=features.interpret)
-  return formats.get(fmt).dequantize(**storage).astype(dtype)  # the cast fuses in
+    return moe_kernels.decode_stack(w, dtype, ring_layout=ring, interpret=features.interpret)
+  dense = formats.get(fmt).dequantize(**storage).astype(dtype)  # the cast fuses in
+  return moe_kernels.ring_layout(dense) if ring else dense
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("features",))
-def _decoded(fmts: tuple[str, ...], shapes: tuple, storages: tuple[dict, ...], *, features: Features) -> list:
-  """`decode_stack` of each stack, in the matmul dtype, as one program."""
-  return [decode_stack(f, s, shape, features.matmul_dtype, features) for f, shape, s in zip(fmts, shapes, storages)]
+def ring_laid(name: str, features: Features) -> bool:
+  """Whether the stack `name` is decoded beforehand as ring_layout: W1 / W3 for the Mosaic gate/up
+  (`moe_wgmma_gate_up` without `moe_sparse_gate_up`), in bf16. Its rings read that layout fastest and the decode
+  writes it at no cost (BENCHMARKS.md, session 65)."""
+  return (name in ("w1", "w3") and name in decoded_beforehand(features) and features.moe_wgmma_gate_up
+          and features.matmul_dtype == jnp.bfloat16)
+
+
+def ring_shape(shape) -> tuple:
+  """ring_layout's shape of a stack [E, N, K]: [E, N/64, K, 64]."""
+  E, N, K = shape
+  return (E, N // moe_kernels.RING_BOX, K, moe_kernels.RING_BOX)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("features",))
+def _decoded(fmts: tuple[str, ...], shapes: tuple, rings: tuple[bool, ...], storages: tuple[dict, ...], *,
+             features: Features) -> list:
+  """`decode_stack` of each stack, in the matmul dtype (ring_layout where `rings` says), as one program."""
+  return [decode_stack(f, s, shape, features.matmul_dtype, features, ring)
+          for f, shape, ring, s in zip(fmts, shapes, rings, storages)]
 
 
 def decoded_beforehand(features: Features) -> tuple[str, ...]:

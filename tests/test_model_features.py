@@ -217,7 +217,8 @@ def test_wgmma_gate_up_and_down_in_the_model(seed):
   and FP3-MIX storage: the logits match dequantize-then-matmul's (the same canonical decode, bf16 operands, the
   Triton kernels), which the kernels' names show did not run; the gate/up hands h to the down as plane_rows; two bands
   with weights stationary decode nothing (W2 alone without moe_wgmma_down). Without moe_sparse_gate_up the Mosaic
-  gate/up reads W1/W3 decoded beforehand (all three stacks decoded), beside the Triton down."""
+  gate/up reads W1/W3 decoded beforehand (all three stacks decoded) as ring_layout, beside the Triton down, in one band
+  and in two with weights stationary."""
   two = config.tiny_window(hidden_size=256, moe_intermediate_size=256)
   one = config.tiny_window(hidden_size=256, moe_intermediate_size=256, attention=two.attention[:1],
                            routing=two.routing[:1], n_routed_experts=4)  # one layer, 4 items: the interpreter's cost
@@ -243,17 +244,27 @@ def test_wgmma_gate_up_and_down_in_the_model(seed):
                   if e.primitive.name == "run_scoped" for v in e.params["jaxpr"].invars
                   if str(v.aval.memory_space) == "regs"]
   assert ring.x_stages and accumulators == [(WGMMA_ROWS, 2 * ring.block_n)] * (ring.wg_rows // WGMMA_ROWS)
+  # and W1 / W3 come decoded as ring_layout [E, I/64, D, 64] (the decode writes it; the rings read it fastest)
+  laid = (one.n_routed_experts, inter // 64, 256, 64)
+  operands = [v.aval.shape for e in features.traced_eqns(lambda t: m(t, features=decoded), jnp.asarray(TOKENS))
+              if e.params.get("name") == "moe_gate_up_wgmma" for v in e.invars]
+  assert operands.count(laid) == 2
   logits = lambda f: np.asarray(prefill.prefill(m, TOKENS, f, all_logits=True))
   ref = logits(triton)
   err, err_decoded = nmse(logits(wgmma), ref), nmse(logits(decoded), ref)
+  # two bands, weights stationary: W1 / W3 decoded once, as ring_layout in place (decode_quantized), read by both
+  in_bands = dataclasses.replace(decoded, prefill_weights_stationary=True, prefill_band_tokens=TOKENS.size // 2)
+  err_bands = nmse(logits(in_bands), ref)
   print(f"{DEVICE} moe_wgmma_gate_up + moe_wgmma_down against dequantize-then-matmul: NMSE {err:.2e}; "
-        f"moe_wgmma_gate_up on decoded W1/W3: {err_decoded:.2e}")
-  assert err < WGMMA_NMSE and err_decoded < WGMMA_NMSE
+        f"moe_wgmma_gate_up on decoded W1/W3: {err_decoded:.2e}, in two bands {err_bands:.2e}")
+  assert err < WGMMA_NMSE and err_decoded < WGMMA_NMSE and err_bands < WGMMA_NMSE
   for f, want in ((wgmma, ["QuantizedWeight"] * 3), (decoded, ["Param"] * 3),
                   (dataclasses.replace(wgmma, moe_wgmma_down=False), ["QuantizedWeight", "Param", "QuantizedWeight"])):
     stationary = dataclasses.replace(f, prefill_weights_stationary=True, prefill_band_tokens=TOKENS.size // 2)
     copy = nnx.merge(*prefill.step_parts(m.layers[0], stationary, n_bands=2, abstract=True))
     assert [type(getattr(copy.ffn.experts, n)).__name__ for n in ("w1", "w2", "w3")] == want
+    w1 = copy.ffn.experts.w1
+    assert (isinstance(w1, nnx.Param) and w1.value.shape == laid) == (f is decoded)
 
 
 @pytest.mark.skipif(not CAPABILITIES[DEVICE]["mla_wgmma"].supported, reason="mla_wgmma is not advertised")

@@ -30,7 +30,8 @@ from kernels_pallas.moe import gate_up as gate_up_mod
 from kernels_pallas.moe import gate_up_wgmma
 from kernels_pallas.moe import routing as routing_mod
 from kernels_pallas.moe.config import Config
-from kernels_pallas.moe.weights import DenseWeights, ExpertWeights, as_expert_weights, decoded_in_kernel, is_format
+from kernels_pallas.moe.weights import (DenseWeights, ExpertWeights, RingLayoutWeights, as_expert_weights,
+                                        decoded_in_kernel, is_format)
 
 
 F32 = jnp.float32
@@ -132,6 +133,10 @@ def _check(x, route_weights, route_ids, w1: ExpertWeights, w2: ExpertWeights, w3
     raise ValueError(f"intermediate size I={I} is not a multiple of down_block_k={dbk} (down reduction)")
   if config.gate_up_kernel == "wgmma":
     _check_wgmma(x, w1, w3)
+  elif any(isinstance(w, RingLayoutWeights) for w in (w1, w2, w3)):
+    raise ValueError("RingLayoutWeights are read by the Mosaic GPU gate/up only (Config.gate_up_kernel='wgmma')")
+  if isinstance(w2, RingLayoutWeights):
+    raise ValueError("w2 cannot be RingLayoutWeights: only the Mosaic GPU gate/up reads that layout")
   if config.down_kernel == "wgmma":
     _check_wgmma_down(x, w2)
   if config.fused_combine and D % config.combine_block_d:
@@ -156,6 +161,8 @@ def _check_wgmma(x, w1: ExpertWeights, w3: ExpertWeights) -> None:
            "rocmfp2_mix" if getattr(w, "fmt_name", None) == "rocmfp2_mix" else "other" for w in (w1, w3)}
   E, I, D = w1.shape
   mix = kinds == {"rocmfp2_mix"}
+  if isinstance(w1, RingLayoutWeights) != isinstance(w3, RingLayoutWeights):
+    raise ValueError("gate_up_kernel 'wgmma' takes W1 and W3 both as RingLayoutWeights or neither")
   if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16) or len(kinds) != 1 or "other" in kinds:
     raise ValueError(f"gate_up_kernel 'wgmma' takes bf16 x with W1/W3 both bf16 or both rocmfp2_mix; got x "
                      f"{x.dtype}, w1 {getattr(w1, 'fmt_name', w1.compute_dtype)}, w3 "

@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plt
 
 from ds4jax.quant import bitplanes, rocmfp2_mix, rocmfp3, rocmfp_mix
 from ds4jax.quant.rocmfp_layout import HALF
+from kernels_pallas.moe.gate_up_wgmma import RING_BOX
 from kernels_pallas.tiling import default_platform
 from kernels_pallas.moe.quantized_weights import (HALF_BLOCK_FORMATS, QuantizedExpertWeights, dequantize_tiles,
                                                   half_views)
@@ -51,7 +52,6 @@ BEST = {"rocmfp2_mix": Tiling(8, 512, 2), "rocmfp3_mix": Tiling(8, 512, 2)}
 # (gate/up 1.66 vs 1.83 ms a stack with the tree at its best tiles; down 2.05 vs 2.68).
 BEST_PRMT4 = Tiling(8, 1024, 4, select="prmt4")
 WEIGHTS_PER_WARP = 2048
-RING_BOX = 64  # gate_up_wgmma.ring_layout's step boxes: 64 rows × 64 columns
 
 
 def _pow2_divisor(n: int, cap: int) -> int:

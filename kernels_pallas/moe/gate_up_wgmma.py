@@ -144,9 +144,10 @@ MIX_TILING_FEW_ROWS = Tiling(wg_rows=64, block_n=64, stages=3, mma_rows=128)
 RING_X4 = Tiling(wg_rows=128, block_n=64, x_stages=4, mma_in_flight=1)
 RING_W64 = Tiling(wg_rows=64, block_n=128, x_stages=3, mma_in_flight=1)
 BF16_TILING = Tiling(wg_rows=128, block_n=64)
-# Separate W1 / W3 stacks step-tiled in boxes of 64 rows (ring_layout): each step's box one contiguous 8 KB, read by
-# RING_X4 as one copy per projection and by RING_W64 as two, so one copy of the weights serves either ring.
-RING_BOX_ROWS = 64
+# Separate W1 / W3 stacks step-tiled in 64 × 64 boxes (ring_layout; 64 is the rings' block_k): each step's box one
+# contiguous 8 KB, read by RING_X4 as one copy per projection and by RING_W64 as two, so one copy of the weights
+# serves either ring.
+RING_BOX = 64
 KERNEL_NAME = "moe_gate_up_wgmma"
 
 
@@ -861,8 +862,8 @@ def tile_by_step(w, rows: int, block_k: int) -> jax.Array:
 
 
 def ring_layout(w) -> jax.Array:
-  """A dense stack [E, N, D] as both rings read it contiguously: tile_by_step(w, RING_BOX_ROWS, 64)."""
-  return tile_by_step(w, RING_BOX_ROWS, Tiling.block_k)
+  """A dense stack [E, N, D] as both rings read it contiguously: tile_by_step(w, RING_BOX, RING_BOX)."""
+  return tile_by_step(w, RING_BOX, RING_BOX)
 
 
 def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling = Tiling(), num_sms: int = 132,
@@ -918,7 +919,7 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   w_rows = t.block_n * (2 if w3 is None else 1)
   box_rows = w_rows
   if step_tiled:
-    # the rings also take separate stacks in boxes of fewer rows (RING_BOX_ROWS: one layout for both rings)
+    # the rings also take separate stacks in boxes of fewer rows (RING_BOX: one layout for both rings)
     if t.x_stages and w3 is not None and D % t.block_k == 0 and w1.shape[2] % (D // t.block_k) == 0:
       fewer = w1.shape[2] // (D // t.block_k)
       box_rows = fewer if fewer % ROW_ALIGN == 0 and w_rows % fewer == 0 else w_rows

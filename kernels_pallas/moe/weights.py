@@ -93,6 +93,27 @@ class DenseWeights:
     return DenseWeights(self.w[None])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RingLayoutWeights(DenseWeights):
+  """A dense stack stored as gate_up_wgmma.ring_layout: w [E, N/64, K, 64], each 64 × 64 step box contiguous. The
+  Mosaic gate/up's rings read it fastest (BENCHMARKS.md, session 65); no Triton kernel reads it."""
+
+  @property
+  def shape(self):
+    E, n, K, box = self.w.shape
+    return (E, n * box, K)
+
+  def loader(self) -> TileLoader:
+    raise ValueError("RingLayoutWeights are read by the Mosaic GPU gate/up only (Config.gate_up_kernel='wgmma')")
+
+  def dequantize(self) -> jax.Array:
+    E, N, K = self.shape
+    box = self.w.shape[3]
+    w = self.w.reshape(E, N // box, K // box, box, box).transpose(0, 1, 3, 2, 4)
+    return jnp.asarray(w.reshape(E, N, K)).astype(F32)
+
+
 def is_format(w) -> bool:
   """An `ExpertWeights` object rather than a plain array."""
   return isinstance(w, ExpertWeights) and not isinstance(w, (jax.Array, np.ndarray))

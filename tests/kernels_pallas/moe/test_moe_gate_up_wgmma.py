@@ -465,3 +465,13 @@ def test_moe_runs_it_for_gate_up_kernel_wgmma(rng):
   q3_fp3 = QuantizedExpertWeights.from_storage("rocmfp3_mix", formats.get("rocmfp3_mix").quantize(w3), w3.shape)
   with pytest.raises(ValueError, match="both bf16 or both rocmfp2_mix"):
     run(x, q1, q3_fp3)
+  # W1 / W3 as RingLayoutWeights (decoded beforehand as ring_layout): the logical [E, I, D], its canonical values;
+  # read by this kernel only (the model runs it: tests/test_model_features.py), both stacks or neither
+  b1, b3 = (moe_api.RingLayoutWeights(ring_layout(w.astype(jnp.bfloat16))) for w in (w1, w3))
+  assert b1.shape == (E, I_, D_) and b1.w.shape == (E, I_ // 64, D_, 64)
+  np.testing.assert_array_equal(b1.dequantize(), w1.astype(jnp.bfloat16).astype(jnp.float32))
+  with pytest.raises(ValueError, match="both as RingLayoutWeights or neither"):
+    run(x, b1, moe_api.DenseWeights(w3.astype(jnp.bfloat16)))
+  triton = dataclasses.replace(cfg, gate_up_kernel="triton")
+  with pytest.raises(ValueError, match="read by the Mosaic GPU gate/up only"):
+    moe_api.moe(x, rw, ids, b1, d2, b3, swiglu_limit=LIMIT, config=triton, interpret=True, validate_routes=False)
