@@ -49,7 +49,8 @@ SWITCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # Not an upstream switch: on sm_90 Triton makes every MMA wait on a tile decoded in registers, so the fused gate/up
     # is also written in Mosaic GPU (kernels_pallas/moe/gate_up_wgmma.py). Without moe_wgmma_down, W2 is decoded
     # beforehand (once per prompt under prefill_weights_stationary) and the Triton down reads bf16. Without
-    # moe_sparse_gate_up it reads W1/W3 decoded beforehand, as the Triton gate/up would.
+    # moe_sparse_gate_up it reads W1/W3 decoded beforehand, laid out in the step boxes its rings read fastest
+    # (ds4jax/moe.py: ring_laid).
     "moe_wgmma_gate_up": ("ds4jax: Mosaic GPU sparse gate/up",
                           "sm_90: the sparse gate/up runs as a Pallas Mosaic GPU kernel (a TMA warpgroup feeding async "
                           "wgmmas) instead of the Pallas-Triton one, on FP2-MIX W1/W3 under moe_sparse_gate_up, else "
