@@ -21,8 +21,10 @@ callback and one warpgroup's barrier wait held both threads of the CPU client's 
 about two thirds of XLA CPU's fusion compile in making an MLIR context per fusion (loading every dialect, building
 the canonicalizer's patterns). No setting cut it: emitter verification 0, LLVM's expensive passes off, one codegen
 split, the xtile lowering either way, platform-dependent math off, larger gc thresholds, PJRT_NPROC 1 / 2 / 3 / 8,
-each worker pinned to a core (test_qualification.py 104 CPU s either way now), and caching every compile however
-short (990 s). Cutting the suite further means fewer distinct programs, or smaller ones: a Pallas kernel in
+each worker pinned to a core (test_qualification.py 104 CPU s either way now), caching every compile however
+short (990 s), and (session 65, tests/kernels_pallas/mla/test_mla.py 63-78 s by default) the FAST_COMPILE preset
+(xla_cpu_opt_preset, 75 s) or LLVM at -O0 (xla_backend_optimization_level=0, 86 s); jaxlib 0.11.2 has no flag to
+turn XLA CPU's fusion emitters off. Cutting the suite further means fewer distinct programs, or smaller ones: a Pallas kernel in
 interpret mode is a large program (each case of test_every_supported_switch_matches_the_reference compiles one in
 3-5 s).
 """

@@ -11,7 +11,7 @@ from kernels_pallas.moe.routing import Routing, check_routes, route
 from kernels_pallas.moe.weights import (DenseWeights, ExpertWeights, RingLayoutWeights, as_expert_weights,
                                         decoded_in_kernel)
 
-__all__ = ["Config", "DenseWeights", "RING_BOX", "ExpertWeights", "Plan", "QUANTIZED_FORMATS", "QuantizedExpertWeights",
-           "RingLayoutWeights", "Routing", "SharedExpert", "as_expert_weights", "check_routes", "clamped_swiglu",
-           "decode_stack", "decoded_in_kernel", "dequantize_to_dense", "expert_weights", "moe", "moe_reference",
-           "plan", "ring_layout", "route", "swiglu_expert"]
+__all__ = ["Config", "DenseWeights", "ExpertWeights", "Plan", "QUANTIZED_FORMATS", "QuantizedExpertWeights",
+           "RING_BOX", "RingLayoutWeights", "Routing", "SharedExpert", "as_expert_weights", "check_routes",
+           "clamped_swiglu", "decode_stack", "decoded_in_kernel", "dequantize_to_dense", "expert_weights", "moe",
+           "moe_reference", "plan", "ring_layout", "route", "swiglu_expert"]
