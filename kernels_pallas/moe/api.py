@@ -133,10 +133,6 @@ def _check(x, route_weights, route_ids, w1: ExpertWeights, w2: ExpertWeights, w3
     raise ValueError(f"intermediate size I={I} is not a multiple of down_block_k={dbk} (down reduction)")
   if config.gate_up_kernel == "wgmma":
     _check_wgmma(x, w1, w3)
-  elif any(isinstance(w, RingLayoutWeights) for w in (w1, w2, w3)):
-    raise ValueError("RingLayoutWeights are read by the Mosaic GPU gate/up only (Config.gate_up_kernel='wgmma')")
-  if isinstance(w2, RingLayoutWeights):
-    raise ValueError("w2 cannot be RingLayoutWeights: only the Mosaic GPU gate/up reads that layout")
   if config.down_kernel == "wgmma":
     _check_wgmma_down(x, w2)
   if config.fused_combine and D % config.combine_block_d:
