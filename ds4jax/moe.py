@@ -190,7 +190,8 @@ def on_local_experts(spec: str, run, stacks: tuple, x, weights, idx) -> jnp.ndar
 def decode_stack(fmt: str, storage: dict, shape, dtype, features: Features, ring: bool = False) -> jax.Array:
   """A quantized stack (storage of [n, *shape]) decoded to dense `dtype`: by the Pallas kernel under
   `moe_decode_kernel` (kernels_pallas/moe/decode.py), else by XLA's canonical decode. The same bits either way;
-  with `ring` laid out as moe_kernels.ring_layout (the decode kernel writes it, XLA's fuses the transpose in)."""
+  with `ring` laid out as moe_kernels.ring_layout (the decode kernel writes the MIX formats' boxes itself, XLA's decode
+  fuses the transpose in)."""
   if features.moe_decode_kernel:
     n = storage[next(iter(storage))].shape[0]
     w = moe_kernels.QuantizedExpertWeights.from_storage(fmt, storage, (n, *shape))

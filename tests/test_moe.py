@@ -17,6 +17,7 @@ from ds4jax.features import Features
 from ds4jax.moe import MoE, Router, Experts, SharedExpert, local_routes
 from ds4jax.layers import QuantizedWeight
 from ds4jax.quant import formats
+from ds4jax.quant.policy import POLICIES
 from kernels_pallas.moe.reference import clamped_swiglu, moe_reference
 
 S = 10
@@ -353,3 +354,24 @@ def _slice_decodes(ex, part):
       + [f.dequantize() for f in ex.kernel_weights(jnp.float32, Features(moe_sparse_gate_up=True), part)]
       + [f.w for f in ex.kernel_weights(jnp.float32, Features(moe_compact_queue=True), part)]
       + [f.w for f in ex.kernel_weights(jnp.float32, Features(moe_decode_kernel=True), part)])
+
+
+@pytest.mark.parametrize("policy", ["official", "lucebox_mix"])
+def test_the_rings_layout_comes_from_either_decode_of_every_gate_up_format(policy):
+  """Under moe_wgmma_gate_up without moe_sparse_gate_up, W1 / W3 are decoded beforehand as ring_layout, by XLA or
+  by the decode kernel (moe_decode_kernel), from FP4 experts (official) as from FP2-MIX (lucebox_mix): the canonical
+  decode's bf16 bits, laid out; W2 stays dense. (The kernel wrote boxes for the MIX formats only, and FP4 crashed.)"""
+  cfg = config.tiny_window(hidden_size=256, moe_intermediate_size=256)
+  ex = Experts(cfg, rngs=nnx.Rngs(3), dtype=jnp.float32, policy=POLICIES[policy])
+  canonical = [np.asarray(getattr(ex, n).dequantize().astype(jnp.bfloat16).astype(jnp.float32)) for n in ("w1", "w3")]
+  assert all(np.count_nonzero(w) > w.size // 2 for w in canonical)
+  for decode_kernel in (False, True):
+    f = Features(bf16_matmul=True, moe_compact_queue=True, moe_wgmma_gate_up=True, moe_decode_kernel=decode_kernel)
+    w1, w2, w3 = _kernel_weights(ex, f)
+    assert [type(w).__name__ for w in (w1, w2, w3)] == ["RingLayoutWeights", "DenseWeights", "RingLayoutWeights"]
+    assert w1.w.shape == (cfg.n_routed_experts, 4, 256, 64)
+    for got, want in zip((w1, w3), canonical):
+      np.testing.assert_array_equal(np.asarray(got.dequantize()), want)
+
+
+_kernel_weights = nnx.jit(lambda e, f: e.kernel_weights(jnp.bfloat16, f), static_argnums=1)

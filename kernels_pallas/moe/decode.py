@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plt
 
 from ds4jax.quant import bitplanes, rocmfp2_mix, rocmfp3, rocmfp_mix
 from ds4jax.quant.rocmfp_layout import HALF
-from kernels_pallas.moe.gate_up_wgmma import RING_BOX
+from kernels_pallas.moe.gate_up_wgmma import RING_BOX, tile_by_step
 from kernels_pallas.tiling import default_platform
 from kernels_pallas.moe.quantized_weights import (HALF_BLOCK_FORMATS, QuantizedExpertWeights, dequantize_tiles,
                                                   half_views)
@@ -160,25 +160,28 @@ def _mix_kernel(*refs, fmt_name: str, block_n: int, block_k: int, dtype, select:
 def decode_stack(w: QuantizedExpertWeights, dtype=jnp.bfloat16, *, tiling: Tiling | None = None,
                  ring_layout: bool = False, interpret: bool = False) -> jax.Array:
   """[E, N, K] of `dtype`, equal bit for bit to the canonical decode of `w` cast to `dtype`. With `ring_layout`
-  (MIX formats) written as gate_up_wgmma.ring_layout of it, [E, N/64, K, 64]: each 64 × 64 step box contiguous, as
-  the Mosaic gate/up's rings read W1 / W3 fastest (BENCHMARKS.md, session 65)."""
+  written as gate_up_wgmma.ring_layout of it, [E, N/64, K, 64]: each 64 × 64 step box contiguous, as the Mosaic
+  gate/up's rings read W1 / W3 fastest (BENCHMARKS.md, session 65). The MIX kernel writes the boxes itself; the
+  other formats' decode is followed by XLA's relayout (one more copy of the stack)."""
   tiling = tiling or default_tiling(w.fmt_name, w.shape, default_select(w.fmt_name, dtype, interpret))
   bn, bk = tiling.block_n, tiling.block_k
   E, N, K = w.shape
-  if ring_layout and (w.fmt_name not in HALF_BLOCK_FORMATS or RING_BOX % bn or bk % RING_BOX or N % RING_BOX):
-    raise ValueError(f"decode_stack: ring_layout takes a MIX format, N={N} a multiple of {RING_BOX} and tiles of "
-                     f"block_n dividing {RING_BOX} and block_k a multiple of it; got {w.fmt_name}, block_n={bn}, "
-                     f"block_k={bk}")
+  mix = w.fmt_name in HALF_BLOCK_FORMATS
+  if ring_layout and (N % RING_BOX or K % RING_BOX or (mix and (RING_BOX % bn or bk % RING_BOX))):
+    raise ValueError(f"decode_stack: ring_layout takes N={N} and K={K} multiples of {RING_BOX}, and for a MIX "
+                     f"format tiles of block_n dividing {RING_BOX} and block_k a multiple of it; got {w.fmt_name}, "
+                     f"block_n={bn}, block_k={bk}")
   if tiling.select not in ("tree", "prmt4"):
     raise ValueError(f"decode_stack: select must be 'tree' or 'prmt4', got {tiling.select!r}")
-  if tiling.select != "tree" and (w.fmt_name not in HALF_BLOCK_FORMATS or jnp.dtype(dtype) != jnp.bfloat16
+  if tiling.select != "tree" and (not mix or jnp.dtype(dtype) != jnp.bfloat16
                                   or interpret):
     raise ValueError(f"decode_stack: select={tiling.select!r} runs inline PTX (compiled CUDA kernels) on the MIX "
                      f"formats to bfloat16; got {w.fmt_name} to {jnp.dtype(dtype).name}, interpret={interpret}")
   w.check_blocks(bn, bk, "decode_stack")
   dtype = jnp.dtype(dtype)
-  if w.fmt_name not in HALF_BLOCK_FORMATS:
-    return dequantize_tiles(w, block_n=bn, block_k=bk, dtype=dtype, num_warps=tiling.num_warps, interpret=interpret)
+  if not mix:
+    out = dequantize_tiles(w, block_n=bn, block_k=bk, dtype=dtype, num_warps=tiling.num_warps, interpret=interpret)
+    return tile_by_step(out, RING_BOX, RING_BOX) if ring_layout else out
   fmt = HALF_BLOCK_FORMATS[w.fmt_name]
   s = half_views(w.fmt_name, w.storage)
   out_shape = (E, N // RING_BOX, K // RING_BOX, RING_BOX, RING_BOX) if ring_layout else (E, N, K // HALF,

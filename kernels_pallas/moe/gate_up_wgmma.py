@@ -919,15 +919,15 @@ def gate_up_wgmma(x, w1, w3, r: Routing, *, swiglu_limit: float, tiling: Tiling 
   w_rows = t.block_n * (2 if w3 is None else 1)
   box_rows = w_rows
   if step_tiled:
-    # the rings also take separate stacks in boxes of fewer rows (RING_BOX: one layout for both rings)
-    if t.x_stages and w3 is not None and D % t.block_k == 0 and w1.shape[2] % (D // t.block_k) == 0:
-      fewer = w1.shape[2] // (D // t.block_k)
-      box_rows = fewer if fewer % ROW_ALIGN == 0 and w_rows % fewer == 0 else w_rows
+    # the rings also take separate stacks as ring_layout (boxes of RING_BOX rows: one layout for both rings)
+    if t.x_stages and w3 is not None and w_rows % RING_BOX == 0 and D % t.block_k == 0 and (
+        w1.shape[2] == D // t.block_k * RING_BOX):
+      box_rows = RING_BOX
     want = (w1.shape[0], w1.shape[1], D // t.block_k * box_rows, t.block_k)
     if D % t.block_k or tuple(w1.shape) != want or (w3 is not None and tuple(w3.shape) != want):
       raise ValueError(f"step-tiled w1 {tuple(w1.shape)} / w3 {None if w3 is None else tuple(w3.shape)} must be "
                        f"tile_by_step(w, {w_rows}, {t.block_k}) of [E, N, {D}]: {want} (the rings also take "
-                       f"separate stacks in boxes of a divisor of {w_rows} rows, a multiple of {ROW_ALIGN})")
+                       f"separate stacks as ring_layout, boxes of {RING_BOX} rows)")
     I, Dw = w1.shape[1] * box_rows, D
   else:
     _, I, Dw = w1.shape

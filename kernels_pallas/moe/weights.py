@@ -101,17 +101,24 @@ class RingLayoutWeights(DenseWeights):
 
   @property
   def shape(self):
-    E, n, K, box = self.w.shape
-    return (E, n * box, K)
+    *lead, n, K, box = self._boxes()
+    return (*lead, n * box, K)
+
+  def _boxes(self) -> tuple:
+    """w's shape, checked: [..., N/box, K, box] (a slice along the experts, as the reference's scan takes, too)."""
+    s = tuple(self.w.shape)
+    if len(s) < 3 or s[-2] % s[-1]:
+      raise ValueError(f"RingLayoutWeights takes gate_up_wgmma.ring_layout's [E, N/64, K, 64], got shape {s}")
+    return s
 
   def loader(self) -> TileLoader:
     raise ValueError("RingLayoutWeights are read by the Mosaic GPU gate/up only (Config.gate_up_kernel='wgmma')")
 
   def dequantize(self) -> jax.Array:
-    E, N, K = self.shape
-    box = self.w.shape[3]
-    w = self.w.reshape(E, N // box, K // box, box, box).transpose(0, 1, 3, 2, 4)
-    return jnp.asarray(w.reshape(E, N, K)).astype(F32)
+    *lead, n, K, box = self._boxes()
+    w = self.w.reshape(*lead, n, K // box, box, box)
+    w = jnp.swapaxes(w, -3, -2)  # [.., N/box, box rows, K/box, box columns]
+    return jnp.asarray(w.reshape(*lead, n * box, K)).astype(F32)
 
 
 def is_format(w) -> bool:

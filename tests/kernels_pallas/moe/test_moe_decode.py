@@ -46,22 +46,29 @@ def test_prmt_decode_is_bit_identical_to_the_canonical_decode(rng, fmt):
   want = formats.get(fmt).dequantize(**st).astype(jnp.bfloat16)
   got = decode.decode_stack(w, jnp.bfloat16, tiling=decode.Tiling(32, 128, 4, select="prmt4"))
   np.testing.assert_array_equal(bits(got), bits(want))
+  shape = (2, 192, 256)  # three boxes along N
+  st = adversarial_storage(fmt, shape, rng)
+  w = QuantizedExpertWeights.from_storage(fmt, st, shape)
+  want = formats.get(fmt).dequantize(**st).astype(jnp.bfloat16)
   got = decode.decode_stack(w, jnp.bfloat16, tiling=decode.Tiling(8, 128, 4, select="prmt4"), ring_layout=True)
   np.testing.assert_array_equal(bits(got), bits(ring_layout(want)))
 
 
-@pytest.mark.parametrize("fmt", ["rocmfp2_mix", "rocmfp3_mix"])
+@pytest.mark.parametrize("fmt", ["rocmfp2_mix", "rocmfp3_mix", "fp4_e2m1"])
 def test_decode_writes_the_rings_layout(rng, fmt):
   """ring_layout: each tile's rows go to their 64 x 64 step boxes (a tile of 32 rows x 128 columns is half of two
-  boxes), the same bits as gate_up_wgmma.ring_layout of the canonical decode."""
-  st = adversarial_storage(fmt, SHAPE, rng)
-  w = QuantizedExpertWeights.from_storage(fmt, st, SHAPE)
+  boxes; 192 rows are three boxes along N), the same bits as gate_up_wgmma.ring_layout of the canonical decode. A
+  format the kernel does not write in boxes (FP4) is decoded, then laid out."""
+  shape = (2, 192, 256)
+  st = adversarial_storage(fmt, shape, rng)
+  w = QuantizedExpertWeights.from_storage(fmt, st, shape)
   want = ring_layout(formats.get(fmt).dequantize(**st).astype(jnp.bfloat16))
   got = decode.decode_stack(w, jnp.bfloat16, tiling=TILING, ring_layout=True, interpret=INTERPRET)
-  assert got.shape == (3, 1, 256, 64)
+  assert got.shape == (2, 3, 256, 64)
   np.testing.assert_array_equal(bits(got), bits(want))
-  with pytest.raises(ValueError, match="ring_layout takes a MIX format"):
-    decode.decode_stack(w, tiling=decode.Tiling(128, 128, 4), ring_layout=True, interpret=True)
+  if fmt in HALF_BLOCK_FORMATS:
+    with pytest.raises(ValueError, match="ring_layout takes N=192 and K=256 multiples of 64, and for a MIX"):
+      decode.decode_stack(w, tiling=decode.Tiling(128, 128, 4), ring_layout=True, interpret=True)
 
 
 def prmt(a, b, sel) -> np.ndarray:

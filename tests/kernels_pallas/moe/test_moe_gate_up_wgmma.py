@@ -470,6 +470,13 @@ def test_moe_runs_it_for_gate_up_kernel_wgmma(rng):
   b1, b3 = (moe_api.RingLayoutWeights(ring_layout(w.astype(jnp.bfloat16))) for w in (w1, w3))
   assert b1.shape == (E, I_, D_) and b1.w.shape == (E, I_ // 64, D_, 64)
   np.testing.assert_array_equal(b1.dequantize(), w1.astype(jnp.bfloat16).astype(jnp.float32))
+  # the reference decodes them one expert at a time (a slice [I/64, D, 64]): the dense stacks' result
+  dense_ref = moe_api.moe_reference(x, rw, ids, w1.astype(jnp.bfloat16), d2, w3.astype(jnp.bfloat16),
+                                    swiglu_limit=LIMIT, operand_dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(moe_api.moe_reference(x, rw, ids, b1, d2, b3, swiglu_limit=LIMIT,
+                                                      operand_dtype=jnp.bfloat16), dense_ref)
+  with pytest.raises(ValueError, match=rf"ring_layout's \[E, N/64, K, 64\], got shape \({E}, {I_}, {D_}\)"):
+    moe_api.RingLayoutWeights(w1).shape  # pylint: disable=expression-not-assigned  (a dense stack: no boxes)
   with pytest.raises(ValueError, match="both as RingLayoutWeights or neither"):
     run(x, b1, moe_api.DenseWeights(w3.astype(jnp.bfloat16)))
   triton = dataclasses.replace(cfg, gate_up_kernel="triton")
