@@ -200,7 +200,7 @@ def start(m: model_lib.DeepseekV4, prompt, features: Features = REFERENCE, capac
   """
   t = model_lib.check_tokens(prompt, m.cfg)
   features_lib.check(features)
-  moe_lib.check_wgmma(m.cfg, m.policy, features)
+  moe_lib.check_kernels(m.cfg, m.policy, features)
   attention_lib.check_kernels(m.cfg, features)
   capacity = capacity or m.cfg.max_position_embeddings
   bands = prompt_bands(t.shape[0], features)

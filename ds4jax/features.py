@@ -230,7 +230,7 @@ WGMMA_SWITCHES = ("moe_wgmma_gate_up", "moe_wgmma_down", "mla_wgmma")
 # sm_90's bound defaults (Capability.when). The Mosaic GPU kernels take some models only (the MLA: 64 heads of dim
 # 512; the MoE: FP2/FP3-MIX experts, D and I multiples of 256), so their defaults hold where the caller says the
 # model fits (`resolve`'s `fits`) and the defaults run every model; an explicit on for a model that does not fit fails
-# at the start-up check (attention.check_kernels, moe.check_wgmma). The fused MIX MoE decodes its experts for every
+# at the start-up check (attention.check_kernels, moe.check_kernels). The fused MIX MoE decodes its experts for every
 # band, where weights stationary decodes them once per prompt: it wins at one band and loses at four, so it is on
 # only where the prompt is one band (`tokens`).
 _MOE_ONE_BAND = {"moe_sparse_gate_up", "moe_wgmma_gate_up", "moe_wgmma_down"}

@@ -239,13 +239,21 @@ def decodes_experts(features: Features) -> bool:
   return bool(decoded_beforehand(features))
 
 
-def check_wgmma(cfg: DeepseekV4Config, policy: QuantPolicy, features: Features) -> None:
-  """Start-up check of the Mosaic GPU switches against the model (ValueError naming what does not fit;
-  kernels_pallas/moe/api.py checks the same at the call). `moe_wgmma_gate_up` takes rocmfp2_mix or bf16 gate/up
-  experts (any format without `moe_sparse_gate_up`: decoded to bf16 beforehand), D a multiple of 256 (rocmfp2_mix)
-  or 64 (bf16) and I of 64; `moe_wgmma_down` rocmfp3_mix down experts, I a multiple of 256 and D of 128."""
+MIN_BLOCK = 16  # the MoE kernels' smallest block (kernels_pallas/moe/config.py)
+
+
+def check_kernels(cfg: DeepseekV4Config, policy: QuantPolicy, features: Features) -> None:
+  """Start-up check of the MoE switches against the model (ValueError naming what does not fit;
+  kernels_pallas/moe/api.py checks the same at the call). Every MoE kernel takes D and I multiples of 16 (its
+  smallest block). `moe_wgmma_gate_up` takes rocmfp2_mix or bf16 gate/up experts (any format without
+  `moe_sparse_gate_up`: decoded to bf16 beforehand), D a multiple of 256 (rocmfp2_mix) or 64 (bf16) and I of 64;
+  `moe_wgmma_down` rocmfp3_mix down experts, I a multiple of 256 and D of 128."""
+  D, I = cfg.hidden_size, cfg.moe_intermediate_size
+  if features.moe_kernels and (D % MIN_BLOCK or I % MIN_BLOCK):
+    switches = " ".join(f"--{s}" for s in features.on() if s.startswith("moe_"))
+    raise ValueError(f"{switches}: the MoE kernels need hidden_size and moe_intermediate_size multiples of "
+                     f"{MIN_BLOCK} (their smallest block); {cfg.name} has {D} and {I}")
   if features.moe_wgmma_down:
-    D, I = cfg.hidden_size, cfg.moe_intermediate_size
     if policy.down != "rocmfp3_mix":
       raise ValueError(f"--moe_wgmma_down decodes rocmfp3_mix down experts; quant policy {policy.name} stores them "
                        f"as {policy.down}")
@@ -255,7 +263,6 @@ def check_wgmma(cfg: DeepseekV4Config, policy: QuantPolicy, features: Features) 
   if not features.moe_wgmma_gate_up:
     return
   fmt = policy.gate_up if features.moe_sparse_gate_up else "bf16"  # else decoded beforehand (decoded_beforehand)
-  D, I = cfg.hidden_size, cfg.moe_intermediate_size
   if fmt not in ("rocmfp2_mix", "bf16"):
     raise ValueError(f"--moe_wgmma_gate_up decodes rocmfp2_mix (or reads bf16) gate/up experts; quant policy "
                      f"{policy.name} stores them as {fmt}")
@@ -272,7 +279,7 @@ def model_fits(cfg: DeepseekV4Config, policy: QuantPolicy) -> frozenset[str]:
   ones: the formats whose whole prefill was measured (lucebox_mix). bf16 experts run them only when asked."""
   def takes(switch: str) -> bool:
     try:
-      check_wgmma(cfg, policy, Features(**{switch: True, "moe_sparse_gate_up": True}))  # the fused defaults
+      check_kernels(cfg, policy, Features(**{switch: True, "moe_sparse_gate_up": True}))  # the fused defaults
     except ValueError:
       return False
     return True

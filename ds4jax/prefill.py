@@ -215,7 +215,7 @@ def prefill(m: model_lib.DeepseekV4, tokens, features: Features = REFERENCE,
   want = [] if all_logits else [S - 1] if positions is None else [int(p) for p in positions]
   if any(not 0 <= p < S for p in want):
     raise ValueError(f"positions {want} must lie in [0, {S}) for a {S}-token prompt")
-  moe_lib.check_wgmma(m.cfg, m.policy, features)
+  moe_lib.check_kernels(m.cfg, m.policy, features)
   attention_lib.check_kernels(m.cfg, features)
   B = band_size(S, features)
   n_bands = -(-S // B)

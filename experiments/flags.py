@@ -64,7 +64,7 @@ def check_model_features(program: str, cfg, policy_name: str, features: Features
   """Switches that need something of the model (the Mosaic GPU switches: their experts' formats and sizes), before
   any weights exist; a misfit ends the program with one line naming it (exit status 1)."""
   try:
-    moe_lib.check_wgmma(cfg, quant_policy.get(policy_name), features)
+    moe_lib.check_kernels(cfg, quant_policy.get(policy_name), features)
     attention_lib.check_kernels(cfg, features)
   except ValueError as e:
     sys.exit(f"{program}: {e}")

@@ -293,15 +293,14 @@ def test_wgmma_refuses_what_it_cannot_run():
   decode, and a device or feature set without it."""
   f = features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_sparse_gate_up": True, "moe_wgmma_gate_up": True})
   with pytest.raises(ValueError, match="rocmfp2_mix experts needs hidden_size a multiple of 256"):
-    moe.check_wgmma(config.tiny_window(), quant_policy.get("lucebox_mix"), f)
+    moe.check_kernels(config.tiny_window(), quant_policy.get("lucebox_mix"), f)
   with pytest.raises(ValueError, match="stores them as fp4_e2m1"):
-    moe.check_wgmma(config.tiny_window(hidden_size=256, moe_intermediate_size=64),
-                            quant_policy.get("official"), f)
+    moe.check_kernels(config.tiny_window(hidden_size=256, moe_intermediate_size=64), quant_policy.get("official"), f)
   decoded = features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_wgmma_gate_up": True})  # W1/W3 decoded first
-  moe.check_wgmma(config.tiny_window(moe_intermediate_size=64), quant_policy.get("official"), decoded)  # any format
+  moe.check_kernels(config.tiny_window(moe_intermediate_size=64), quant_policy.get("official"), decoded)  # any format
   with pytest.raises(ValueError, match="on rocmfp2_mix decoded to bf16 experts needs hidden_size a multiple of 64"):
-    moe.check_wgmma(config.tiny_window(hidden_size=96, moe_intermediate_size=64), quant_policy.get("lucebox_mix"),
-                    decoded)
+    moe.check_kernels(config.tiny_window(hidden_size=96, moe_intermediate_size=64), quant_policy.get("lucebox_mix"),
+                      decoded)
   with pytest.raises(features.FeatureError, match="not supported on gfx1151"):
     features.resolve("gfx1151", {"moe_wgmma_gate_up": True})
   mla_switches = ("bf16_matmul", "mla_stream_topk", "mla_stream_f32_stage", "mla_stream_fast_exp", "mla_wgmma")
@@ -312,15 +311,29 @@ def test_wgmma_refuses_what_it_cannot_run():
     features.resolve("cpu_interpret", {"bf16_matmul": True, "mla_stream_topk": True, "mla_wgmma": True})
   down = dataclasses.replace(f, moe_wgmma_gate_up=False, moe_wgmma_down=True)
   with pytest.raises(ValueError, match="moe_wgmma_down needs moe_intermediate_size a multiple of 256"):
-    moe.check_wgmma(config.tiny_window(hidden_size=256, moe_intermediate_size=64), quant_policy.get("lucebox_mix"),
-                    down)
+    moe.check_kernels(config.tiny_window(hidden_size=256, moe_intermediate_size=64), quant_policy.get("lucebox_mix"),
+                      down)
   with pytest.raises(ValueError, match="stores them as fp4_e2m1"):
-    moe.check_wgmma(config.tiny_window(hidden_size=256, moe_intermediate_size=256), quant_policy.get("official"),
-                    down)
+    moe.check_kernels(config.tiny_window(hidden_size=256, moe_intermediate_size=256), quant_policy.get("official"),
+                      down)
   with pytest.raises(features.FeatureError, match="not supported on gfx1151"):
     features.resolve("gfx1151", {"moe_wgmma_down": True})
   with pytest.raises(features.FeatureError, match="moe_wgmma_down requires --moe_sparse_gate_up"):
     features.resolve("cpu_interpret", {"bf16_matmul": True, "moe_wgmma_down": True})
+
+
+def test_moe_kernels_refuse_sizes_below_their_smallest_block():
+  """At start-up: any MoE kernel switch on a model whose D or I is not a multiple of 16 (the kernels' smallest
+  block; the first layer's trace failed in kernels_pallas/moe/api.py before). The reference path runs such a model."""
+  bf16 = quant_policy.get("bf16")
+  for switch, cfg in (("moe_compact_queue", config.tiny_sparse(hidden_size=72)),
+                      ("moe_fused_combine", config.tiny_sparse(moe_intermediate_size=40))):
+    with pytest.raises(ValueError, match=rf"^--{switch}: the MoE kernels need hidden_size and moe_intermediate_size "
+                                         rf"multiples of 16 \(their smallest block\); \S+ has "
+                                         rf"{cfg.hidden_size} and {cfg.moe_intermediate_size}$"):
+      moe.check_kernels(cfg, bf16, features.resolve("cpu_interpret", {switch: True}))
+    moe.check_kernels(cfg, bf16, features.resolve("cpu_interpret", {}))
+  moe.check_kernels(config.tiny_sparse(), bf16, features.resolve("cpu_interpret", {"moe_compact_queue": True}))
 
 
 def test_direct_and_mask_handoffs_are_byte_identical(tiny):

@@ -98,7 +98,7 @@ def start_up(opts: Options) -> Setup:
               for n in opts.lengths}
   for c in (c for n in opts.lengths for c in selected[n]):
     try:
-      moe_lib.check_wgmma(cfg, pol, c.features)
+      moe_lib.check_kernels(cfg, pol, c.features)
       attention_lib.check_kernels(cfg, c.features)
     except ValueError as e:
       raise StartupError(f"configuration {c.name}: {e}") from e

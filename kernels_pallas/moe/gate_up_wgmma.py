@@ -153,9 +153,10 @@ KERNEL_NAME = "moe_gate_up_wgmma"
 
 def default_tiling(rows_per_expert: int, mix: bool, intermediate: int) -> Tiling:
   """The tiling `api.moe` runs this kernel at, by the mean rows per expert, the weights' format and I (RING_W64's
-  N tile takes I a multiple of 128)."""
+  N tile and MIX_TILING's cluster of two N tiles take I a multiple of 128)."""
   if mix:
-    return MIX_TILING if rows_per_expert > 64 else MIX_TILING_FEW_ROWS
+    paired = intermediate % (MIX_TILING.block_n * MIX_TILING.cluster) == 0
+    return MIX_TILING if rows_per_expert > 64 and paired else MIX_TILING_FEW_ROWS
   if 128 < rows_per_expert <= 256 or intermediate % RING_W64.block_n:
     return RING_X4
   return RING_W64

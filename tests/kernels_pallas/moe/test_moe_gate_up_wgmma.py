@@ -13,6 +13,7 @@ error. bf16 operands, bf16 h: the tolerance is bf16's rounding of h
 """
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,8 @@ from ds4jax.metrics import nmse
 from ds4jax.quant import formats, rocmfp2_mix, ue4m3
 from kernels_pallas import moe as moe_api
 from kernels_pallas.moe import QuantizedExpertWeights, dequantize_to_dense, gate_up, routing
-from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, RING_W64, RING_X4, ROW_ALIGN, MixStack, Tiling,
-                                              aligned_items, as_plane_rows, decode_planes, default_tiling,
+from kernels_pallas.moe.gate_up_wgmma import (MIX_TILING, MIX_TILING_FEW_ROWS, RING_W64, RING_X4, ROW_ALIGN, MixStack,
+                                              Tiling, aligned_items, as_plane_rows, decode_planes, default_tiling,
                                               expert_levels, gate_up_wgmma, gather_rows, interleave, mix_stack,
                                               padded_rows, prmt_selectors, ring_layout, rows_by_plane, sorted_rows,
                                               tile_by_step)
@@ -152,11 +153,15 @@ def test_gate_up_wgmma_with_separate_x_and_weight_rings(rng, x_stages, stages, i
 def test_default_tiling_picks_a_ring_on_bf16_weights():
   # the H100 measurements in turns with torch._grouped_mm (BENCHMARKS.md, session 63): RING_X4 at about 192 rows per
   # expert (8192 tokens of V4-Flash), RING_W64 at 12, 48 and 768 (512, 2048, 32768 tokens) unless I is not a multiple
-  # of its 128-column N tile; FP2-MIX weights keep their own tilings
+  # of its 128-column N tile; FP2-MIX weights keep their own tilings, MIX_TILING's cluster of two 64-column N tiles
+  # where I is a multiple of 128. Whatever it picks fits every I that moe.check_kernels lets through (multiples of 64).
   assert default_tiling(192, False, 2048) == RING_X4 and RING_X4.x_stages
   assert [default_tiling(rows, False, 2048) for rows in (12, 48, 768)] == [RING_W64] * 3 and RING_W64.x_stages
   assert default_tiling(768, False, 192) == RING_X4
-  assert default_tiling(768, True, 2048) == MIX_TILING
+  assert default_tiling(768, True, 2048) == MIX_TILING and default_tiling(768, True, 192) == MIX_TILING_FEW_ROWS
+  for rows, mix, inter in itertools.product((12, 48, 72, 192, 768), (False, True), (64, 128, 192, 256)):
+    t = default_tiling(rows, mix, inter)
+    assert inter % (t.block_n * t.cluster) == 0, (rows, mix, inter, t)
 
 
 def test_gate_up_wgmma_keeps_a_nan_weight(rng):
