@@ -347,7 +347,9 @@ def one_band(tokens: int | None, band_tokens: int) -> bool:
 
 def check(f: Features) -> Features:
   """`f` as `resolve` would give it, or FeatureError: a feature set built by hand (Features(...) or a replace) is
-  held to the table's rules too (its device class, requirements and knobs), so no switch is a silent no-op."""
+  held to the table's rules too (its device class, requirements and knobs), so no switch runs without what it
+  requires. A switch with nothing to act on in a given model traces the program it would without it (e.g.
+  moe_decode_kernel on bf16 experts, indexer_score_kernel on a model without CSA layers)."""
   return resolve(f.device_class, {k: getattr(f, k) for k in list(SWITCHES) + list(KNOBS)})
 
 
