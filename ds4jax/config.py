@@ -79,7 +79,8 @@ class DeepseekV4Config:
 
     for f in ("vocab_size", "hidden_size", "num_heads", "head_dim", "q_lora_rank", "o_groups",
               "o_lora_rank", "sliding_window", "csa_ratio", "hca_ratio", "n_routed_experts",
-              "experts_per_token", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters"):
+              "experts_per_token", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters",
+              "max_position_embeddings"):
       need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
     object.__setattr__(self, "attention", tuple(Attention(a) for a in self.attention))
     object.__setattr__(self, "routing", tuple(Routing(r) for r in self.routing))
@@ -99,6 +100,9 @@ class DeepseekV4Config:
            f"must be >= rope_head_dim={self.rope_head_dim}")
     need(self.sliding_window >= 1, "sliding_window", "must be >= 1")
     need(self.swiglu_limit > 0, "swiglu_limit", "must be > 0")
+    for f in ("bos_token_id", "eos_token_id"):  # else generation's default stop never fires
+      need(isinstance(getattr(self, f), int) and 0 <= getattr(self, f) < self.vocab_size, f,
+           f"must be a token id in [0, vocab_size={self.vocab_size})")
 
   # ---- derived ----
   @property
@@ -195,13 +199,29 @@ class DeepseekV4Config:
     `partial_rotary_factor`, `compress_rates`) and the legacy published form (`compress_ratios`,
     `num_hash_layers`, `rope_scaling`, `qk_rope_head_dim`, `compress_rate_hca`).
     """
+    where = "config.json"
     if not isinstance(cfg, Mapping):
-      path = os.fspath(cfg)
-      if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-      with open(path) as f:
-        cfg = json.load(f)
-    c = dict(cfg)
+      where = os.fspath(cfg)
+      if os.path.isdir(where):
+        where = os.path.join(where, "config.json")
+      if not os.path.exists(where):
+        raise ValueError(f"{where} does not exist")
+      try:
+        with open(where) as f:
+          cfg = json.load(f)
+      except (OSError, ValueError) as e:  # missing, unreadable, not JSON
+        raise ValueError(f"{where}: cannot read a config ({e})") from None
+      if not isinstance(cfg, Mapping):
+        raise ValueError(f"{where}: a config is a JSON object, got a {type(cfg).__name__}")
+    try:
+      return cls._from_hf_dict(dict(cfg), overrides)
+    except KeyError as e:  # a key every DeepSeek-V4 config.json has
+      raise ValueError(f"{where}: no {e.args[0]!r}") from None
+    except (TypeError, IndexError, AttributeError) as e:  # a value of the wrong kind (null, a string, a list)
+      raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
+
+  @classmethod
+  def _from_hf_dict(cls, c: dict, overrides: dict) -> "DeepseekV4Config":
     if c.get("model_type", "deepseek_v4") != "deepseek_v4":
       raise ValueError(f"config.json model_type must be 'deepseek_v4', got {c['model_type']!r}")
     n_layers = c["num_hidden_layers"]

@@ -375,7 +375,7 @@ def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None, *, fits
   values: dict[str, Any] = {s: cap.default and all(met[c](s) for c in cap.when) for s, cap in row.items()}
   values.update({k: default for k, (_, _, default) in KNOBS.items()})
   values.update(given)
-  errors = []
+  errors = [f"--{s} must be True or False, got {values[s]!r}" for s in SWITCHES if not isinstance(values[s], bool)]
   for s, (upstream, _, _) in SWITCHES.items():
     if not values[s]:
       continue
@@ -386,7 +386,7 @@ def resolve(device_cls: str, overrides: Mapping[str, Any] | None = None, *, fits
       on = f" on {device_cls}" if set(missing) - set(SWITCHES[s][2]) else ""
       errors.append(f"--{s} requires " + ", ".join(f"--{r}" for r in missing) + on)
   for k in KNOBS:
-    if not isinstance(values[k], int) or values[k] < 0:
+    if not isinstance(values[k], int) or isinstance(values[k], bool) or values[k] < 0:
       errors.append(f"--{k} must be a non-negative integer, got {values[k]!r}")
   rows = values["moe_tile_rows"]
   if rows and (rows & (rows - 1) or rows < 16):

@@ -57,6 +57,10 @@ class QuantizedWeight(nnx.Module):
   """A weight [..., out, in] stored in a ds4jax.quant format; read it through `dequantize`."""
 
   def __init__(self, fmt: str, shape: tuple[int, ...], arrays: dict):
+    want = {n: s for n, (s, _) in formats.get(fmt).storage(shape).items()}
+    got = {n: tuple(a.shape) for n, a in arrays.items()}
+    if got != want:  # else dequantize() gives some other weight's shape, or fails deep in a trace
+      raise ValueError(f"{fmt} storage of a {tuple(shape)} weight is {want}, got {got}")
     self.format, self.logical_shape = fmt, tuple(shape)
     self.names = tuple(arrays)
     for name, a in arrays.items():

@@ -34,7 +34,7 @@ _PRECISION = flags.DEFINE_enum("precision", None, ["split", "bf16"], "Dot precis
 _CONFIG = flags.DEFINE_list("config", [], "Config overrides name=value (e.g. heads_per_program=64,q_resident=true).")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (median).")
 _REF_QUERIES = flags.DEFINE_integer("ref_queries", 256, "Queries of the dense-reference NMSE slice.")
-_OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_OUT = run_record.define_out_flag()
 _SPLIT_CHUNKS = flags.DEFINE_list(
     "wgmma_split_chunks", [], "More stream_wgmma split contenders, as SCORExVALUE accumulator columns (e.g. 512x256: "
     "one chain each, as before the chunks; kernels_pallas/mla/stream_wgmma.py).")

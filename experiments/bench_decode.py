@@ -41,8 +41,8 @@ from experiments import run_record, timing
 from kernels_pallas import lowering
 from kernels_pallas.moe import decode, gate_up_wgmma, quantized_weights
 
-_OUT = flags.DEFINE_string("out", None, "Results JSON.")
-_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per variant (median).")
+_OUT = run_record.define_out_flag()
+_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per variant (median).", lower_bound=1)
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Small shapes (checks the script on a CPU).")
 _SASS = flags.DEFINE_boolean("sass", False, "Offline: count each select's SASS instructions per weight (no GPU).")
 _ONLY = flags.DEFINE_list("only", [], "Time only the variants whose names start with one of these (all if empty; "

@@ -25,6 +25,7 @@ band costs are what carries over to real weights. Results are rewritten after ev
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import jax
@@ -49,7 +50,7 @@ _NEW = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per run.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed bands per width (median).")
 _NGRAM = flags.DEFINE_integer("ngram", 3, "Context tokens an n-gram draft is matched on.")
 _WORKERS = flags.DEFINE_integer("precompile_workers", 8, "Layer programs compiled at once.")
-_OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_OUT = run_record.define_out_flag()
 _TRACE = flags.DEFINE_string("trace_dir", None, "Also trace --trace_steps decode steps after the longest prompt "
                              "here and record the device time by kernel (experiments/device_trace.py).")
 _TRACE_STEPS = flags.DEFINE_integer("trace_steps", 4, "Decode steps traced.")
@@ -131,40 +132,57 @@ def prompt_ids(n: int, vocab: int) -> tuple[np.ndarray, dict]:
     ids = np.random.default_rng(_SEED.value).integers(0, vocab, n).astype(np.int32)
     return ids, dict(kind="synthetic", seed=_SEED.value)
   import tokenizers  # pylint: disable=import-outside-toplevel  (optional: only for text prompts)
-  with open(_PROMPT_FILE.value, encoding="utf-8") as f:
-    text = tokenizers.Tokenizer.from_file(_TOKENIZER.value).encode(f.read()).ids
+  try:
+    with open(_PROMPT_FILE.value, encoding="utf-8") as f:
+      raw = f.read()
+    text = tokenizers.Tokenizer.from_file(_TOKENIZER.value).encode(raw).ids
+  except Exception as e:  # pylint: disable=broad-except  (OSError, UnicodeDecodeError; tokenizers' bare Exception)
+    raise ValueError(f"--prompt_file={_PROMPT_FILE.value} with --tokenizer={_TOKENIZER.value}: {e}") from None
   if not text or max(text) >= vocab:
-    raise app.UsageError(f"--prompt_file gives {len(text)} tokens with ids up to {max(text, default=None)}; the "
-                         f"vocabulary has {vocab}")
+    raise ValueError(f"--prompt_file gives {len(text)} tokens with ids up to {max(text, default=None)}; the "
+                     f"vocabulary has {vocab}")
   ids = np.resize(np.asarray(text, np.int32), n)
   return ids, dict(kind="file", path=_PROMPT_FILE.value, tokenizer=_TOKENIZER.value, tokens=len(text),
                    repeated=n > len(text))
 
 
-def main(argv):
-  del argv
-  device_memory.claim()  # before JAX starts its backend: the full model needs 95% of an H200
+def start():
+  """The model config, the features, the prompt lengths and the cache capacity, checked before any weights."""
   cfg = config.preset(_PRESET.value)
   # No `tokens`: sm_90's one-band MoE defaults were measured on prefills, and decode steps with those kernels have
   # not run on a GPU, so they are on here only when asked (docs/decode.md §6).
   features = ds4_flags.features_from_flags(flags.FLAGS, cfg=cfg, policy=flags.FLAGS.quant_policy)
-  dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
-  cache_dtype = jnp.float32 if _CACHE_DTYPE.value == "f32" else jnp.bfloat16
+  if not _LENGTHS.value or not all(n.isdigit() and int(n) > 0 for n in _LENGTHS.value):
+    raise ValueError(f"--lengths must be positive integers, got {_LENGTHS.value}")
   lengths = sorted(int(n) for n in _LENGTHS.value)
   if _NEW.value < 2:
-    raise app.UsageError(f"--new_tokens={_NEW.value}: at least 2 (the first comes from the prompt's logits)")
+    raise ValueError(f"--new_tokens={_NEW.value}: at least 2 (the first comes from the prompt's logits)")
+  if _REPEATS.value < 1 or _NGRAM.value < 1:
+    raise ValueError(f"--repeats and --ngram must be >= 1, got {_REPEATS.value} and {_NGRAM.value}")
   capacity = lengths[-1] + _NEW.value + decode.MAX_VERIFY
   if capacity > cfg.max_position_embeddings:
-    raise app.UsageError(f"--lengths: {lengths[-1]} tokens + {_NEW.value} new leave no room in "
-                         f"max_position_embeddings={cfg.max_position_embeddings}")
+    raise ValueError(f"--lengths: {lengths[-1]} tokens + {_NEW.value} new leave no room in "
+                     f"max_position_embeddings={cfg.max_position_embeddings}")
   ds4_flags.check_mesh("bench_generate", flags.FLAGS.mesh, cfg)  # before drawing the weights
   ds4_flags.check_model_features("bench_generate", cfg, flags.FLAGS.quant_policy, features)
+  return cfg, features, lengths, capacity
+
+
+def main(argv):
+  del argv
+  device_memory.claim()  # before JAX starts its backend: the full model needs 95% of an H200
+  try:
+    cfg, features, lengths, capacity = start()
+    prompt, source = prompt_ids(lengths[-1], cfg.vocab_size)
+  except ValueError as e:  # FeatureError, an unknown preset, bad lengths, an unreadable prompt, ...
+    sys.exit(f"bench_generate: {e}")
+  dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
+  cache_dtype = jnp.float32 if _CACHE_DTYPE.value == "f32" else jnp.bfloat16
   t0 = time.perf_counter()
   m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=flags.FLAGS.mesh)
   jax.block_until_ready(m.embed[...])
   print(f"{cfg.name} {flags.FLAGS.quant_policy}: weights in {time.perf_counter() - t0:.0f}s; on: "
         f"{', '.join(features.on()) or 'none'}; {mesh.describe(flags.FLAGS.mesh, cfg)}", flush=True)
-  prompt, source = prompt_ids(lengths[-1], cfg.vocab_size)
   widths = sorted({*WIDTHS, *(w for n in lengths for w in decode.prompt_bands(n, features))})
   widest = max(decode.MAX_VERIFY, *widths)  # one cache shape for every length
   if jax.config.jax_compilation_cache_dir:

@@ -24,6 +24,7 @@ Results are rewritten after every measurement, so a crash or OOM loses nothing a
 import dataclasses
 import functools
 import statistics
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +40,8 @@ from kernels_pallas.moe import api, decode, down, down_wgmma, gate_up, gate_up_w
 _TOKENS = flags.DEFINE_list("tokens", ["512", "2048", "8192", "32768"], "Token counts.")
 ROUTINGS = ("uniform", "zipf")
 _ROUTINGS = flags.DEFINE_list("routings", list(ROUTINGS), "Routing distributions.")
-_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (median).")
-_OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs per measurement (median).", lower_bound=1)
+_OUT = run_record.define_out_flag()
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes, interpret mode (CPU check of the script).")
 _ONLY = flags.DEFINE_list("only", [], "Run only the contenders whose names start with one of these (all if empty); "
                           "one ending in '$' names a contender exactly.")
@@ -134,9 +135,14 @@ FLASH = dict(D=4096, I=2048, E=256, K=6)
 SMOKE = dict(D=128, I=64, E=8, K=2)
 
 
+_MATCHED = set()  # the --only patterns that picked a contender
+
+
 def wanted(name: str) -> bool:
   """Whether --only picks the contender `name`."""
-  return not _ONLY.value or any(name == o[:-1] if o.endswith("$") else name.startswith(o) for o in _ONLY.value)
+  picked = {o for o in _ONLY.value if (name == o[:-1] if o.endswith("$") else name.startswith(o))}
+  _MATCHED.update(picked)
+  return not _ONLY.value or bool(picked)
 
 
 def wgmma_weights(entry: tuple, w1, w3) -> tuple:
@@ -214,6 +220,7 @@ def main(argv):
   if versus and (len(versus) < 2 or len(set(versus)) < len(versus) or not all(map(wanted, versus))):
     raise app.UsageError(f"--head_to_head takes two or more distinct contender names, each run (see --only); got "
                          f"{versus} with --only={_ONLY.value}")
+  _MATCHED.clear()  # what the check above matched was not run
   if _ROUNDS.value < 1:
     raise app.UsageError(f"--rounds must be positive, got {_ROUNDS.value}")
   dims = SMOKE if _SMOKE.value else FLASH
@@ -405,6 +412,8 @@ def main(argv):
       kept.clear()
       if _OUT.value:
         run_record.write_json(_OUT.value, record)
+  if unmatched := [o for o in _ONLY.value if o not in _MATCHED]:  # a typo: what did match is recorded
+    sys.exit(f"bench_moe: --only: {unmatched} matched no contender")
 
 
 if __name__ == "__main__":

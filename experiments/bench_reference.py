@@ -25,7 +25,7 @@ _PRESET = flags.DEFINE_string("preset", "v4_flash", "Model preset.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Keep the first N layers of the preset.")
 _TOKENS = flags.DEFINE_list("tokens", ["512", "2048", "4096"], "Prompt lengths.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per length after the compile run.")
-_OUT = flags.DEFINE_string("out", None, "Results JSON (rewritten after every length).")
+_OUT = run_record.define_out_flag(help_text="Results JSON (rewritten after every length).")
 flags_lib.define_quant_policy_flag()
 
 

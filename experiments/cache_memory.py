@@ -10,6 +10,7 @@ and with `cache_dtype=bfloat16`, which stores every cached row in bf16 but keeps
 from __future__ import annotations
 
 import collections
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,8 @@ def table(cfg, capacities) -> str:
 
 def main(argv):
   del argv
+  if not all(x.isdigit() and int(x) > 0 for x in flags.FLAGS.lengths):
+    sys.exit(f"cache_memory: --lengths must be positive integers, got {flags.FLAGS.lengths}")
   print(table(config.preset(flags.FLAGS.preset), [int(x) for x in flags.FLAGS.lengths]))
 
 

@@ -61,7 +61,8 @@ _PROGRAMS = flags.DEFINE_list("programs", ["all"], "Program labels (see PROGRAMS
 _CHILD = flags.DEFINE_string("child", "", "Internal: compile this one program (in the ROCm venv) and exit.")
 _WORK = flags.DEFINE_string("work", "", "Internal/debug: where the children keep code objects and dumps.")
 _OBJDUMP = flags.DEFINE_string("objdump", "", "llvm-objdump with gfx1151 (LLVM ≥ 18); default: the newest found.")
-_OUT = flags.DEFINE_string("out", "experiments/results/compile_gfx1151", "Output path prefix (.json and .md).")
+_OUT = run_record.define_out_flag(default="experiments/results/compile_gfx1151",
+                                  help_text="Output path prefix (.json and .md).")
 _RENDER = flags.DEFINE_bool("render_only", False, "Rewrite OUT.md from OUT.json (no compiling).")
 
 # What XLA needs to know about the device it compiles for (xla GpuTargetConfigProto, text form). Codegen reads the

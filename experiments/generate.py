@@ -59,7 +59,10 @@ def _tokenizer():
   if not path or not os.path.exists(path):
     raise UsageError(f"--prompt needs a tokenizer.json (--tokenizer, or one in --checkpoint); got {path}")
   import tokenizers  # pylint: disable=import-outside-toplevel  (optional: only for text prompts)
-  return tokenizers.Tokenizer.from_file(path)
+  try:
+    return tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # pylint: disable=broad-except  (tokenizers raises a bare Exception)
+    raise UsageError(f"{path} cannot be read as a tokenizer: {e}") from None
 
 
 def main(argv):
@@ -86,34 +89,38 @@ def _stop_ids(cfg) -> set[int]:
 def run() -> dict:
   if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
     raise UsageError("give exactly one of --prompt and --prompt_ids")
-  if _JSON.value and not os.access(os.path.dirname(os.path.abspath(_JSON.value)), os.W_OK):
-    raise UsageError(f"--json={_JSON.value}: its directory is not writable")
+  if _JSON.value and (problem := run_record.out_problem(_JSON.value)):
+    raise UsageError(f"--json={_JSON.value}: {problem}")
+  if _SPECULATE.value and _NGRAM.value < 1:
+    raise UsageError(f"--ngram must be >= 1, got {_NGRAM.value}")
   feats = ds4_flags.features_from_flags(flags.FLAGS)
   dtype = jnp.float32 if _DTYPE.value == "f32" else jnp.bfloat16
-  tok = _tokenizer() if _PROMPT.value is not None else None
   mesh_spec = flags.FLAGS.mesh
   ds4_flags.check_mesh("generate", mesh_spec, None)
-  if _CHECKPOINT.value:
-    if os.path.isfile(os.path.join(_CHECKPOINT.value, "config.json")):  # before reading the weights
-      cfg = config.DeepseekV4Config.from_hf_config(_CHECKPOINT.value)
-      ds4_flags.check_mesh("generate", mesh_spec, cfg)
-      ds4_flags.check_model_features("generate", cfg, flags.FLAGS.quant_policy, feats)
-      _stop_ids(cfg)
-    m = mapping.load_checkpoint(_CHECKPOINT.value, dtype=dtype, policy=flags.FLAGS.quant_policy, log=None,
-                                mesh=mesh_spec)
-  else:
-    cfg = config.preset(_PRESET.value)
-    ds4_flags.check_mesh("generate", mesh_spec, cfg)  # before drawing the weights
-    ds4_flags.check_model_features("generate", cfg, flags.FLAGS.quant_policy, feats)
-    _stop_ids(cfg)
-    m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=mesh_spec)
-  ids = (np.asarray(tok.encode(_PROMPT.value).ids) if tok else np.asarray([int(x) for x in _PROMPT_IDS.value]))
+  # Everything about the command line is checked against the model's config before any weight is read or drawn.
+  cfg = (config.DeepseekV4Config.from_hf_config(_CHECKPOINT.value) if _CHECKPOINT.value
+         else config.preset(_PRESET.value))
+  ds4_flags.check_mesh("generate", mesh_spec, cfg)
+  ds4_flags.check_model_features("generate", cfg, flags.FLAGS.quant_policy, feats)
+  stop = _stop_ids(cfg)
+  tok = _tokenizer() if _PROMPT.value is not None else None
+  try:
+    ids = model.check_tokens(tok.encode(_PROMPT.value).ids if tok else [int(x) for x in _PROMPT_IDS.value], cfg)
+  except ValueError as e:
+    raise UsageError(f"{'--prompt' if tok else '--prompt_ids'}: {e}") from None
   n = _NEW.value
-  stop = _stop_ids(m.cfg)
-  room = m.cfg.max_position_embeddings - len(ids) - (decode.MAX_VERIFY if _SPECULATE.value else 1)
+  room = cfg.max_position_embeddings - len(ids) - (decode.MAX_VERIFY if _SPECULATE.value else 1)
+  if room < 1:
+    raise UsageError(f"the prompt of {len(ids)} tokens leaves no room to generate (max_position_embeddings="
+                     f"{cfg.max_position_embeddings})")
   if not 0 < n <= room:
     raise UsageError(f"--max_new_tokens={n}: the prompt of {len(ids)} tokens leaves room for 1..{room} "
-                     f"(max_position_embeddings={m.cfg.max_position_embeddings})")
+                     f"(max_position_embeddings={cfg.max_position_embeddings})")
+  if _CHECKPOINT.value:
+    m = mapping.load_checkpoint(_CHECKPOINT.value, cfg, dtype=dtype, policy=flags.FLAGS.quant_policy, log=None,
+                                mesh=mesh_spec)
+  else:
+    m = model.init_random(cfg, _SEED.value, dtype, flags.FLAGS.quant_policy, mesh=mesh_spec)
   print(f"{m.cfg.name} {'checkpoint ' + _CHECKPOINT.value if _CHECKPOINT.value else 'random weights'}; "
         f"{len(ids)} prompt tokens; switches on: {feats.on() or 'none'}; {mesh_lib.describe(mesh_spec, m.cfg)}",
         flush=True)

@@ -10,6 +10,8 @@ averaged over positions. docs/model.md §12 lists what these are for each preset
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +29,7 @@ from experiments import run_record
 _PRESET = flags.DEFINE_string("preset", "tiny", "Model preset.")
 _TOKENS = flags.DEFINE_integer("tokens", 64, "Prompt length (random ids).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and of the prompt.")
-_OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_OUT = run_record.define_out_flag()
 flags_lib.define_quant_policy_flag()
 
 
@@ -62,6 +64,8 @@ def main(argv):
   del argv
   device_memory.claim()  # before JAX starts its backend
   cfg = config_lib.preset(_PRESET.value)
+  if not 0 < _TOKENS.value <= cfg.max_position_embeddings:
+    sys.exit(f"init_stats: --tokens must be in [1, {cfg.max_position_embeddings}], got {_TOKENS.value}")
   m = model_lib.init_random(cfg, seed=_SEED.value, policy=quant_policy.get(flags.FLAGS.quant_policy))
   tokens = np.random.default_rng(_SEED.value).integers(0, cfg.vocab_size, _TOKENS.value)
   s = statistics(m, tokens)

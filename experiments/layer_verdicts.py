@@ -15,7 +15,6 @@ summary; the JSON is rewritten after each run. Exit status 1 when the configurat
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 
@@ -38,7 +37,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and the prompt.")
 _MUTATIONS = flags.DEFINE_list("mutations", [], f"Planted bugs to run, of {list(mutations.MUTATIONS)}.")
 _MUTATION_LAYER = flags.DEFINE_integer("mutation_layer", -1, "Layer to plant them in (-1: the first that fits).")
 _CONFIGURATION = flags.DEFINE_boolean("configuration", True, "Judge the configuration (else the mutations only).")
-_OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_OUT = run_record.define_out_flag()
 flags_lib.define_quant_policy_flag()
 flags_lib.define_feature_flags()
 flags_lib.define_mesh_flag()
@@ -76,8 +75,6 @@ def run():
              "from position 0 cannot show: run them with --bands=2")
   if not -1 <= _MUTATION_LAYER.value < cfg.num_layers:
     sys.exit(f"layer_verdicts: --mutation_layer must lie in [0, {cfg.num_layers}) (or -1: the first of its kind)")
-  if _OUT.value and not os.access(os.path.dirname(os.path.abspath(_OUT.value)), os.W_OK):
-    sys.exit(f"layer_verdicts: --out={_OUT.value}: its directory is not writable")
   for name in _MUTATIONS.value:
     mutation_layer(cfg, name)  # a bug with no layer of its kind: refused before any weights exist
   band_tokens = -(-_TOKENS.value // _BANDS.value) if _BANDS.value > 1 else 0

@@ -63,7 +63,8 @@ _SWEEP = flags.DEFINE_bool("sweep", False, "Search configs that pass --arch for 
 _X_DTYPE = flags.DEFINE_enum("x_dtype", "bfloat16", ["bfloat16", "float32"],
                               "Activation dtype (bf16: bf16 dots on WMMA; float32: exact f32 dots, no WMMA).")
 _JOBS = flags.DEFINE_integer("jobs", os.cpu_count() or 1, "Compile processes.")
-_OUT = flags.DEFINE_string("out", "experiments/results/lowering_gfx1151", "Output path prefix (.json and .md).")
+_OUT = run_record.define_out_flag(default="experiments/results/lowering_gfx1151",
+                                  help_text="Output path prefix (.json and .md).")
 
 # The leading columns name the kernel (MoE rows: format and tokens; package rows: the case label), then the stats.
 LEAD_COLS = {"moe": ("kernel", "format", "tokens", "config"), "cases": ("kernel", "case", "config")}

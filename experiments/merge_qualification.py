@@ -13,10 +13,10 @@ import sys
 
 from absl import app, flags
 
-from experiments import qualification
+from experiments import qualification, run_record
 
-_OUT = flags.DEFINE_string("out", None, "The results JSON to merge into (created if missing; .md rewritten).",
-                           required=True)
+_OUT = run_record.define_out_flag(help_text="The results JSON to merge into (created if missing; .md rewritten).")
+flags.mark_flag_as_required("out")
 
 
 def main(argv):

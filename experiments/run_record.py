@@ -7,9 +7,11 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
 
 import jax
 import jaxlib
+from absl import flags
 
 
 def environment() -> dict:
@@ -33,6 +35,42 @@ def _git_commit() -> tuple[str, bool | None]:
   except (OSError, subprocess.CalledProcessError):  # a copy without git: set DS4JAX_GIT_COMMIT
     return "unknown", None
   return commit, dirty
+
+
+def out_problem(path: str, directory: bool = False) -> str | None:
+  """Why results cannot be written at `path` (a file, or with `directory` a folder), else None. Checked at start-up
+  so that no run loses its results at the end. The writer makes missing folders, so this writes a scratch file in
+  the nearest folder that exists (os.access says yes to root for places like /proc) and makes nothing."""
+  if not directory and os.path.isdir(path):
+    return "is a directory"
+  if directory and os.path.exists(path) and not os.path.isdir(path):
+    return "is a file, not a directory"
+  where = os.path.abspath(path) if directory else os.path.dirname(os.path.abspath(path))
+  while not os.path.exists(where):
+    where = os.path.dirname(where)
+  if not os.path.isdir(where):
+    return f"{where} is not a directory"
+  try:
+    with tempfile.TemporaryFile(dir=where):
+      pass
+  except OSError as e:
+    return f"cannot write in {where} ({e.strerror or e})"
+  return None
+
+
+def define_out_flag(name: str = "out", help_text: str = "Results JSON.", default: str | None = None,
+                    directory: bool = False, flag_values: flags.FlagValues | None = None):
+  """--out (or `name`): where results go, checked when the flags are parsed (out_problem), so a bad path
+  fails at start-up in one line, not after the run."""
+  fv = flags.FLAGS if flag_values is None else flag_values
+  holder = flags.DEFINE_string(name, default, help_text, flag_values=fv)
+
+  def writable(path):
+    if path and (problem := out_problem(path, directory)):
+      raise flags.ValidationError(problem)
+    return True
+  flags.register_validator(name, writable, flag_values=fv)
+  return holder
 
 
 def write_json(path: str, record: dict) -> None:

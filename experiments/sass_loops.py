@@ -26,7 +26,7 @@ from kernels_pallas import lowering  # noqa: E402
 
 _PACKAGES = flags.DEFINE_list("packages", ["mla"], f"Kernel packages, some of {list(lowering.CASE_PACKAGES)}.")
 _MLA_PRECISION = flags.DEFINE_string("mla_precision", None, "Replace the MLA configs' precision (e.g. bf16).")
-_OUT = flags.DEFINE_string("out", None, "Write the records here as JSON.")
+_OUT = run_record.define_out_flag(help_text="Write the records here as JSON.")
 
 
 def loop_records(packages, mla_precision: str | None = None) -> list[dict]:

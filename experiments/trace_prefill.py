@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import tempfile
 import time
 
@@ -46,7 +47,7 @@ _PRECOMPILE = flags.DEFINE_integer("precompile_workers", 0, "> 0: compile every 
 _TRACE = flags.DEFINE_boolean("trace", True, "Trace one prefill per run and sum its kernels.")
 _LAYERS = flags.DEFINE_integer("layers", 0, "> 0: the preset's first this many layers only (V4-Flash on a GPU it "
                                "does not fit whole; each layer as in the full model).")
-_OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_OUT = run_record.define_out_flag()
 flags_lib.define_quant_policy_flag()
 flags_lib.define_feature_flags()
 flags_lib.define_mesh_flag()  # a sharded prefill's kernel times are summed over the devices
@@ -56,20 +57,10 @@ def main(argv):
   del argv
   device_memory.claim()  # before JAX starts its backend
   fv = flags.FLAGS
-  cfg = config_lib.preset(_PRESET.value)
-  if _LAYERS.value:
-    layers = min(_LAYERS.value, cfg.num_layers)
-    cfg = dataclasses.replace(cfg, attention=cfg.attention[:layers], routing=cfg.routing[:layers])
-  lengths = [int(t) for t in _TOKENS.value]
-  # The defaults may differ by length (one-band prompts: features.Capability.when), so each length has its own.
-  by_length = {n: flags_lib.features_from_flags(fv, cfg=cfg, policy=fv.quant_policy, tokens=n) for n in lengths}
-  flags_lib.check_mesh("trace_prefill", fv.mesh, cfg)  # before drawing the weights
-  variants = {}
-  for n, features in by_length.items():
-    flags_lib.check_model_features("trace_prefill", cfg, fv.quant_policy, features)
-    variants[n] = {"flags": features}
-    for switch in _WITHOUT.value:  # the qualification's kill_<switch> features
-      variants[n][f"without_{switch}"] = matrix.without(features, switch)
+  try:
+    cfg, lengths, by_length, variants = start(fv)
+  except ValueError as e:  # FeatureError, an unknown preset, a bad length, ...
+    sys.exit(f"trace_prefill: {e}")
   rng = np.random.default_rng(_SEED.value)
   tokens = rng.integers(0, cfg.vocab_size, max(lengths))
   record = dict(run_record.environment(), what="prefill device time by kernel (experiments/trace_prefill.py)",
@@ -99,6 +90,32 @@ def main(argv):
       report(entry)
       if _OUT.value:
         run_record.write_json(_OUT.value, record)
+
+
+def start(fv):
+  """The model config, the prompt lengths, each length's features and its variants, checked before any weights."""
+  cfg = config_lib.preset(_PRESET.value)
+  if _LAYERS.value < 0 or _REPEATS.value < 1:
+    raise ValueError(f"--layers must be >= 0 and --repeats >= 1, got {_LAYERS.value} and {_REPEATS.value}")
+  if _LAYERS.value:
+    layers = min(_LAYERS.value, cfg.num_layers)
+    cfg = dataclasses.replace(cfg, attention=cfg.attention[:layers], routing=cfg.routing[:layers])
+  if not _TOKENS.value or not all(t.isdigit() and 0 < int(t) <= cfg.max_position_embeddings for t in _TOKENS.value):
+    raise ValueError(f"--tokens must be lengths in [1, {cfg.max_position_embeddings}], got {_TOKENS.value}")
+  unknown = [s for s in _WITHOUT.value if s not in features_lib.SWITCHES]
+  if unknown:
+    raise ValueError(f"--without: unknown switches {unknown}")
+  lengths = [int(t) for t in _TOKENS.value]
+  # The defaults may differ by length (one-band prompts: features.Capability.when), so each length has its own.
+  by_length = {n: flags_lib.features_from_flags(fv, cfg=cfg, policy=fv.quant_policy, tokens=n) for n in lengths}
+  flags_lib.check_mesh("trace_prefill", fv.mesh, cfg)  # before drawing the weights
+  variants = {}
+  for n, features in by_length.items():
+    flags_lib.check_model_features("trace_prefill", cfg, fv.quant_policy, features)
+    variants[n] = {"flags": features}
+    for switch in _WITHOUT.value:  # the qualification's kill_<switch> features
+      variants[n][f"without_{switch}"] = matrix.without(features, switch)
+  return cfg, lengths, by_length, variants
 
 
 def measure(m, tokens, features) -> dict:

@@ -324,7 +324,10 @@ def _eval_terms(graphdef, params, bias, rest, batch):
   return t["lm"], t["distill"], t["recall"]
 
 
-def evaluate(m: model_lib.DeepseekV4, windows: np.ndarray, chunk: int = 16) -> dict:
+EVAL_CHUNK = 16  # windows per evaluation program
+
+
+def evaluate(m: model_lib.DeepseekV4, windows: np.ndarray, chunk: int = EVAL_CHUNK) -> dict:
   """Mean next-byte loss (nats/byte), indexer KL and recall over `windows` [N, S + 1], in chunks of `chunk`."""
   graphdef, params, bias, rest = nnx.split(m, trainable, router_bias, ...)
   sums = np.zeros(3)
@@ -378,8 +381,17 @@ def reload_check(m: model_lib.DeepseekV4, stored: str, data: bytes) -> dict:
 
 # ---- the run ----
 
+def check_settings(h: Hyper, eval_every: int, val_windows: int) -> None:
+  """ValueError naming the first setting out of range (val_windows: evaluate() takes whole chunks)."""
+  for name, value, least in (("steps", h.steps, 1), ("batch", h.batch, 1), ("warmup", h.warmup, 0),
+                             ("eval_every", eval_every, 1), ("val_windows", val_windows, EVAL_CHUNK)):
+    if value < least:
+      raise ValueError(f"--{name} must be >= {least}, got {value}")
+
+
 def run(out: str, h: Hyper, *, eval_every: int, val_windows: int, official_formats: bool,
         log=print) -> dict:
+  check_settings(h, eval_every, val_windows)  # before any work
   t0 = time.time()
   corpus = load_corpus()
   d = corpus.description
@@ -454,7 +466,8 @@ def run(out: str, h: Hyper, *, eval_every: int, val_windows: int, official_forma
 
 def define_flags(fv=flags.FLAGS):
   d = Hyper()
-  flags.DEFINE_string("out", "experiments/checkpoints/tiny_stdlib", "Output directory.", flag_values=fv)
+  run_record.define_out_flag(default="experiments/checkpoints/tiny_stdlib", directory=True, flag_values=fv,
+                            help_text="Output directory (the default is the committed checkpoint, rewritten).")
   flags.DEFINE_integer("steps", d.steps, "Optimizer steps.", flag_values=fv)
   flags.DEFINE_integer("batch", d.batch, "Windows of 128 bytes per step.", flag_values=fv)
   flags.DEFINE_float("lr", d.lr, "Peak AdamW learning rate (warmup, then cosine decay).", flag_values=fv)
@@ -469,6 +482,10 @@ def main(argv):
   del argv
   fv = flags.FLAGS
   h = Hyper(steps=fv.steps, batch=fv.batch, lr=fv.lr, warmup=fv.warmup, seed=fv.seed)
+  try:
+    check_settings(h, fv.eval_every, fv.val_windows)
+  except ValueError as e:
+    sys.exit(f"train_tiny: {e}")
   run(fv.out, h, eval_every=fv.eval_every, val_windows=fv.val_windows, official_formats=fv.official_formats)
 
 

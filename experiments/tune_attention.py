@@ -33,7 +33,7 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["8192"], "Context lengths L (the 8192
 _VARIANTS = flags.DEFINE_list("variants", [], "Variants to time (default: all).")
 _ABLATIONS = flags.DEFINE_boolean("ablations", False, "Also time the diagnostic kernels (default config).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median).")
-_OUT = flags.DEFINE_string("out", None, "Results JSON.")
+_OUT = run_record.define_out_flag()
 _SMOKE = flags.DEFINE_boolean("smoke", False, "Tiny shapes in interpret mode (CPU), to check the script.")
 
 FLASH = dict(H=64, D=512, window=128, k=512, ratio=4, rope_dim=64, T=8192)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -121,6 +122,9 @@ def test_config_is_frozen():
     (dict(index_head_dim=16), "index_head_dim"),
     (dict(routing=(Routing.HASH,)), "routing"),
     (dict(swiglu_limit=0.0), "swiglu_limit"),
+    (dict(max_position_embeddings=0), "max_position_embeddings"),
+    (dict(eos_token_id=256), "eos_token_id"),  # tiny's vocabulary is [0, 256)
+    (dict(bos_token_id=-1), "bos_token_id"),
 ])
 def test_inconsistent_configs_name_the_field(change, field):
   with pytest.raises(ValueError, match=rf"DeepseekV4Config\.{field}\b"):
@@ -137,6 +141,22 @@ def test_inconsistent_configs_name_the_field(change, field):
 def test_bad_hf_configs_are_rejected(change, message):
   with pytest.raises(ValueError, match=message):
     DeepseekV4Config.from_hf_config(FLASH_HF_LEGACY | change)
+
+
+def test_unreadable_or_incomplete_config_files_are_one_value_error(tmp_path):
+  """A missing file, bad JSON, a JSON list and a missing key each raised its own type (FileNotFoundError, KeyError,
+  TypeError), which the entry points' one-line refusals did not catch."""
+  path = tmp_path / "config.json"
+  with pytest.raises(ValueError, match=f"^{re.escape(str(path))} does not exist$"):
+    DeepseekV4Config.from_hf_config(tmp_path)
+  for text, message in (("{not json", "cannot read a config"), ("[1, 2]", "a config is a JSON object, got a list"),
+                        (json.dumps({k: v for k, v in FLASH_HF_LEGACY.items() if k != "head_dim"}), "no 'head_dim'"),
+                        (json.dumps(FLASH_HF_LEGACY | {"routed_scaling_factor": None}), "TypeError: float()")):
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: {re.escape(message)}"):
+      DeepseekV4Config.from_hf_config(path)
+  with pytest.raises(ValueError, match="^config.json: no 'hidden_size'"):
+    DeepseekV4Config.from_hf_config({k: v for k, v in FLASH_HF_LEGACY.items() if k != "hidden_size"})
 
 
 def test_unknown_preset():

@@ -152,6 +152,8 @@ def test_reference_is_all_off():
     (dict(moe_programs_per_core=0), "--moe_programs_per_core must be at least 1, got 0"),
     (dict(long_context_chunk=-1), "non-negative"),
     (dict(bogus=True), "unknown feature 'bogus'"),
+    (dict(bf16_matmul="no"), "--bf16_matmul must be True or False, got 'no'"),  # a non-empty string was on
+    (dict(moe_tile_rows=True), r"--moe_tile_rows must be a non-negative integer, got True"),
 ])
 def test_impossible_combinations_fail_with_a_clear_message(overrides, message):
   with pytest.raises(FeatureError, match=message):

@@ -101,8 +101,15 @@ def read_tensor(ckpt: SafetensorsCheckpoint, name: str, used: set[str]) -> np.nd
   """One tensor as numpy, dequantized to f32 when it is stored in FP8 or FP4. Records what it read."""
   spec = ckpt.spec(name)
   used.add(name)
-  if spec.dtype in FLOAT_DTYPES or spec.dtype in INT_DTYPES:
+  if spec.dtype in INT_DTYPES:
     return ckpt.read(name)
+  if spec.dtype in FLOAT_DTYPES:
+    a = ckpt.read(name)
+    if not np.isfinite(a).all():  # a corrupt or diverged weight: as the FP8 NaN bytes, refused here, not as NaN logits
+      bad = ~np.isfinite(a)
+      first = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise CheckpointError(f"{ckpt.where(name)}: {a[first]} at index {first} ({int(bad.sum())} non-finite values)")
+    return a
   if spec.dtype in ("F8_E4M3", "I8", "U8"):
     codes, scale_bytes = _code_bytes(ckpt, name), _scale_bytes(ckpt, name)
     used.add(_scale_name(name))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -34,10 +35,30 @@ def restore(directory: str | os.PathLike) -> DeepseekV4:
   cfg_path = os.path.join(directory, CONFIG_FILE)
   if not os.path.exists(cfg_path):
     raise CheckpointError(f"{directory} is not a ds4jax Orbax checkpoint: {CONFIG_FILE} is missing")
-  with open(cfg_path) as f:
-    saved = json.load(f)
-  cfg, dtype = DeepseekV4Config.from_dict(saved["config"]), jnp.dtype(saved["dtype"])
-  graphdef, abstract = nnx.split(abstract_model(cfg, dtype, saved.get("policy", "bf16")))
+  try:
+    with open(cfg_path) as f:
+      saved = json.load(f)
+    cfg, dtype = DeepseekV4Config.from_dict(saved["config"]), jnp.dtype(saved["dtype"])
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype, saved.get("policy", "bf16")))
+  except (OSError, ValueError, KeyError, TypeError) as e:  # not JSON, a field missing or out of range
+    raise CheckpointError(f"{cfg_path}: not a model description ({type(e).__name__}: {e})") from None
+  state_dir = os.path.join(directory, STATE_DIR)
+  if not os.path.isdir(state_dir):
+    raise CheckpointError(f"{directory} is not a ds4jax Orbax checkpoint: {STATE_DIR}/ is missing")
   with ocp.StandardCheckpointer() as ckptr:
-    state = ckptr.restore(os.path.join(directory, STATE_DIR), abstract)
+    # Compared before restoring: Orbax's own error for a mismatch comes with screens of asyncio tracebacks.
+    saved_arrays, wanted = _arrays(ckptr.metadata(state_dir).item_metadata), _arrays(abstract)
+    for name in sorted(saved_arrays.keys() | wanted.keys()):
+      if saved_arrays.get(name) != wanted.get(name):
+        raise CheckpointError(f"{state_dir} does not hold the weights {CONFIG_FILE} describes: {name} is "
+                              f"{saved_arrays.get(name, 'missing')} there, {wanted.get(name, 'not in the model')} in "
+                              "the model")
+    state = ckptr.restore(state_dir, abstract)
   return nnx.merge(graphdef, state)
+
+
+def _arrays(tree) -> dict[str, str]:
+  """{dotted path: "shape dtype"} of a state's leaves, or of Orbax's metadata of one."""
+  part = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))  # dict, sequence, attribute keys
+  name = lambda path: ".".join(str(part(k)) for k in path)
+  return {name(p): f"{tuple(a.shape)} {a.dtype}" for p, a in jax.tree_util.tree_leaves_with_path(tree)}

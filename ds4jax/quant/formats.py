@@ -78,7 +78,11 @@ def _bf16_quantize(w):
   if not np.issubdtype(w.dtype, np.floating) and w.dtype != BF16:
     raise TypeError(f"bf16 quantize expects a float array, got dtype {w.dtype}")
   _bf16_layout(w.shape)
-  return (w.astype(np.float32).astype(BF16),)
+  out = w.astype(np.float32).astype(BF16)
+  if not np.isfinite(out).all():  # NaN, inf, or past bf16's range: as every other format's encoder, refused
+    bad = np.argwhere(~np.isfinite(out))[0]
+    raise ValueError(f"bf16 quantize: non-finite value at index {tuple(int(i) for i in bad)}")
+  return (out,)
 
 
 def _bf16_dequantize(weight):

@@ -90,8 +90,8 @@ def _config(opts: Options) -> config_lib.DeepseekV4Config:
       raise StartupError(f"--checkpoint={opts.checkpoint}: no config.json there")
     try:
       return config_lib.DeepseekV4Config.from_hf_config(opts.checkpoint)
-    except (ValueError, KeyError, TypeError) as e:  # json's decode error is a ValueError
-      raise StartupError(f"--checkpoint={opts.checkpoint}: config.json: {type(e).__name__}: {e}") from e
+    except ValueError as e:
+      raise StartupError(f"--checkpoint={opts.checkpoint}: {e}") from e
   try:
     return config_lib.preset(opts.preset)
   except ValueError as e:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ from ds4jax import config as config_lib
 from ds4jax import mesh as mesh_lib
 from ds4jax.features import KNOBS, SWITCHES, FeatureError
 from experiments import flags as flags_lib
-from experiments import mutations
+from experiments import mutations, run_record
 
 KL_GATE = 0.006  # upstream's preregistered teacher-forced mean-KL gate (docs/upstream.md §7.4): reported, not judged
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
@@ -201,10 +200,7 @@ def validate(opts: Options) -> None:
     raise StartupError(f"--mesh: {e}") from e
   if not opts.out or not opts.out.endswith(".json"):
     raise StartupError(f"--out must name a .json file, got {opts.out!r}")
-  where = os.path.dirname(os.path.abspath(opts.out))
-  while not os.path.exists(where):  # the results writer makes the missing directories
-    where = os.path.dirname(where)
-  if not os.path.isdir(where) or not os.access(where, os.W_OK) or os.path.isdir(opts.out):
-    raise StartupError(f"--out={opts.out}: cannot write a file there ({where} is not a writable directory)")
+  if problem := run_record.out_problem(opts.out):
+    raise StartupError(f"--out={opts.out}: {problem}")
   if opts.seed < 0:
     raise StartupError(f"--seed must be >= 0, got {opts.seed}")

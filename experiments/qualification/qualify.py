@@ -86,8 +86,8 @@ def start_up(opts: Options) -> Setup:
   if opts.append and os.path.exists(opts.out):
     try:
       existing = store.load_results(opts.out)
-    except (OSError, ValueError, TypeError) as e:
-      raise StartupError(f"--append: cannot read {opts.out}: {e}") from e
+    except StartupError as e:
+      raise StartupError(f"--append: {e}") from e
     # Verdicts carry no mesh: a file whose calls ran on another mesh (even one that ended before any record) would
     # lend them to this one.
     meshes = {mesh_lib.normalize((i.get("options") or {}).get("mesh", "")) for i in existing.invocations}

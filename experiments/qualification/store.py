@@ -61,13 +61,21 @@ def exact_cache_path(out: str) -> str:
 def load_results(path: str) -> Results:
   """A results file (for notebooks: pandas.DataFrame(report.summary_rows(load_results(path))) gives one flat row
   per (length, config))."""
-  with open(path) as f:
-    doc = json.load(f)
+  try:
+    with open(path) as f:
+      doc = json.load(f)
+  except (OSError, ValueError) as e:  # missing, unreadable, not JSON
+    raise StartupError(f"{path} cannot be read: {e}") from None
   if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("records"), list):
     raise StartupError(f"{path} is not a prefill qualification results file (schema {SCHEMA})")
-  out = Results(records=[record_from_json(r) for r in doc["records"]], invocations=doc.get("invocations", []),
-                noise_floor={n: NoiseFloor(**f) for n, f in doc.get("noise_floor", {}).items()},
-                verdicts=[verdict_from_json(v) for v in doc.get("verdicts", [])])
+  try:
+    out = Results(records=[record_from_json(r) for r in doc["records"]], invocations=doc.get("invocations", []),
+                  noise_floor={n: NoiseFloor(**f) for n, f in doc.get("noise_floor", {}).items()},
+                  verdicts=[verdict_from_json(v) for v in doc.get("verdicts", [])])
+  except StartupError:
+    raise
+  except (KeyError, TypeError, ValueError, AttributeError) as e:  # a record edited or cut by hand
+    raise StartupError(f"{path}: a record does not parse ({type(e).__name__}: {e})") from None
   keys = [r.key for r in out.records]
   twice = sorted({k for k in keys if keys.count(k) > 1})
   if twice:

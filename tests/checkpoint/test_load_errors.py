@@ -161,6 +161,22 @@ def test_fp8_weight_intact_loads_under_either_policy(tmp_path, policy):
   np.testing.assert_array_equal(np.asarray(dense(weight), np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("name, dtype, index, value", [
+    ("layers.1.attn_norm.weight", np.float32, (5,), np.nan),
+    ("embed.weight", jnp.bfloat16, (7, 3), -np.inf),  # a BF16 tensor
+])
+def test_non_finite_float_weight_names_file_and_tensor(tmp_path, name, dtype, index, value):
+  """A NaN or inf in a float tensor loaded without complaint and gave NaN logits (generate printed NUL bytes)."""
+  d = copy_of("official", tmp_path)
+
+  def plant(t, _):
+    a = t[name].astype(dtype)
+    a[index] = value
+    t[name] = a
+  rewrite(d, plant)
+  assert one_line_error(d) == f"{d / 'model.safetensors'}: {name}: {value} at index {index} (1 non-finite values)"
+
+
 def test_shape_mismatch_names_file_and_tensor(tmp_path):
   d = copy_of("official", tmp_path)
   rewrite(d, lambda t, _: t.update({"layers.1.attn.wkv.weight": t["layers.1.attn.wkv.weight"][:, :31]}))

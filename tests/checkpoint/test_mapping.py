@@ -1,6 +1,8 @@
 """Loading official-format checkpoints into the model (ds4jax.checkpoint.mapping) and the Orbax round trip."""
 
+import json
 import os
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -145,3 +147,24 @@ def test_orbax_round_trip_needs_no_original_files(tiny, ckpt_dir, tmp_path_facto
 def test_orbax_restore_of_a_non_checkpoint(tmp_path):
   with pytest.raises(CheckpointError, match="not a ds4jax Orbax checkpoint"):
     orbax_io.restore(tmp_path)
+
+
+def test_orbax_restore_of_a_damaged_checkpoint_is_one_checkpoint_error(tiny, tmp_path):
+  """A description that is not JSON or does not match the saved arrays, and a missing state/, gave Orbax's, json's
+  and the file system's own errors (and screens of asyncio tracebacks)."""
+  orbax_io.save(tiny, tmp_path / "v4")
+  described = tmp_path / "v4" / orbax_io.CONFIG_FILE
+  saved = json.loads(described.read_text())
+  described.write_text(json.dumps(saved | {"config": saved["config"] | {"moe_intermediate_size": 64}}))
+  with pytest.raises(CheckpointError, match=r"v4/state does not hold the weights ds4jax_config.json "
+                     r"describes: layers.0.ffn.experts.w1.value is \(8, 32, 64\) float32 there, \(8, 64, 64\) "
+                     "float32 in the model$"):
+    orbax_io.restore(tmp_path / "v4")
+  described.write_text("{not json")
+  with pytest.raises(CheckpointError, match=r"ds4jax_config.json: not a model description \(JSONDecodeError: "):
+    orbax_io.restore(tmp_path / "v4")
+  described.write_text(json.dumps(saved))
+  assert orbax_io.restore(tmp_path / "v4").cfg == CFG
+  shutil.rmtree(tmp_path / "v4" / orbax_io.STATE_DIR)
+  with pytest.raises(CheckpointError, match="v4 is not a ds4jax Orbax checkpoint: state/ is missing"):
+    orbax_io.restore(tmp_path / "v4")

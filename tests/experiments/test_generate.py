@@ -88,14 +88,26 @@ def test_speculative_generation_gives_greedys_tokens(tmp_path):
   assert got["cache_dtype"] == "f32"
 
 
-def test_bad_input_is_one_line():
+def test_bad_input_is_one_line(tmp_path):
+  (tmp_path / "tokenizer.json").write_text("{not json")
   with Generate() as g:  # each ends in SystemExit with its line (a traceback or a finished run fails here)
     assert g.run("--prompt_ids=7,8,300", "--max_new_tokens=4")[1] == (
-        "generate: token id 300 at position 2 is outside the vocabulary [0, 256) (1 bad ids in all)")
+        "generate: --prompt_ids: token id 300 at position 2 is outside the vocabulary [0, 256) (1 bad ids in all)")
     assert g.run("--prompt_ids=7,8", "--max_new_tokens=4", "--stop_ids=1,256")[1] == (
         "generate: --stop_ids: token id 256 at position 1 is outside the vocabulary [0, 256) (1 bad ids in all)")
-    assert g.run("--prompt_ids=7,8", "--max_new_tokens=4", "--json=/proc/no/g.json")[1] == (  # before generating
-        "generate: --json=/proc/no/g.json: its directory is not writable")
+    # before generating: a directory, and a place os.access says root may write (the run's results were lost)
+    assert g.run("--prompt_ids=7,8", "--max_new_tokens=4", f"--json={tmp_path}")[1] == (
+        f"generate: --json={tmp_path}: is a directory")
+    assert g.run("--prompt_ids=7,8", "--max_new_tokens=4", "--json=/proc/no/g.json")[1].startswith(
+        "generate: --json=/proc/no/g.json: cannot write in /proc (")
+    assert g.run("--prompt_ids=7,8", "--speculate", "--ngram=0")[1] == (  # it ran with no drafts
+        "generate: --ngram must be >= 1, got 0")
+    assert g.run(f"--prompt_ids={','.join(['7'] * 200)}")[1] == (  # tiny_window has 128 positions
+        "generate: --prompt_ids: prompt of 200 tokens exceeds max_position_embeddings=128")
+    assert g.run(f"--checkpoint={tmp_path / 'none'}", "--prompt_ids=7")[1] == (  # FileNotFoundError
+        f"generate: {tmp_path / 'none'} does not exist")
+    assert g.run(f"--tokenizer={tmp_path / 'tokenizer.json'}", "--prompt=hi")[1].startswith(  # a bare Exception
+        f"generate: {tmp_path / 'tokenizer.json'} cannot be read as a tokenizer: ")
 
 
 def test_a_checkpoint_the_switches_cannot_take_is_refused_before_its_weights(tmp_path):

@@ -699,6 +699,17 @@ def test_merge_results_of_side_by_side_calls(tmp_path, tiny_model):
     json.dump(bad, f)
   with pytest.raises(q.StartupError, match="differs from the records merged so far in mesh"):
     q.merge_results(main, [a])
+  # a missing source, one cut short and one with a record edited by hand: one line each (tracebacks before)
+  with open(a, "w") as f:
+    f.write(json.dumps(bad)[:-40])
+  del bad["records"][-1]["length"]
+  with open(b, "w") as f:
+    json.dump(bad, f)
+  for source, message in ((str(tmp_path / "none.json"), "none.json cannot be read: "), (a, "gpu0.json cannot be "
+                          "read: "), (b, r"gpu1.json: a record does not parse \(TypeError: .*'length'")):
+    with pytest.raises(q.StartupError, match=message):
+      q.merge_results(main, [source])
+  assert q.load_results(main) == doc
   on = doc.records[0]  # --append on the CPU (one device) cannot ask for a mesh: the check itself
   assert store.same_run(on, on.weights_fingerprint, {}, None, "expert=2") == ["mesh"]
   assert store.same_run(on, on.weights_fingerprint, {}, None) == []
@@ -756,7 +767,9 @@ def test_merge_results_keys_features_by_length_and_keeps_a_fail(tmp_path, tiny_m
      "tiny_window has none"),
     (dict(prompt_file="/nonexistent/prompt.txt"), q.StartupError, "does not exist"),
     (dict(out="/etc/hostname/r.json"), q.StartupError,
-     r"--out=/etc/hostname/r.json: cannot write a file there \(/etc/hostname is not a writable directory\)"),
+     "--out=/etc/hostname/r.json: /etc/hostname is not a directory"),
+    (dict(out="/proc/no/r.json"), q.StartupError,  # os.access gives root a yes for /proc
+     r"--out=/proc/no/r.json: cannot write in /proc \("),
     (dict(seed=-1), q.StartupError, "--seed must be >= 0, got -1"),
 ])
 def test_startup_errors_come_before_any_work(tmp_path, tiny_model, kw, error, match):
@@ -779,7 +792,7 @@ def test_unreadable_prompt_tokenizer_or_config_is_one_line(tmp_path, tiny_model)
     run(options(tmp_path, **files), tiny_model, FakeRunner())
   (tmp_path / "ckpt").mkdir()
   (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "deepseek_v4"}')
-  with pytest.raises(q.StartupError, match=r"config.json: KeyError: 'num_hidden_layers'"):
+  with pytest.raises(q.StartupError, match=r"ckpt: .*ckpt/config.json: no 'num_hidden_layers'"):
     run(options(tmp_path, preset=None, checkpoint=str(tmp_path / "ckpt")), tiny_model, FakeRunner())
 
 

@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ds4jax.layers import QuantizedWeight
 from ds4jax.quant import formats
 from rocmfp_oracle import gaussian_weight, relative_mse
 
@@ -54,6 +55,29 @@ def test_quantize_check_dequantize_nbytes(rng, name):
   err = relative_mse(out, w)
   print(f"{name}: relative MSE {err:.3g}")
   assert err < BOUNDS[name]
+
+
+@pytest.mark.parametrize("name", sorted(formats.FORMATS))
+def test_every_encoder_refuses_non_finite_weights(rng, name):
+  """bf16's encoder stored NaN and inf where every other format refused them."""
+  w = gaussian_weight(rng, (2, 256))
+  w[1, 7] = np.nan
+  with pytest.raises(ValueError, match="(?i)non-finite|nan"):
+    formats.get(name).quantize(w)
+  if name == "bf16":  # finite in f32, past bf16's range: it was stored as inf
+    with pytest.raises(ValueError, match=r"non-finite value at index \(0, 3\)"):
+      formats.get(name).quantize(np.where(np.arange(256) == 3, 3.4e38, 1.0)[None].astype(np.float32))
+
+
+def test_a_quantized_weight_refuses_storage_of_another_shape(rng):
+  """QuantizedWeight("bf16", (7, 7), storage of a (128, 256) weight) dequantized to (128, 256) without complaint."""
+  arrays = formats.get("rocmfp3").quantize(gaussian_weight(rng, (4, 64)))
+  assert QuantizedWeight("rocmfp3", (4, 64), arrays).dequantize().shape == (4, 64)
+  with pytest.raises(ValueError, match=r"^rocmfp3 storage of a \(8, 64\) weight is \{'codes_lo': \(8, 16\)"):
+    QuantizedWeight("rocmfp3", (8, 64), arrays)
+  with pytest.raises(ValueError, match=r"^bf16 storage of a \(7, 7\) weight is \{'weight': \(7, 7\)\}, got "
+                                       r"\{'weight': \(128, 256\)\}"):
+    QuantizedWeight("bf16", (7, 7), formats.get("bf16").quantize(gaussian_weight(rng, (128, 256))))
 
 
 def test_array_names_are_checked(rng):
