@@ -33,7 +33,11 @@ def run(m, tokens, **knobs):
 ])
 def test_banded_prefill_matches_one_shot(tiny, band, chunk):
   m, tokens, ref = tiny
+  before = prefill._layer_step._cache_size()  # pylint: disable=protected-access
   got = run(m, tokens, prefill_band_tokens=band, long_context_chunk=chunk)
+  if band == 5:  # no other test runs bands of 5, so the count is this run's: tiny's 4 layers are of 3 types (the two
+    # CSA layers share a graph), and its 9 bands and 4 layers reuse 3 compiles
+    assert prefill._layer_step._cache_size() - before == 3  # pylint: disable=protected-access
   err = np.abs(got - ref).max()
   print(f"band {band} chunk {chunk}: max abs error {err:.2e} (logits up to {np.abs(ref).max():.2f})")
   assert got.shape == ref.shape and np.isfinite(got).all()
@@ -110,15 +114,6 @@ def test_final_logits_and_progress(tiny):
                                 progress=lines.append)
   np.testing.assert_allclose(np.asarray(last), ref[-1], atol=2e-6 * max(1.0, np.abs(ref).max()))
   assert len(lines) == 3 and lines[-1].startswith("band 3/3")
-
-
-def test_one_compile_per_layer_type(tiny):
-  """tiny has 4 layers of 3 types (the two CSA layers share a graph): bands and layers reuse 3 compiles. (A band
-  size no other test uses, so the count is this run's.)"""
-  m, tokens, _ = tiny
-  before = prefill._layer_step._cache_size()  # pylint: disable=protected-access
-  run(m, tokens, prefill_band_tokens=20)
-  assert prefill._layer_step._cache_size() - before == 3  # pylint: disable=protected-access
 
 
 def test_chunk_must_divide_band():
