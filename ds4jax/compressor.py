@@ -29,7 +29,8 @@ def extend(x_tail: jnp.ndarray, x: jnp.ndarray, s0, ratio: int) -> tuple[jnp.nda
 
 
 def next_tail(ext: jnp.ndarray, a, s_next, ratio: int) -> jnp.ndarray:
-  """The tail the next band (starting at s_next) needs: positions [a' - ratio, a' + ratio), a' = s_next // ratio · ratio."""
+  """The tail the next band (starting at s_next) needs: positions [a' - ratio, a' + ratio),
+  a' = s_next // ratio · ratio."""
   m = ratio
   return jax.lax.dynamic_slice(ext, ((s_next // m) * m - a, 0), (2 * m, ext.shape[1]))
 

@@ -198,9 +198,9 @@ def load_checkpoint(path: str | os.PathLike, cfg: DeepseekV4Config | None = None
   Official and transformers (`save_pretrained`) names are both read. Weights that would not fit in the
   default device's free memory are refused before any is read. Weights go to the default device one at a
   time. Under a quantization `policy`, each weight is converted to its role's format (FP8/FP4 tensors
-  already in the target format are copied, not re-encoded). `mesh` (ds4jax/mesh.py): on an expert axis each device
-  reads and receives only its own routed experts (host memory holds one device's share of one weight at a time), the rest
-  is replicated; the model fits when each device's share does.
+  already in the target format are copied, not re-encoded). `mesh` (ds4jax/mesh.py): on an expert axis each
+  device reads and receives only its own routed experts (host memory holds one device's share of one weight at a
+  time), the rest is replicated; the model fits when each device's share does.
   """
   cfg = cfg or DeepseekV4Config.from_hf_config(path)
   if mesh:
