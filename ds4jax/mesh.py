@@ -191,5 +191,6 @@ def describe(spec: str, cfg) -> str:
   experts = (f"{cfg.n_routed_experts // n} of {cfg.n_routed_experts} routed experts per device on {n} devices"
              if axis_of(spec, EXPERT) else "routed experts replicated")
   attention = (f"each band's attention split by queries over {nq} devices (a band of a length that {nq} does not "
-               f"divide, such as a one-token decode step, runs whole on each)" if axis_of(spec, QUERY) else "attention replicated")
+               f"divide, such as a one-token decode step, runs whole on each)" if axis_of(spec, QUERY)
+               else "attention replicated")
   return f"mesh {spec}: {experts}; {attention}; dense weights, router and shared expert replicated"

@@ -110,9 +110,9 @@ class Experts(nnx.Module):
   def decode_quantized(self, features: Features, abstract: bool = False) -> None:
     """Replaces the quantized stacks the kernels read decoded (`decoded_beforehand`: all three, or W2 alone under
     `moe_wgmma_gate_up` without `moe_wgmma_down`) by their dense decode in the matmul dtype, in place (call it on a
-    copy): the decode `kernel_weights` would otherwise repeat on every call, done once (the weights-stationary prefill does this
-    per layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead. On a mesh each device decodes the
-    experts it holds."""
+    copy): the decode `kernel_weights` would otherwise repeat on every call, done once (the weights-stationary prefill
+    does this per layer, ds4jax/prefill.py). `abstract`: shapes only, for compiling ahead. On a mesh each device decodes
+    the experts it holds."""
     names = [n for n in decoded_beforehand(features) if isinstance(getattr(self, n), QuantizedWeight)]
     ws = [getattr(self, n) for n in names]
     dtype = features.matmul_dtype

@@ -8,10 +8,10 @@ from q_start − 127, R = L // 4 compressed rows, top-512): the grouped baseline
 with the f32 stage, and with f32 stage + fast exp (`--precision` selects the dot precision; default = the
 platform's Config.default; `--config` overrides its fields), on a GPU with bf16 q/KV also sm_90's Mosaic GPU kernel
 (`stream_wgmma`; `--wgmma_split_chunks` adds split contenders with other accumulator chunks), plus the dense XLA
-reference where it fits; the indexer
-(`kernels_pallas.indexer.topk`, scoring + top-k by sort, and by radix selection: ids checked equal) and the mask
-path (`mask_from_topk` + `rows_from_mask`) against the direct handoff (time and compiled peak memory); per-CSA-layer indexer + attention ms and the indexer's share. NMSE of every variant
-against the precise streaming path (exp, f32 stage) and of that against the dense reference on a query slice.
+reference where it fits; the indexer (`kernels_pallas.indexer.topk`, scoring + top-k by sort, and by radix selection:
+ids checked equal) and the mask path (`mask_from_topk` + `rows_from_mask`) against the direct handoff (time and compiled
+peak memory); per-CSA-layer indexer + attention ms and the indexer's share. NMSE of every variant against the precise
+streaming path (exp, f32 stage) and of that against the dense reference on a query slice.
 `--smoke` runs tiny shapes in interpret mode on a CPU, to check the script itself.
 Results are rewritten after every measurement, so a crash or OOM loses nothing already measured.
 """

@@ -152,9 +152,10 @@ RECORD_COLUMNS = ("length", "config", "mutation", "killed", "also_off", "switche
 LAYER_COLUMNS = ("config", "features", "mutation", "verdict_tokens", "result", "layer", "attention", "routing", "bands",
                  "update_nmse", "bound", "reference_bf16_nmse", "nmse_over_bound", "nmse_over_reference",
                  "route_flips", "index_flips", "n_bad_flips", "passed")
-VERDICT_COLUMNS = ("config", "features", "mutation", "mutation_layer", "result", "tokens", "band_tokens", "reasons", "worst_layer",
-                   "worst_layer_nmse", "worst_layer_bound", "route_flips", "index_flips", "bad_flips", "tf_kl",
-                   "tf_max_kl", "tf_kl_bound", "tf_kl_reference_bf16", "tf_kl_bands", "upstream_gate", "wall_s")
+VERDICT_COLUMNS = ("config", "features", "mutation", "mutation_layer", "result", "tokens", "band_tokens", "reasons",
+                   "worst_layer", "worst_layer_nmse", "worst_layer_bound", "route_flips", "index_flips", "bad_flips",
+                   "tf_kl", "tf_max_kl", "tf_kl_bound", "tf_kl_reference_bf16", "tf_kl_bands", "upstream_gate",
+                   "wall_s")
 
 
 def _frame(rows: list[dict], columns: tuple[str, ...]) -> pd.DataFrame:
@@ -206,8 +207,9 @@ def _verdict_rows(v: Mapping[str, Any]) -> tuple[dict, list[dict]]:
   """A verdict as one summary row and one row per judged layer."""
   tf, worst, layers = v.get("teacher_forced") or {}, v.get("worst_layer") or {}, v.get("layers") or ()
   feats = _features(v)
-  head = dict(config=v.get("config"), features=feats, mutation=v.get("mutation"), mutation_layer=v.get("mutation_layer"),
-              result=v["result"], tokens=v["tokens"], band_tokens=v.get("band_tokens", 0),
+  head = dict(config=v.get("config"), features=feats, mutation=v.get("mutation"),
+              mutation_layer=v.get("mutation_layer"), result=v["result"], tokens=v["tokens"],
+              band_tokens=v.get("band_tokens", 0),
               reasons="; ".join(v.get("reasons") or ()),
               worst_layer=worst.get("layer"), worst_layer_nmse=worst.get("update_nmse"),
               worst_layer_bound=worst.get("bound"),

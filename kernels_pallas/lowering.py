@@ -288,7 +288,8 @@ def sass_cuda(ttir: str, capability: int = 90, num_warps: int = 4, num_stages: i
   """The kernel's SASS for sm_<cap>a, annotated with TTIR line numbers (`//## File "kernel.ttir", line N`): the PTX
   of `compile_cuda` through Triton's own ptxas (`-lineinfo`) and the wheel's nvdisasm."""
   _triton()
-  from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
   ptxas = get_ptxas(capability).path
   ptx = compile_cuda(ttir, capability, num_warps, num_stages, keep_asm=True)["ptx"]

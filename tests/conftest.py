@@ -24,9 +24,9 @@ split, the xtile lowering either way, platform-dependent math off, larger gc thr
 each worker pinned to a core (test_qualification.py 104 CPU s either way now), caching every compile however
 short (990 s), and (session 65, tests/kernels_pallas/mla/test_mla.py 63-78 s by default) the FAST_COMPILE preset
 (xla_cpu_opt_preset, 75 s) or LLVM at -O0 (xla_backend_optimization_level=0, 86 s); jaxlib 0.11.2 has no flag to
-turn XLA CPU's fusion emitters off. Cutting the suite further means fewer distinct programs, or smaller ones: a Pallas kernel in
-interpret mode is a large program (each case of test_every_supported_switch_matches_the_reference compiles one in
-3-5 s).
+turn XLA CPU's fusion emitters off. Cutting the suite further means fewer distinct programs, or smaller ones: a Pallas
+kernel in interpret mode is a large program (each case of test_every_supported_switch_matches_the_reference compiles one
+in 3-5 s).
 """
 
 import os

@@ -148,7 +148,8 @@ def test_long_positions_by_offset(tiny, sequential):
   assert_same_state(tiny.cfg, band_state, seq)
   assert np.abs(np.asarray(band_state.caches[1].rows[off // 4])).max() > 0  # the window [off, off + 4), pooled
   # Not the logits of the same tokens at position 3: the position matters.
-  assert np.abs(np.asarray(band[-1]) - np.asarray(decode.extend(tiny, sequential[0][PROMPT], ids[3:6])[0][-1])).max() > 0.1
+  assert np.abs(np.asarray(band[-1]) - np.asarray(decode.extend(tiny, sequential[0][PROMPT],
+                                                                ids[3:6])[0][-1])).max() > 0.1
 
 
 # bf16 caches round every stored key once (by up to 2^-8): decode's logits move from the f32 prefill's by an NMSE

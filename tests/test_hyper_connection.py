@@ -64,7 +64,8 @@ def test_sinkhorn_columns_sum_to_one(rng):
 
 
 def test_sinkhorn_large_eps_shows_eps_placement(rng):
-  """With a big eps the +eps terms are visible: the reference (eps after softmax and in each denominator) still matches."""
+  """With a big eps the +eps terms are visible: the reference (eps after softmax and in each denominator) still
+  matches."""
   logits = rng.standard_normal((2, N, N)).astype(np.float32)
   got = np.asarray(sinkhorn(jnp.asarray(logits), 4, 0.1))
   for b in range(2):

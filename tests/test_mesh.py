@@ -33,8 +33,8 @@ EXPERT_FORMAT = "rocmfp3_mix"  # quantized experts: codes, scales, codebooks and
 # finds the query role by mesh.axis_of, whatever else the axis splits), on all four of its layers, CSA ones selecting.
 ALL_CPU = {"moe_sparse_gate_up": True, "moe_adaptive_tile": True, "moe_compact_queue": True,
            "moe_persistent": True, "moe_fused_combine": True, "indexer_score_kernel": True,
-           "indexer_radix_topk": True, "direct_indexer_topk": True, "mla_stream_topk": True, "mla_stream_f32_stage": True,
-           "mla_stream_fast_exp": True}
+           "indexer_radix_topk": True, "direct_indexer_topk": True, "mla_stream_topk": True,
+           "mla_stream_f32_stage": True, "mla_stream_fast_exp": True}
 SHARDED = {
     "exact/expert=2,query=2": ({}, "expert=2,query=2"),
     "every_cpu_switch/expert=2": (ALL_CPU, "expert=2"),
@@ -169,7 +169,8 @@ def main():
   drawn = leaves(model.DeepseekV4(cfg, rngs=nnx.Rngs(params=1), dtype=jnp.float32, policy="official",
                                   mesh="expert=4"))  # as drawn, before init_random places the rest
   out["sharded_init"] = {
-      "same_bits": sorted(k for k in direct if np.array_equal(np.asarray(direct[k]), np.asarray(after[k]))) == sorted(after),
+      "same_bits": sorted(k for k in direct
+                          if np.array_equal(np.asarray(direct[k]), np.asarray(after[k]))) == sorted(after),
       "same_shardings": all(direct[k].sharding == after[k].sharding for k in direct),
       "drawn_expert_rows": sorted({v.sharding.shard_shape(v.shape)[0] for k, v in drawn.items()
                                    if mesh.is_expert_path(tuple(k.split(".")))}),

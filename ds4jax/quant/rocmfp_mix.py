@@ -167,11 +167,12 @@ def fit_books(halves, init, iters: int = 4, max_rows: int = 1 << 14) -> np.ndarr
   """Two codebooks for one expert's half-blocks [N, 16] by Lloyd steps on the scale-normalised weights.
 
   Start from `init` [2, K] (deterministic: the callers pass the plain format's levels, so the fit starts at or below
-  the plain format's error, and no step raises the error of the fitted rows, up to BF16 rounding). Each step (1) assigns every half-block its least-error book, scale byte
-  and codes (scale_search, the real objective), then (2) moves each level to the mean of w / s over the weights coded
-  with it, weighted by s² — the least-squares level for fixed codes and scales. Levels stay strictly increasing (each
-  is the mean of the normalised weights in its own nearest-level interval); unused ones stay put. At most `max_rows`
-  rows (an even stride; all-zero rows skipped) take part. Returns BF16 [2, K] books (`to_bf16_book`).
+  the plain format's error, and no step raises the error of the fitted rows, up to BF16 rounding). Each step (1) assigns
+  every half-block its least-error book, scale byte and codes (scale_search, the real objective), then (2) moves each
+  level to the mean of w / s over the weights coded with it, weighted by s² — the least-squares level for fixed codes
+  and scales. Levels stay strictly increasing (each is the mean of the normalised weights in its own nearest-level
+  interval); unused ones stay put. At most `max_rows` rows (an even stride; all-zero rows skipped) take part. Returns
+  BF16 [2, K] books (`to_bf16_book`).
   """
   h = np.asarray(halves, np.float32)
   h = h[np.abs(h).max(axis=1) > 0]

@@ -24,5 +24,5 @@ from experiments.qualification.store import Results, load_results, merge_results
 
 __all__ = ["Configuration", "configurations", "exact_features", "KL_GATE", "STARTUP_ERRORS", "Options", "StartupError",
            "define_flags", "options_from_flags", "run", "FAIL", "NOT_RUN", "PASS", "Record", "Verdict",
-           "failed", "markdown_table", "summary_line", "summary_rows", "verdict_counts", "ModelRunner", "Runner", "Results",
-           "load_results", "merge_results"]
+           "failed", "markdown_table", "summary_line", "summary_rows", "verdict_counts", "ModelRunner", "Runner",
+           "Results", "load_results", "merge_results"]

@@ -141,8 +141,9 @@ def options_from_flags(fv) -> Options:
                  seed=fv.seed, prompt_file=fv.prompt_file, tokenizer=fv.tokenizer, lengths=lengths,
                  configs=tuple(fv.configs), mutations=tuple(fv.mutations), warmups=fv.warmups, repeats=fv.repeats,
                  exact_max_tokens=fv.exact_max_tokens, parity_prefix_tokens=fv.parity_prefix_tokens,
-                 verdict_tokens=fv.verdict_tokens, verdict_bands=fv.verdict_bands, kl_gate=fv.kl_gate, noise_floor_eps=fv.noise_floor_eps,
-                 out=fv.out, append=fv.append, precompile_workers=fv.precompile_workers, max_cold_s=fv.max_cold_s,
+                 verdict_tokens=fv.verdict_tokens, verdict_bands=fv.verdict_bands, kl_gate=fv.kl_gate,
+                 noise_floor_eps=fv.noise_floor_eps, out=fv.out, append=fv.append,
+                 precompile_workers=fv.precompile_workers, max_cold_s=fv.max_cold_s,
                  stop_after_s=fv.stop_after_s, mesh=fv.mesh,
                  features={k: getattr(fv, k) for k in list(SWITCHES) + list(KNOBS)})
 

@@ -4,9 +4,10 @@
 
 Queries are processed in blocks of `config.query_block` (lax.map): a block is scored by the Pallas kernel
 (scoring.py) into a [query_block, R] f32 array and reduced in XLA (`jax.lax.top_k`, or without a sort by a radix
-selection kernel, select.py: `config.selection`), so no [T, R] array ever exists (T = 8192, R = 32K: 128 MiB per 1024-query block instead of 1 GiB). A block whose queries all see <= k rows
-skips the kernel (lax.cond) and emits identity ids; inside a scored block such queries are overridden with
-identity ids too, so they never depend on scores (Lucebox: "tokens that see <= 512 rows use identity indices").
+selection kernel, select.py: `config.selection`), so no [T, R] array ever exists (T = 8192, R = 32K: 128 MiB per
+1024-query block instead of 1 GiB). A block whose queries all see <= k rows skips the kernel (lax.cond) and emits
+identity ids; inside a scored block such queries are overridden with identity ids too, so they never depend on scores
+(Lucebox: "tokens that see <= 512 rows use identity indices").
 The ascending order is the direct handoff (docs/upstream.md §3): attention consumes rows in physical order, the
 order the mask path rebuilds (handoff.py), so both paths reduce in the same order.
 """

@@ -70,7 +70,8 @@ def sparse_mla(q, raw_kv, comp_kv, sink, *, q_start, raw_start, kind: str, ratio
   compile serves every offset); kind "window" | "hca" | "csa"; indices [T, k] int32 for "csa" (ascending,
   −1 = empty); inv_freq numpy [rope_dim / 2]; scale defaults to D^−0.5.
   impl "stream" | "grouped"; f32_stage / fast_exp are the streaming kernel's options (any combination runs here;
-  the upstream rule that fast exp needs f32 staging is a feature rule, checked in ds4jax/features.py). config=None picks `Config.default` for the platform ("cpu" heuristics when interpret).
+  the upstream rule that fast exp needs f32 staging is a feature rule, checked in ds4jax/features.py). config=None picks
+  `Config.default` for the platform ("cpu" heuristics when interpret).
   """
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")

@@ -39,8 +39,9 @@ class Config:
                       from L1/L2; cheap next to the staged rows, and it frees the registers).
   num_warps, num_stages   Triton launch knobs.
   precision           "split": every f32 dot operand (q and f32 K/V rows in XLA before the kernel, the softmax
-                      weights in-kernel) is split into bf16 hi + lo and multiplied in three bf16 passes with f32 accumulation (~2^-16 relative, the parity path;
-                      bf16 K/V rows are exact in one part, so bf16 KV costs 2 passes per dot instead of 3).
+                      weights in-kernel) is split into bf16 hi + lo and multiplied in three bf16 passes with f32
+                      accumulation (~2^-16 relative, the parity path; bf16 K/V rows are exact in one part, so bf16 KV
+                      costs 2 passes per dot instead of 3).
                       "bf16": one bf16 pass per dot (operands rounded to bf16; fewer registers and dots; NMSE
                       1.6e-6 with bf16 q/KV, 7.9e-6 with f32: outside the 5e-4 + 5e-4·|x| parity tolerance).
   grouped_scratch_bytes  the grouped kernel stores every score in an HBM scratch [T·H, keys] f32; larger problems

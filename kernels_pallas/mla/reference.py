@@ -4,7 +4,8 @@ kernels share.
     o[t, h] = invrope_{p_t}( Σ_j softmax_j(q[t,h]·k_j·scale ; sink[h]) · k_j ),   p_t = q_start + t
 
 The key set of query t (docs/model.md §4.1; one shared K = V latent head):
-  raw rows      raw_kv[i] sits at position raw_start + i and is seen iff p_t − window < raw_start + i <= p_t and raw_start + i >= 0;
+  raw rows      raw_kv[i] sits at position raw_start + i and is seen iff p_t − window < raw_start + i <= p_t
+                and raw_start + i >= 0;
   compressed    "hca": every row w < (p_t + 1) // ratio; "csa": the rows in indices[t] (−1 = empty), which must
                 also satisfy that visibility test (checked analytically again); "window": none.
 One softmax per head over all its keys plus the sink logit (the sink adds mass, no value). The last rope_dim dims

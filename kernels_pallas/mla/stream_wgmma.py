@@ -24,9 +24,9 @@ bf16 operands, f32 softmax and accumulation, exp2 with log2 e folded into the sc
   wgmmas), and the output is stored f32 straight from registers. Triton's "split" takes two parts (~16 of f32's
   24 bits: NMSE ~1e-11 against the exact reference); three take all of them. Hopper's wgmma adds into its f32
   accumulator with truncation (on an H200, q·Kᵀ over 512 columns in one accumulator: ~4 ulps of bias, 5× XLA's
-  error), so the split path keeps every accumulator chain short: the score dot in fresh accumulators of SPLIT_SCORE_COLUMNS
-  columns, each stage's p·V in fresh accumulators of SPLIT_VALUE_COLUMNS value columns, all joined by f32 adds in
-  registers, which round to nearest (docs/mla_mosaic.md).
+  error), so the split path keeps every accumulator chain short: the score dot in fresh accumulators of
+  SPLIT_SCORE_COLUMNS columns, each stage's p·V in fresh accumulators of SPLIT_VALUE_COLUMNS value columns, all joined
+  by f32 adds in registers, which round to nearest (docs/mla_mosaic.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """experiments/processes.py: one run over two processes (jax.distributed on localhost, gloo collectives on the CPU),
 the trained checkpoint's routed experts and the prompt's attention queries split over the two processes' devices (each
-process reads its own experts), gives one process's tokens, and only process 0 writes its results; an incomplete description of the processes is refused in
-one line."""
+process reads its own experts), gives one process's tokens, and only process 0 writes its results; an incomplete
+description of the processes is refused in one line."""
 
 import json
 import os

@@ -189,8 +189,8 @@ def test_package_cases_cover_every_kernel(compiled):
   from kernels_pallas import mla  # pylint: disable=import-outside-toplevel
 
   kernels = {k.name: k for ks in compiled["cases"].values() for k, _ in ks}
-  want = {"indexer_scores", "indexer_radix_select", mla.kernel_name("stream", True, True), mla.kernel_name("stream", True, False),
-          mla.kernel_name("stream", False, False), mla.kernel_name("grouped")}
+  want = {"indexer_scores", "indexer_radix_select", mla.kernel_name("stream", True, True),
+          mla.kernel_name("stream", True, False), mla.kernel_name("stream", False, False), mla.kernel_name("grouped")}
   assert want <= set(kernels), f"kernels not covered by lowering_cases: {sorted(want - set(kernels))}"
   assert "gpu.barrier" in kernels[mla.kernel_name("grouped")].ttir
 

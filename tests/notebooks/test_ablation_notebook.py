@@ -28,7 +28,8 @@ def test_on_the_committed_results(run_notebook):
   assert "14 configurations PASS, 0 FAIL" in out.markdown and "5 of 5 planted bugs caught" in out.markdown
   assert "no record at any length" not in out.markdown
   tf = [r["verdict"]["teacher_forced"]["mean_kl"] for r in doc["records"]
-        if not r["config"].startswith("mutant_") and ((r.get("verdict") or {}).get("teacher_forced") or {}).get("mean_kl")]
+        if not r["config"].startswith("mutant_")
+        and ((r.get("verdict") or {}).get("teacher_forced") or {}).get("mean_kl")]
   assert f"teacher-forced KL is {min(tf):.3g}–{max(tf):.3g}" in out.markdown
 
 

@@ -130,7 +130,8 @@ def test_band_sweep_and_benchmarks(tables):
       "prefill_band_sweep_122879_h200.json")["records"])
   moe = tables["moe_bench_h200_2026-11-30.json"].runs.set_index(["contender", "tokens", "routing"])
   ours, torch = moe.loc[("ours_bf16_gate_up", 8192, "uniform")], moe.loc[("torch_grouped_mm_gate_up", 8192, "uniform")]
-  assert ours.ms == pytest.approx(4.158591, abs=1e-6) and ours.fraction_of_torch_grouped_mm == ours.tflops / torch.tflops
+  assert (ours.ms == pytest.approx(4.158591, abs=1e-6)
+          and ours.fraction_of_torch_grouped_mm == ours.tflops / torch.tflops)
   assert moe.loc[("jax_ragged_dot_gate_up", 8192, "uniform")].error.startswith("JaxRuntimeError")
   att = tables["attention_h200_2026-11-30.json"]
   fast = att.timings.set_index(["contender", "context"]).loc[("stream_f32_stage_fast_exp", 8192)]
@@ -214,7 +215,8 @@ def test_head_to_head_rows_carry_the_round_by_round_rates(tmp_path):
   h = dict(tokens=8192, routing="zipf", contenders=["torch", "ring"], base="torch",
            rounds_ms={"torch": [4.0, 4.4], "ring": [3.9, 4.5]}, median_ms={"torch": 4.2, "ring": 4.2},
            rate_vs_base={"ring": dict(median=1.0145, low=0.978, high=1.026, faster_rounds=1, rounds=2)})
-  doc = dict(benchmark="moe", env={}, dims={}, runs=[dict(tokens=8192, routing="zipf", contender="torch", seconds=4e-3)],
+  doc = dict(benchmark="moe", env={}, dims={},
+             runs=[dict(tokens=8192, routing="zipf", contender="torch", seconds=4e-3)],
              head_to_head=[h, dict(tokens=32768, routing="zipf", contenders=["torch", "ring"], error="not measured")])
   (tmp_path / "moe.json").write_text(json.dumps(doc))
   pairs = rt.load(tmp_path / "moe.json", expect="bench_moe").head_to_head.set_index("contender")
@@ -228,7 +230,8 @@ def test_refuses_what_it_cannot_read(tmp_path):
   doc["schema"] = "ds4jax.prefill_qualification/3"
   (tmp_path / "future.json").write_text(json.dumps(doc))
   with pytest.raises(ValueError, match=r"future\.json: schema 'ds4jax.prefill_qualification/3' is not one this "
-                     r"loader reads \(expected one of ds4jax.prefill_qualification/1, ds4jax.prefill_qualification/2\)"):
+                     r"loader reads \(expected one of ds4jax.prefill_qualification/1, "
+                     r"ds4jax.prefill_qualification/2\)"):
     rt.load(tmp_path / "future.json")
   (tmp_path / "other.json").write_text(json.dumps({"tokens": 3, "loss": 1.5}))
   with pytest.raises(ValueError, match=r"other\.json: not a results file this loader recognises \(top-level keys "

@@ -7,7 +7,8 @@ def test_walkthrough_on_the_cpu(run_notebook):
   out = run_notebook("walkthrough", prompt_bytes=32, new_tokens=2, switches=("moe_compact_queue",), all_on=False,
                      band_tokens=0)
   assert out.images == 1
-  assert "**tiny_stdlib** from `experiments/checkpoints/tiny_stdlib`" in out.markdown and "591,301 parameters" in out.markdown
+  assert ("**tiny_stdlib** from `experiments/checkpoints/tiny_stdlib`" in out.markdown
+          and "591,301 parameters" in out.markdown)
   assert "32 prompt bytes, then 2 greedy bytes" in out.markdown
   nmse = re.search(r"With f32 operands \(moe_compact_queue\) .* logits NMSE at most (\S+),", out.markdown)
   assert float(nmse.group(1)) < 1e-10

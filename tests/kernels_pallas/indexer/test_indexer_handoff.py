@@ -28,7 +28,8 @@ def test_round_trip_on_topk_output():
 
 
 def test_mask_values_match_ds4jax_attention():
-  """The mask is 0/−inf at exactly the listed rows, the same as the attention reference's selected_bias; f16 works too."""
+  """The mask is 0/−inf at exactly the listed rows, the same as the attention reference's selected_bias; f16 works
+  too."""
   rng = np.random.default_rng(22)
   R, k = 40, 8
   rows = []
