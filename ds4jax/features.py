@@ -117,7 +117,8 @@ KNOBS: dict[str, tuple[str, str, int]] = {
     "moe_tile_rows": ("GGML_CUDA_MMQ_X", "Force the MoE row tile (0 = heuristic).", 0),
     "moe_programs_per_core": ("GGML_CUDA_MMQ_MOE_PERSISTENT_BLOCKS_PER_CU", "Persistent MoE programs per core.", 32),
     "long_context_chunk": ("DFLASH_DS4_LONG_CONTEXT_CHUNK",
-                           "Attention takes a band's queries in chunks of this many tokens (0 = the whole band).", 8192),
+                           "Attention takes a band's queries in chunks of this many tokens (0 = the whole band).",
+                           8192),
     "prefill_band_tokens": ("#684 layer-major band",
                             "Tokens per layer-major prefill band, state carried across bands (0 = one band).", 8192),
 }
@@ -237,8 +238,8 @@ _MOE_ONE_BAND = {"moe_sparse_gate_up", "moe_wgmma_gate_up", "moe_wgmma_down"}
 _SM90_WHEN = {"mla_wgmma": {MODEL}} | {s: {MODEL, ONE_BAND} for s in _MOE_ONE_BAND}
 _WGMMA = set(WGMMA_SWITCHES)
 _DECODE = {"moe_decode_kernel"}  # ran on the H200; not in gfx1151's lowering check (its gate/up reads quantized tiles)
-_ATTENTION = {"indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk", "mla_stream_topk", "mla_stream_f32_stage",
-              "mla_stream_fast_exp"}
+_ATTENTION = {"indexer_score_kernel", "indexer_radix_topk", "direct_indexer_topk", "mla_stream_topk",
+              "mla_stream_f32_stage", "mla_stream_fast_exp"}
 _MOE_RAN_ON_H200 = _MOE | _ATTENTION  # bf16 and quantized (in-kernel dequantization) kernels ran compiled with parity
 _PRECISION = {"bf16_matmul"}
 _SCHEDULE = {"prefill_weights_stationary"}  # the order of the layer steps only: no kernel of its own
