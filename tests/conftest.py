@@ -27,6 +27,11 @@ short (990 s), and (session 65, tests/kernels_pallas/mla/test_mla.py 63-78 s by 
 turn XLA CPU's fusion emitters off. Cutting the suite further means fewer distinct programs, or smaller ones: a Pallas
 kernel in interpret mode is a large program (each case of test_every_supported_switch_matches_the_reference compiles one
 in 3-5 s).
+2026-12-08 (686 s on 2 cores, 1329 worker-s; py-spy): in a Triton kernel's interpret-mode tests XLA's compile is ~46% of
+the time and tracing and lowering ~23%, running the program next to nothing. Mosaic GPU's interpreter instead runs a
+kernel as thousands of io_callbacks, and jax put each callback's arguments on the device first (~20% of a model test
+with both Mosaic MoE kernels); tests/numpy_callbacks.py skips that copy: test_moe_down_wgmma.py 38.6 -> 30.8 s alone,
+the gate/up, streaming-MLA and mosaic_check files 115 -> 95 s, the whole suite within its run-to-run noise (700 s).
 """
 
 import os
@@ -44,9 +49,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import kernels_pallas  # noqa: E402,F401  (PJRT_NPROC)
-from tests import async_wgmma  # noqa: E402
+from tests import async_wgmma, numpy_callbacks  # noqa: E402
 
 async_wgmma.install()  # the Mosaic GPU kernels' wgmmas run as late as on the GPU (tests/async_wgmma.py)
+numpy_callbacks.install()  # and its callbacks take NumPy, not a device copy each (tests/numpy_callbacks.py)
 
 SEED_ENV = "DS4JAX_TEST_SEED"
 

@@ -1,5 +1,6 @@
 """The suite's own harness (tests/conftest.py): compiled programs are released before a process runs out of memory
-mappings; Mosaic GPU kernels' wgmmas run in the interpreter as late as the GPU may run them (tests/async_wgmma.py)."""
+mappings; Mosaic GPU kernels' wgmmas run in the interpreter as late as the GPU may run them (tests/async_wgmma.py);
+the interpreter's callbacks take NumPy arrays, every other io_callback jax's (tests/numpy_callbacks.py)."""
 
 import functools
 
@@ -9,10 +10,13 @@ import numpy as np
 import pytest
 from jax import lax
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tests import async_wgmma, conftest
+from jax._src import callback
+
+from tests import async_wgmma, conftest, numpy_callbacks
 
 
 def test_release_compiled_programs_frees_their_mappings():
@@ -108,3 +112,22 @@ def test_a_warpgroup_ending_with_a_wgmma_not_waited_for_fails_its_kernel(rng):
     jax.block_until_ready(ring_matmul(x, w, release="in flight", read_acc=False))
   jax.block_until_ready(ring_matmul(x, w, release="in flight"))  # the next kernel starts clean
   assert not interpret_pallas_call.get_races().races_found and async_wgmma.queued() == 0
+
+
+def test_only_the_interpreters_callbacks_skip_the_device_copy(rng, monkeypatch):
+  """An interpreted ring kernel sends none of its memory, barrier and wgmma callbacks through jax's io_callback path
+  (which puts every argument on the device), only the one that starts its warpgroups' threads, and sums the same;
+  a callback of this module still gets jax arrays."""
+  through_jax = []
+  impl = numpy_callbacks._original["impl"]  # pylint: disable=protected-access
+  counted = lambda *a, callback, **k: through_jax.append(callback.callback_func) or impl(*a, callback=callback, **k)
+  monkeypatch.setitem(numpy_callbacks._original, "impl", counted)  # pylint: disable=protected-access
+  x, w = (jnp.asarray(rng.standard_normal((ROWS, STEP * STEPS)), jnp.bfloat16) for _ in range(2))
+  out = jax.block_until_ready(ring_matmul(x, w, release="after its wait"))
+  assert callback.io_callback_impl is numpy_callbacks._io_callback_impl  # pylint: disable=protected-access
+  assert [getattr(f, "func", f).__name__ for f in through_jax] == ["_thread_map_callback"]
+  np.testing.assert_allclose(np.asarray(out), np.asarray(x, np.float32) @ np.asarray(w, np.float32).T, rtol=1e-5,
+                             atol=1e-4)
+  got = []
+  jax.jit(lambda v: io_callback(lambda a: got.append(a) or a, v, v))(jnp.arange(3.0)).block_until_ready()
+  assert len(through_jax) == 2 and isinstance(got[0], jax.Array)
