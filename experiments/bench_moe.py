@@ -13,7 +13,8 @@ bf16 GEMM with the same FLOPs as the gate/up, all in one run.
 Every number is also given as a fraction of that dense GEMM. Each contender has two times: `seconds`, the median
 wall time of one call waited for (ours) or between CUDA events (torch), and `pipelined_seconds`, taken the same way
 for all (timing.pipelined: calls back to back, host dispatch hidden), the one to compare ours with torch by.
-`--only=prefix,...` runs a subset of the contenders. `--head_to_head=base,a,b,...` (exact names) times those contenders
+`--only=prefix,...` runs a subset of the contenders (`contenders()` lists them all; a pattern that matches none is
+refused before any work). `--head_to_head=base,a,b,...` (exact names) times those contenders
 again after a (tokens, routing)'s other measurements, in alternating rounds (timing.head_to_head), and records each
 one's rate against the first, round by round, under "head_to_head": back to back at the power limit a contender's
 time also depends on the one before it, and in turns they share that state.
@@ -138,9 +139,32 @@ SMOKE = dict(D=128, I=64, E=8, K=2)
 _MATCHED = set()  # the --only patterns that picked a contender
 
 
+def contenders() -> list[str]:
+  """Every contender a run may measure, on some device: --only's patterns are checked against it before any work (a
+  typo found at the end of a GPU run cost the run)."""
+  wgmma_bf16 = [f"ours_wgmma_bf16_gate_up {t}{presorted}" for t in [*WGMMA_TILINGS, "default", "default_ring_layout"]
+                for presorted in ("", " presorted")]
+  wgmma_mix = [f"ours_wgmma_rocmfp2_mix_gate_up {t}{h}" for t in WGMMA_MIX_TILINGS for h in ("", " h_plane_rows")]
+  return ["dense_bf16_gemm", "ours_bf16_gate_up", "ours_rocmfp2_mix_gate_up",
+          "ours_rocmfp2_mix decode kernel + bf16 gate_up", *wgmma_bf16, "wgmma sorted_rows", "wgmma gather_rows",
+          "wgmma gather_rows plane_rows", *wgmma_mix, "ours_bf16_down", "ours_rocmfp3_mix decode kernel + bf16 down",
+          "wgmma plane_rows", *(f"ours_wgmma_rocmfp3_mix_down {t}" for t in WGMMA_DOWN_TILINGS), "ours_bf16_moe",
+          "ours_mix_moe (rocmfp2_mix gate/up, rocmfp3_mix down)",
+          "ours_mix_moe dequantize-then-matmul (moe_sparse_gate_up off)", "ours_mix_moe wgmma gate/up + down",
+          "ours_bf16_moe wgmma gate/up", *(f"ours_bf16_moe {switch}" for switch in ABLATIONS),
+          "jax_ragged_dot_gate_up", "torch_grouped_mm_gate_up"]
+
+
+def picks(pattern: str, name: str) -> bool:
+  """Whether one --only pattern picks `name` (a prefix; ending in '$', the whole name)."""
+  return name == pattern[:-1] if pattern.endswith("$") else name.startswith(pattern)
+
+
 def wanted(name: str) -> bool:
-  """Whether --only picks the contender `name`."""
-  picked = {o for o in _ONLY.value if (name == o[:-1] if o.endswith("$") else name.startswith(o))}
+  """Whether --only picks the contender `name` (one of `contenders()`: a name missing there is this file's bug)."""
+  if name not in contenders():
+    raise AssertionError(f"bench_moe: contender {name!r} is missing from contenders()")
+  picked = {o for o in _ONLY.value if picks(o, name)}
   _MATCHED.update(picked)
   return not _ONLY.value or bool(picked)
 
@@ -216,8 +240,11 @@ def main(argv):
     raise app.UsageError(f"--routings: unknown {bad}; known: {list(ROUTINGS)}")
   if not _SMOKE.value and not all(t.isdigit() and int(t) > 0 for t in _TOKENS.value):
     raise app.UsageError(f"--tokens must be positive integers, got {_TOKENS.value}")
+  if unknown := [o for o in _ONLY.value if not any(picks(o, name) for name in contenders())]:
+    raise app.UsageError(f"--only: {unknown} match no contender (bench_moe.contenders() lists them)")
   versus = _HEAD_TO_HEAD.value
-  if versus and (len(versus) < 2 or len(set(versus)) < len(versus) or not all(map(wanted, versus))):
+  if versus and (len(versus) < 2 or len(set(versus)) < len(versus)
+                 or not all(n in contenders() and wanted(n) for n in versus)):
     raise app.UsageError(f"--head_to_head takes two or more distinct contender names, each run (see --only); got "
                          f"{versus} with --only={_ONLY.value}")
   _MATCHED.clear()  # what the check above matched was not run
@@ -412,8 +439,8 @@ def main(argv):
       kept.clear()
       if _OUT.value:
         run_record.write_json(_OUT.value, record)
-  if unmatched := [o for o in _ONLY.value if o not in _MATCHED]:  # a typo: what did match is recorded
-    sys.exit(f"bench_moe: --only: {unmatched} matched no contender")
+  if unmatched := [o for o in _ONLY.value if o not in _MATCHED]:  # its contenders do not run here (not a GPU)
+    sys.exit(f"bench_moe: --only: {unmatched} matched no contender that ran on this device")
 
 
 if __name__ == "__main__":

@@ -47,9 +47,13 @@ def test_prefill_exits_non_zero_on_a_fail(monkeypatch, results, exits):
     (["--tokens=abc"], "--tokens must be positive integers, got ['abc']"),
     (["--only=torch", "--head_to_head=torch_grouped_mm_gate_up,ours_bf16_gate_up"],  # the second one never runs
      "--head_to_head takes two or more distinct contender names, each run (see --only)"),
+    (["--head_to_head=torch_grouped_mm_gate_up,bogus"],
+     "--head_to_head takes two or more distinct contender names, each run (see --only)"),
+    (["--only=dense,bogus"], "--only: ['bogus'] match no contender (bench_moe.contenders() lists them)"),
 ])
 def test_bench_moe_refuses_bad_input_before_any_work(args, message):
-  """An unknown routing was run as Zipf and recorded under its own name; a bad token count raised a traceback."""
+  """An unknown routing was run as Zipf and recorded under its own name; a bad token count raised a traceback; a typo
+  in --only was found after the whole run."""
   p = subprocess.run([sys.executable, "-m", "experiments.bench_moe", *args], capture_output=True, text=True,
                      env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
   assert p.returncode == 1 and message in p.stderr, p.stderr[-2000:]
@@ -95,7 +99,8 @@ def test_results_paths_are_checked_when_the_flags_are_parsed(tmp_path):
 
 def test_entry_points_refuse_bad_input_in_one_line(tmp_path):
   """Each of these ran (trained for minutes, drew the weights) and then ended in a traceback, or ran nothing and
-  exited 0. All but bench_moe's stop before any work (a typo in --only is known once every contender was offered).
+  exited 0. All but bench_moe's stop before any work (it runs the contenders --only picks, then says which patterns
+picked none that this device ran: the Mosaic GPU ones run on a GPU only).
   All run at once: each is a process that starts jax, then stops."""
   tiny = ["--preset=tiny_window"]
   cases = [
@@ -105,8 +110,8 @@ def test_entry_points_refuse_bad_input_in_one_line(tmp_path):
        f"bench_generate: --prompt_file={tmp_path}/none.txt with --tokenizer="),
       (["init_stats", *tiny, "--tokens=5000"], "--tokens must be in [1, 128], got 5000"),
       (["train_tiny", "--val_windows=2"], "train_tiny: --val_windows must be >= 16, got 2"),
-      (["bench_moe", "--smoke", "--only=dense,bogus", "--routings=uniform"],
-       "bench_moe: --only: ['bogus'] matched no contender"),
+      (["bench_moe", "--smoke", "--only=dense,ours_wgmma_rocmfp3", "--routings=uniform"],
+       "bench_moe: --only: ['ours_wgmma_rocmfp3'] matched no contender that ran on this device"),
   ]
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   runs = [subprocess.Popen([sys.executable, "-m", f"experiments.{args[0]}", *args[1:]], stdout=subprocess.PIPE,
