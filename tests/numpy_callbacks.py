@@ -3,8 +3,9 @@
 The interpreter runs every memory access, barrier and wgmma of a kernel as an `io_callback`, and jax 0.11.2's
 `io_callback` puts each callback's arguments (NumPy arrays from XLA) on the CPU device as jax arrays before the call,
 which the interpreter then turns back into Python ints and NumPy arrays. `install()` hands the interpreter's callbacks
-(and tests/async_wgmma.py's) the NumPy arrays themselves: the same values, which the interpreter takes as they are
-(`HostAllocationKey.from_array` and `_to_int` accept NumPy). Every other io_callback keeps jax's path.
+(and tests/async_wgmma.py's) the same values without that copy: integer scalars as Python ints (which its `_to_int`
+takes for thread ids and mesh positions), the rest as NumPy arrays (which `HostAllocationKey.from_array` and its
+buffer reads take). Every other io_callback keeps jax's path.
 """
 
 from __future__ import annotations
